@@ -1,0 +1,215 @@
+"""Shared config defaults and validation.
+
+Every file in ``configs/`` starts from :func:`base_config` and changes what it needs.  Validation
+is plain Python (no JAX import), runs before anything is compiled, and reports every problem at
+once in one :class:`ConfigError` whose lines each name the offending field and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+
+import ml_collections
+
+OPTIMIZERS = ("adamw",)
+SCHEDULES = ("constant", "cosine", "linear", "wsd")
+DTYPES = ("float32", "bfloat16")
+RUNNERS = ("simulate",)
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "tiny.py"
+
+
+class ConfigError(ValueError):
+    """An impossible or unsupported setting; the message names each field and how to fix it."""
+
+
+def base_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.name = "base"
+    c.seed = 0
+    c.runner = "simulate"
+
+    c.model = ml_collections.ConfigDict(
+        dict(
+            vocab_size=257,
+            d_model=256,
+            n_layers=4,
+            n_heads=4,
+            n_kv_heads=4,
+            head_dim=0,  # 0: d_model // n_heads
+            d_ff=768,
+            rope_theta=10000.0,
+            tie_embeddings=True,
+            norm_eps=1e-5,
+            init_std=0.02,
+            z_loss=0.0,
+            compute_dtype="float32",
+            param_dtype="float32",
+            remat=False,
+        )
+    )
+    c.data = ml_collections.ConfigDict(
+        dict(
+            source="stdlib",  # 'stdlib' | glob / path(s), comma separated | 'hf:<dataset>[:<config>]'
+            tokenizer="byte",  # 'byte' | path to a Hugging Face tokenizer.json
+            eos_token="",  # HF tokenizers only; '' = detect
+            cache_dir="",  # '' = $ASYNCPP_JAX_CACHE or ~/.cache/asyncpp_jax/corpora
+            seq_len=256,
+            val_fraction=0.05,
+            split_seed=0,
+            hf_split="train",
+            hf_text_field="text",
+            hf_max_docs=0,
+        )
+    )
+    c.train = ml_collections.ConfigDict(
+        dict(
+            steps=1000,
+            global_batch_size=32,  # sequences per optimizer update, over all devices and microbatches
+            microbatches=1,  # gradient accumulation steps per update
+            eval_every=100,
+            eval_batches=8,
+            log_every=10,
+            checkpoint_every=200,
+            keep_checkpoints=3,
+            async_checkpoint=True,
+            progress_bar=True,
+        )
+    )
+    c.optimizer = ml_collections.ConfigDict(
+        dict(
+            name="adamw",
+            lr=3e-3,
+            b1=0.9,
+            b2=0.95,
+            eps=1e-8,
+            weight_decay=0.1,
+            nesterov=False,
+            schedule="cosine",
+            warmup_steps=100,
+            min_lr_ratio=0.1,  # final lr / peak lr for cosine, linear and wsd
+            wsd_decay_fraction=0.2,  # wsd: fraction of the steps spent in the final decay
+            grad_clip=1.0,  # global-norm clip; 0 disables
+        )
+    )
+    c.mesh = ml_collections.ConfigDict(dict(data=1))  # data-parallel devices; -1 = all devices
+    return c
+
+
+def validate(c: ml_collections.ConfigDict) -> None:
+    """Raise one ConfigError listing every impossible setting in ``c``."""
+    errs: list[str] = []
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            errs.append(msg)
+
+    m, d, t, o = c.model, c.data, c.train, c.optimizer
+    need(c.runner in RUNNERS, f"config.runner={c.runner!r} is unknown; choose one of {RUNNERS}.")
+
+    # Model shape.
+    for f in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
+        need(isinstance(m[f], int) and m[f] > 0, f"config.model.{f}={m[f]!r} must be a positive integer.")
+    if not errs:
+        if not m.head_dim:
+            need(
+                m.d_model % m.n_heads == 0,
+                f"config.model.n_heads={m.n_heads} does not divide config.model.d_model={m.d_model}; "
+                "pick n_heads dividing d_model, or set config.model.head_dim explicitly.",
+            )
+        need(
+            m.n_heads % m.n_kv_heads == 0,
+            f"config.model.n_kv_heads={m.n_kv_heads} does not divide config.model.n_heads={m.n_heads} "
+            "(grouped-query attention shares each K/V head among n_heads/n_kv_heads query heads).",
+        )
+        hd = m.head_dim or (m.d_model // m.n_heads)
+        need(hd % 2 == 0, f"head dimension {hd} must be even for RoPE; change config.model.head_dim or n_heads.")
+    for f in ("compute_dtype", "param_dtype"):
+        need(m[f] in DTYPES, f"config.model.{f}={m[f]!r} is unsupported; choose one of {DTYPES}.")
+    need(m.param_dtype == "float32", "config.model.param_dtype must be 'float32' (the dtype policy keeps fp32 master weights).")
+    need(m.z_loss >= 0, f"config.model.z_loss={m.z_loss} must be >= 0.")
+    need(m.rope_theta > 0, f"config.model.rope_theta={m.rope_theta} must be > 0.")
+
+    # Data.
+    need(isinstance(d.seq_len, int) and d.seq_len >= 2, f"config.data.seq_len={d.seq_len!r} must be an integer >= 2.")
+    need(0 < d.val_fraction < 1, f"config.data.val_fraction={d.val_fraction} must be in (0, 1).")
+    need(bool(d.source), "config.data.source is empty; use 'stdlib', a glob of text files, or 'hf:<dataset>'.")
+
+    # Training loop.
+    for f in ("steps", "global_batch_size", "microbatches", "eval_every", "eval_batches", "log_every",
+              "checkpoint_every", "keep_checkpoints"):
+        need(isinstance(t[f], int) and t[f] > 0, f"config.train.{f}={t[f]!r} must be a positive integer.")
+
+    # Optimizer.
+    need(o.name in OPTIMIZERS, f"config.optimizer.name={o.name!r} is unknown; choose one of {OPTIMIZERS}.")
+    need(o.schedule in SCHEDULES, f"config.optimizer.schedule={o.schedule!r} is unknown; choose one of {SCHEDULES}.")
+    need(o.lr > 0 and math.isfinite(o.lr), f"config.optimizer.lr={o.lr} must be a positive finite number.")
+    need(0 <= o.b1 < 1 and 0 <= o.b2 < 1, f"config.optimizer.b1={o.b1}, b2={o.b2} must lie in [0, 1).")
+    need(o.weight_decay >= 0, f"config.optimizer.weight_decay={o.weight_decay} must be >= 0.")
+    need(o.grad_clip >= 0, f"config.optimizer.grad_clip={o.grad_clip} must be >= 0 (0 disables clipping).")
+    need(0 <= o.min_lr_ratio <= 1, f"config.optimizer.min_lr_ratio={o.min_lr_ratio} must lie in [0, 1].")
+    need(0 < o.wsd_decay_fraction <= 1, f"config.optimizer.wsd_decay_fraction={o.wsd_decay_fraction} must lie in (0, 1].")
+    if isinstance(t.steps, int):
+        need(
+            0 <= o.warmup_steps < t.steps,
+            f"config.optimizer.warmup_steps={o.warmup_steps} must be >= 0 and below config.train.steps={t.steps}.",
+        )
+
+    # Parallelism: the batch splits into microbatches, each split over the data axis.
+    need(isinstance(c.mesh.data, int) and (c.mesh.data > 0 or c.mesh.data == -1),
+         f"config.mesh.data={c.mesh.data!r} must be a positive integer, or -1 for all devices.")
+    if not errs and c.mesh.data > 0:
+        div = t.microbatches * c.mesh.data
+        need(
+            t.global_batch_size % div == 0,
+            f"config.train.global_batch_size={t.global_batch_size} is not divisible by "
+            f"config.train.microbatches × config.mesh.data = {t.microbatches} × {c.mesh.data} = {div}; "
+            "change the batch size or the split.",
+        )
+
+    if errs:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(errs))
+
+
+def check_against_devices(c: ml_collections.ConfigDict, num_devices: int) -> int:
+    """Resolve ``mesh.data = -1`` and check the mesh fits the devices; returns the data size."""
+    data = num_devices if c.mesh.data == -1 else c.mesh.data
+    if data > num_devices:
+        raise ConfigError(
+            f"config.mesh.data={data} asks for more devices than the {num_devices} present; lower it, "
+            "or on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N before starting."
+        )
+    div = c.train.microbatches * data
+    if c.train.global_batch_size % div:
+        raise ConfigError(
+            f"config.train.global_batch_size={c.train.global_batch_size} is not divisible by "
+            f"config.train.microbatches × data devices = {c.train.microbatches} × {data}."
+        )
+    return data
+
+
+def check_against_tokenizer(c: ml_collections.ConfigDict, vocab_size: int) -> None:
+    if c.model.vocab_size < vocab_size:
+        raise ConfigError(
+            f"config.model.vocab_size={c.model.vocab_size} is smaller than the tokenizer's vocabulary "
+            f"({vocab_size}, config.data.tokenizer={c.data.tokenizer!r}); set config.model.vocab_size >= {vocab_size}."
+        )
+
+
+def to_json(c: ml_collections.ConfigDict) -> str:
+    return json.dumps(c.to_dict(), indent=2, sort_keys=True)
+
+
+def diff(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """Dotted names of the fields that differ between two config dicts."""
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += diff(a, b, f"{prefix}{k}.")
+        elif a != b:
+            out.append(f"{prefix}{k}: {a!r} -> {b!r}")
+    return out

@@ -1,0 +1,1 @@
+"""Experiment configs: each module has ``get_config() -> ml_collections.ConfigDict``."""

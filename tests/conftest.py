@@ -1,0 +1,8 @@
+"""Shared fixtures.  Four fake CPU devices for the data-parallel tests: set before JAX starts."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -1,0 +1,70 @@
+"""Config files load, validate, and bad settings fail early with the field named."""
+
+import importlib
+import pathlib
+
+import pytest
+
+from asyncpp_jax import configs
+
+CONFIG_FILES = sorted(p.stem for p in (configs.REPO_ROOT / "configs").glob("*.py") if p.stem != "__init__")
+
+
+@pytest.mark.parametrize("name", CONFIG_FILES)
+def test_every_config_file_validates(name):
+    c = importlib.import_module(f"configs.{name}").get_config()
+    configs.validate(c)
+    assert c.name == name
+
+
+def test_default_config_is_tiny():
+    assert configs.DEFAULT_CONFIG == pathlib.Path(configs.REPO_ROOT, "configs", "tiny.py")
+
+
+@pytest.mark.parametrize(
+    "field, value, needle",
+    [
+        ("optimizer.name", "sgdx", "config.optimizer.name"),
+        ("model.n_heads", 3, "config.model.n_heads=3 does not divide config.model.d_model=256"),
+        ("model.n_kv_heads", 3, "config.model.n_kv_heads=3 does not divide config.model.n_heads"),
+        ("train.microbatches", 3, "config.train.global_batch_size=32 is not divisible"),
+        ("optimizer.schedule", "step", "config.optimizer.schedule"),
+        ("model.compute_dtype", "int8", "config.model.compute_dtype"),
+        ("data.seq_len", 1, "config.data.seq_len"),
+        ("optimizer.warmup_steps", 10_000, "config.optimizer.warmup_steps"),
+        ("mesh.data", 0, "config.mesh.data"),
+        ("runner", "magic", "config.runner"),
+    ],
+)
+def test_validation_names_the_field(field, value, needle):
+    c = importlib.import_module("configs.tiny").get_config()
+    section, _, key = field.rpartition(".")
+    (c[section] if section else c)[key] = value
+    with pytest.raises(configs.ConfigError) as e:
+        configs.validate(c)
+    assert needle in str(e.value)
+
+
+def test_all_problems_reported_at_once():
+    c = importlib.import_module("configs.tiny").get_config()
+    c.optimizer.name = "nope"
+    c.optimizer.lr = -1.0
+    with pytest.raises(configs.ConfigError) as e:
+        configs.validate(c)
+    assert "config.optimizer.name" in str(e.value) and "config.optimizer.lr" in str(e.value)
+
+
+def test_device_and_tokenizer_checks():
+    c = importlib.import_module("configs.tiny").get_config()
+    c.mesh.data = 8
+    with pytest.raises(configs.ConfigError, match="config.mesh.data=8 asks for more devices than the 2"):
+        configs.check_against_devices(c, 2)
+    c.mesh.data = -1
+    assert configs.check_against_devices(c, 4) == 4
+    c.model.vocab_size = 100
+    with pytest.raises(configs.ConfigError, match="config.model.vocab_size=100 is smaller"):
+        configs.check_against_tokenizer(c, 257)
+
+
+def test_diff_lists_changed_fields():
+    assert configs.diff({"a": {"b": 1, "c": 2}}, {"a": {"b": 1, "c": 3}}) == ["a.c: 2 -> 3"]
