@@ -1,0 +1,258 @@
+"""Llama-style dense decoder (RMSNorm, RoPE, causal GQA, SwiGLU), with stacked layers.
+
+The architecture follows Llama (Touvron et al. 2023) as used by SmolLM2 (Allal et al. 2025):
+pre-norm residual blocks ``h = h + Attn(RMSNorm(h)); h = h + MLP(RMSNorm(h))``, rotary position
+embeddings (Su et al. 2021), grouped-query attention (Ainslie et al. 2023), a SwiGLU MLP
+(Shazeer 2020), no biases, and optionally tied input/output embeddings.
+
+Parameter layout (``params`` of :class:`Decoder`)::
+
+    embed/embedding          [V, D]
+    layers/...               every leaf has a leading layer axis of size L
+    final_norm/scale         [D]
+    lm_head/kernel           [D, V]     (only when embeddings are untied)
+
+The layer stack runs under ``nn.scan`` so compile time does not grow with depth, and any contiguous
+slice ``layers[a:b]`` is itself a valid stack for :func:`apply_layers`: that is how the pipeline
+engine gives each stage its share of the model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+Array = jax.Array
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def dtype_of(name: str):
+    return _DTYPES[name]
+
+
+class RMSNorm(nn.Module):
+    """``y = x / sqrt(mean(x^2) + eps) * scale`` (Zhang & Sennrich 2019); statistics in fp32."""
+
+    eps: float
+    dtype: Any
+    param_dtype: Any
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * scale.astype(jnp.float32)).astype(self.dtype)
+
+
+def rope(x: Array, positions: Array, theta: float) -> Array:
+    """Rotary embedding (Su et al. 2021), half-split convention as in Llama/HF.
+
+    ``x``: [..., T, H, d] with d even; ``positions``: [..., T].  Pair ``(x_i, x_{i+d/2})`` is rotated
+    by angle ``pos * theta^(-2i/d)``.
+    """
+    d = x.shape[-1]
+    inv_freq = theta ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
+    angles = positions[..., :, None].astype(jnp.float32) * inv_freq  # [..., T, d/2]
+    sin = jnp.sin(angles)[..., None, :]
+    cos = jnp.cos(angles)[..., None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention: ``n_heads`` query heads share ``n_kv_heads`` K/V heads."""
+
+    cfg: ml_collections.ConfigDict
+
+    @nn.compact
+    def __call__(self, x: Array, positions: Array) -> Array:
+        cfg = self.cfg
+        dtype, pdtype = dtype_of(cfg.compute_dtype), dtype_of(cfg.param_dtype)
+        hd = head_dim(cfg)
+        init = nn.initializers.normal(cfg.init_std)
+        dense = lambda feats, name, std_init=init: nn.Dense(  # noqa: E731
+            feats, use_bias=False, dtype=dtype, param_dtype=pdtype, kernel_init=std_init, name=name
+        )
+        b, t, _ = x.shape
+        q = dense(cfg.n_heads * hd, "q")(x).reshape(b, t, cfg.n_heads, hd)
+        k = dense(cfg.n_kv_heads * hd, "k")(x).reshape(b, t, cfg.n_kv_heads, hd)
+        v = dense(cfg.n_kv_heads * hd, "v")(x).reshape(b, t, cfg.n_kv_heads, hd)
+        q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
+        # GQA: group query heads over their shared KV head instead of materialising repeated K/V.
+        groups = cfg.n_heads // cfg.n_kv_heads
+        q = q.reshape(b, t, cfg.n_kv_heads, groups, hd)
+        logits = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
+        logits = logits / jnp.sqrt(jnp.float32(hd))
+        causal = positions[:, None, None, :, None] >= positions[:, None, None, None, :]
+        logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(logits, axis=-1).astype(dtype)
+        out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, t, cfg.n_heads * hd)
+        # Scaled init of the residual output projection (GPT-2 / OLMo practice): std / sqrt(2 L).
+        out_init = nn.initializers.normal(cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+        return dense(cfg.d_model, "o", out_init)(out)
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))`` (Shazeer 2020)."""
+
+    cfg: ml_collections.ConfigDict
+
+    @nn.compact
+    def __call__(self, x: Array) -> Array:
+        cfg = self.cfg
+        dtype, pdtype = dtype_of(cfg.compute_dtype), dtype_of(cfg.param_dtype)
+        init = nn.initializers.normal(cfg.init_std)
+        out_init = nn.initializers.normal(cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+        kw = dict(use_bias=False, dtype=dtype, param_dtype=pdtype)
+        gate = nn.Dense(cfg.d_ff, kernel_init=init, name="gate", **kw)(x)
+        up = nn.Dense(cfg.d_ff, kernel_init=init, name="up", **kw)(x)
+        return nn.Dense(cfg.d_model, kernel_init=out_init, name="down", **kw)(nn.silu(gate) * up)
+
+
+class Block(nn.Module):
+    """One pre-norm decoder layer. Signature ``(h, positions) -> (h, None)`` so it scans."""
+
+    cfg: ml_collections.ConfigDict
+
+    @nn.compact
+    def __call__(self, h: Array, positions: Array):
+        cfg = self.cfg
+        norm = lambda name: RMSNorm(  # noqa: E731
+            cfg.norm_eps, dtype_of(cfg.compute_dtype), dtype_of(cfg.param_dtype), name=name
+        )
+        h = h + Attention(cfg, name="attn")(norm("attn_norm")(h), positions)
+        h = h + MLP(cfg, name="mlp")(norm("mlp_norm")(h))
+        return h, None
+
+
+def _block_cls(cfg):
+    # Rematerialise each layer in the backward pass when asked: memory O(1) layers of activations.
+    return nn.remat(Block, prevent_cse=False) if cfg.remat else Block
+
+
+class Decoder(nn.Module):
+    """Token ids ``[B, T]`` -> logits ``[B, T, V]`` (fp32)."""
+
+    cfg: ml_collections.ConfigDict
+
+    def setup(self):
+        cfg = self.cfg
+        pdtype = dtype_of(cfg.param_dtype)
+        self.embed = nn.Embed(
+            cfg.vocab_size,
+            cfg.d_model,
+            embedding_init=nn.initializers.normal(cfg.init_std),
+            param_dtype=pdtype,
+            dtype=dtype_of(cfg.compute_dtype),
+            name="embed",
+        )
+        self.layers = nn.scan(
+            _block_cls(cfg),
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=nn.broadcast,
+            length=cfg.n_layers,
+        )(cfg, name="layers")
+        self.final_norm = RMSNorm(cfg.norm_eps, dtype_of(cfg.compute_dtype), pdtype, name="final_norm")
+        if not cfg.tie_embeddings:
+            self.lm_head = nn.Dense(
+                cfg.vocab_size,
+                use_bias=False,
+                dtype=dtype_of(cfg.compute_dtype),
+                param_dtype=pdtype,
+                kernel_init=nn.initializers.normal(cfg.init_std),
+                name="lm_head",
+            )
+
+    def __call__(self, tokens: Array) -> Array:
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
+        h, _ = self.layers(self.embed(tokens), positions)
+        return self.logits(h)
+
+    def logits(self, h: Array) -> Array:
+        h = self.final_norm(h)
+        if self.cfg.tie_embeddings:
+            out = self.embed.attend(h)
+        else:
+            out = self.lm_head(h)
+        return out.astype(jnp.float32)
+
+
+def head_dim(cfg) -> int:
+    return cfg.head_dim if cfg.get("head_dim") else cfg.d_model // cfg.n_heads
+
+
+# ---------------------------------------------------------------------------------------------
+# Functional entry points on a params tree: what the runners call.  The pipeline engine calls
+# embed / apply_layers / logits separately on its stage's slice of the tree.
+# ---------------------------------------------------------------------------------------------
+
+
+def init_params(cfg, rng: Array) -> dict:
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    return Decoder(cfg).init(rng, tokens)["params"]
+
+
+def abstract_params(cfg) -> dict:
+    """Shapes and dtypes of the parameters, without allocating them."""
+    return jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+
+
+def count_params(tree) -> int:
+    return int(sum(x.size for x in jax.tree.leaves(tree)))
+
+
+def embed(cfg, params: dict, tokens: Array) -> Array:
+    return Decoder(cfg).apply({"params": params}, tokens, method=lambda m, t: m.embed(t))
+
+
+def apply_layers(cfg, layer_params: dict, h: Array) -> Array:
+    """Run a contiguous slice of the layer stack (leading axis = its layers) with ``lax.scan``."""
+    block = _block_cls(cfg)(cfg)
+    positions = jnp.broadcast_to(jnp.arange(h.shape[1]), h.shape[:2])
+
+    def body(carry, p):
+        out, _ = block.apply({"params": p}, carry, positions)
+        return out, None
+
+    h, _ = jax.lax.scan(body, h, layer_params)
+    return h
+
+
+def logits_from_hidden(cfg, params: dict, h: Array) -> Array:
+    return Decoder(cfg).apply({"params": params}, h, method=Decoder.logits)
+
+
+def slice_layers(layer_params: dict, start: int, stop: int) -> dict:
+    """Layers ``[start, stop)`` of a stacked layer tree: a stage's share of the model."""
+    return jax.tree.map(lambda x: x[start:stop], layer_params)
+
+
+def forward(cfg, params: dict, tokens: Array) -> Array:
+    return Decoder(cfg).apply({"params": params}, tokens)
+
+
+def cross_entropy(logits: Array, targets: Array, z_loss: float = 0.0):
+    """Mean next-token cross-entropy, plus the PaLM z-loss ``z * mean(logsumexp(logits)^2)``.
+
+    Returns ``(total, (ce, z_term))``; ``ce`` is in nats per token.
+    """
+    logits = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    ce = jnp.mean(lse - target_logit)
+    z_term = z_loss * jnp.mean(lse**2) if z_loss else jnp.zeros((), jnp.float32)
+    return ce + z_term, (ce, z_term)
+
+
+def loss_fn(cfg, params: dict, batch: Array):
+    """Loss on a packed batch ``[B, T+1]``: inputs ``batch[:, :-1]``, targets ``batch[:, 1:]``."""
+    logits = forward(cfg, params, batch[:, :-1])
+    return cross_entropy(logits, batch[:, 1:], cfg.z_loss)
