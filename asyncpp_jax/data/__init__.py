@@ -1,0 +1,42 @@
+"""Data layer: tokenizers, cached on-disk tokenized corpora, grain input pipelines.
+
+Depends only on numpy, tokenizers and grain (never on `asyncpp_jax.train` or
+`asyncpp_jax.pipeline`). Names are re-exported lazily (PEP 562) so that importing this package, or
+running `python -m asyncpp_jax.data.corpus`, loads neither grain nor, through grain's orbax
+integration, jax, until a pipeline is actually asked for.
+"""
+
+import importlib
+
+_EXPORTS = {
+    "ByteTokenizer": "tokenizers",
+    "HFTokenizer": "tokenizers",
+    "get_tokenizer": "tokenizers",
+    "Corpus": "corpus",
+    "CorpusError": "corpus",
+    "FileListing": "corpus",
+    "assign_splits": "corpus",
+    "default_cache_dir": "corpus",
+    "list_local_files": "corpus",
+    "list_stdlib_files": "corpus",
+    "load_corpus": "corpus",
+    "prepare_corpus": "corpus",
+    "PackedWindows": "pipeline",
+    "make_eval_batches": "pipeline",
+    "make_train_dataset": "pipeline",
+    "make_train_iterator": "pipeline",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

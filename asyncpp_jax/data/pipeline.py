@@ -1,0 +1,141 @@
+"""grain input pipelines over a prepared corpus: packed windows, shuffled, sharded, batched.
+
+Packing follows GPT-2 / nanoGPT: a split's documents are already concatenated into one token
+stream with an eos token after each document, and the stream is cut into fixed windows with no
+padding and no attention reset at document boundaries. Window i is
+`stream[i*L : i*L + L + 1]` (L = seq_len), so windows overlap by one token: inputs are `w[:-1]`,
+targets `w[1:]`, and each stream token after the first is a target exactly once per epoch (the
+last `(len - 1) % L` tokens, less than one window, are never used).
+
+The train pipeline is a `grain.MapDataset` (random access, so its iterator state is just a
+position and checkpoints are tiny and exact):
+
+    source(windows) -> shuffle(seed) -> repeat() -> [process_index::process_count] -> batch
+
+Grain's `ShuffleMapDataset` maps index `e * n + k` to epoch `e`'s permutation drawn with seed
+`seed + e`, so shuffling before an infinite `repeat()` gives every epoch a fresh order. Each process
+takes an interleaved slice of the global sample order, so the union of the processes' batches at a
+step is exactly the global batch a single process would have drawn.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import grain
+import numpy as np
+
+from asyncpp_jax.data.corpus import Corpus, CorpusError
+
+
+class PackedWindows:
+    """Random-access view of a token stream as windows of `seq_len + 1` tokens (see module doc).
+
+    Reads straight from the corpus memmap; an item is a fresh int32 array, so callers may mutate it.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int):
+        if seq_len < 1:
+            raise ValueError(f"config.data.seq_len={seq_len} must be positive.")
+        self.tokens = tokens
+        self.seq_len = int(seq_len)
+        self._len = max(0, (len(tokens) - 1) // self.seq_len)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        index = int(index)
+        if index < 0:
+            index += self._len
+        if not 0 <= index < self._len:
+            raise IndexError(f"window {index} out of range for {self._len} windows")
+        start = index * self.seq_len
+        return np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int32)
+
+    def __repr__(self) -> str:
+        return f"PackedWindows({self._len} windows of {self.seq_len}+1 tokens)"
+
+
+def _shuffle_seed(seed: int) -> int:
+    # grain wants a 32-bit seed and reuses seed+e for epoch e; hashing the user's seed keeps runs
+    # with adjacent seeds (0, 1, 2, ...) from sharing epoch orders shifted by one epoch.
+    digest = hashlib.sha256(f"asyncpp_jax/train-shuffle/{int(seed)}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
+def _check_sharding(global_batch_size: int, process_index: int, process_count: int) -> int:
+    if global_batch_size < 1:
+        raise ValueError(f"config.train.global_batch_size={global_batch_size} must be positive.")
+    if process_count < 1 or not 0 <= process_index < process_count:
+        raise ValueError(
+            f"process_index={process_index} must be in [0, process_count={process_count})."
+        )
+    if global_batch_size % process_count:
+        raise ValueError(
+            f"config.train.global_batch_size={global_batch_size} must be divisible by the number "
+            f"of processes ({process_count}) so every process loads the same number of sequences."
+        )
+    return global_batch_size // process_count
+
+
+def make_train_dataset(corpus: Corpus, seq_len: int, global_batch_size: int, seed: int,
+                       process_index: int = 0, process_count: int = 1) -> grain.MapDataset:
+    """Infinite, shuffled train batches for this process: int32 `[global_batch_size //
+    process_count, seq_len + 1]` (inputs `b[:, :-1]`, targets `b[:, 1:]`).
+
+    Deterministic given `seed`; every epoch is a new permutation of all windows. Batches may span an
+    epoch boundary, so no window is dropped and every batch is full.
+    """
+    local_batch_size = _check_sharding(global_batch_size, process_index, process_count)
+    windows = PackedWindows(corpus.tokens("train"), seq_len)
+    if len(windows) < global_batch_size:
+        raise CorpusError(
+            f"The train split of {corpus.path} has {corpus.num_tokens('train')} tokens, i.e. "
+            f"{len(windows)} windows of config.data.seq_len={seq_len}, fewer than one batch of "
+            f"config.train.global_batch_size={global_batch_size}. Lower config.data.seq_len or the "
+            "batch size, or use a larger config.data.source.")
+    ds = grain.MapDataset.source(windows).shuffle(seed=_shuffle_seed(seed)).repeat()
+    ds = ds[process_index::process_count]
+    return ds.batch(local_batch_size, drop_remainder=True)
+
+
+def make_train_iterator(corpus: Corpus, seq_len: int, global_batch_size: int, seed: int,
+                        process_index: int = 0, process_count: int = 1, *,
+                        num_threads: int = 2, prefetch_batches: int = 4) -> grain.DatasetIterator:
+    """A checkpointable iterator over `make_train_dataset(...)`.
+
+    `get_state()` / `set_state()` (and `grain.checkpoint.CheckpointSave/Restore` in an orbax
+    `CheckpointManager`) save and restore the position exactly, mid-epoch included. A few batches
+    are prefetched in threads; grain's default (500 elements) would hold 500 whole batches.
+    """
+    dataset = make_train_dataset(corpus, seq_len, global_batch_size, seed, process_index,
+                                 process_count)
+    read_options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch_batches)
+    return iter(dataset.to_iter_dataset(read_options))
+
+
+def make_eval_batches(corpus: Corpus, seq_len: int, batch_size: int, num_batches: int,
+                      split: str = "val") -> list[np.ndarray]:
+    """The first `num_batches` full batches of `split`'s windows, in stream order (no shuffle).
+
+    The same fixed set every call, so evaluations at different steps and in different runs are
+    comparable. Uses fewer batches if the split is too short, never a partial batch.
+    """
+    if batch_size < 1 or num_batches < 1:
+        raise ValueError(
+            f"eval batch_size={batch_size} and config.train.eval_batches={num_batches} must be "
+            "positive."
+        )
+    windows = PackedWindows(corpus.tokens(split), seq_len)
+    available = min(num_batches, len(windows) // batch_size)
+    if available == 0:
+        raise CorpusError(
+            f"The {split} split of {corpus.path} has {corpus.num_tokens(split)} tokens, i.e. "
+            f"{len(windows)} windows of config.data.seq_len={seq_len}: not one full eval batch of "
+            f"{batch_size}. Lower config.data.seq_len or the eval batch size, raise "
+            "config.data.val_fraction, or use a larger config.data.source; "
+            "config.train.eval_batches cannot help."
+        )
+    return [np.stack([windows[b * batch_size + j] for j in range(batch_size)])
+            for b in range(available)]
