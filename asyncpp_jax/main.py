@@ -1,0 +1,90 @@
+"""Entry point: ``python -m asyncpp_jax.main [--config=configs/tiny.py] [--config.a.b=V] [--workdir=DIR]``.
+
+Loads and validates the config before JAX starts, so that a bad setting costs no compile and so
+that ``XLA_FLAGS`` can still ask for the fake CPU devices a mesh needs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from asyncpp_jax import configs
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", str(configs.DEFAULT_CONFIG), "Config file (a get_config() module); fields can be overridden "
+    "with --config.section.field=value.", lock_config=True,
+)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (checkpoints, metrics, config). "
+                               "Default: runs/<config.name>. An existing run there is resumed.")
+
+_FORCE_DEVICES = "--xla_force_host_platform_device_count"
+
+
+def devices_needed(config) -> int:
+    return max(config.mesh.data, 1)
+
+
+def ensure_host_devices(n: int) -> None:
+    """Ask XLA for ``n`` CPU devices unless the user already chose; must run before JAX starts.
+
+    The flag only shapes the host (CPU) platform, so it is harmless where a GPU/TPU is the backend.
+    """
+    flags_now = os.environ.get("XLA_FLAGS", "")
+    if n > 1 and _FORCE_DEVICES not in flags_now:
+        os.environ["XLA_FLAGS"] = f"{flags_now} {_FORCE_DEVICES}={n}".strip()
+
+
+def _fail(message: str, code: int = 2):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def main(argv):
+    if len(argv) > 1:
+        _fail(f"unexpected arguments {argv[1:]}; settings go in --config.section.field=value")
+    config = _CONFIG.value
+    try:
+        configs.validate(config)
+    except configs.ConfigError as e:
+        _fail(str(e))
+    ensure_host_devices(devices_needed(config))
+    logging.getLogger("asyncpp_jax").setLevel(logging.INFO)
+
+    # Imported here, after XLA_FLAGS is final: this is where JAX starts.
+    from asyncpp_jax.data import CorpusError
+    from asyncpp_jax.train.trainer import Trainer, TrainingDiverged
+
+    workdir = _WORKDIR.value or os.path.join("runs", config.name)
+    try:
+        trainer = Trainer(config, workdir)
+        try:
+            result = trainer.run()
+        finally:
+            trainer.close()
+    except (configs.ConfigError, CorpusError) as e:
+        _fail(str(e))
+    except TrainingDiverged as e:
+        _fail(str(e), code=1)
+
+    print(f"\n{result.status} at step {result.step}/{config.train.steps}; outputs in {workdir}")
+    if result.status == "preempted":
+        print("preempted: a checkpoint was saved; run the same command again to resume.")
+        return
+    if result.val_loss is not None:
+        u = result.unigram
+        print(f"validation loss:        {result.val_loss_per_byte:.4f} nats/byte ({result.val_loss:.4f} nats/token)")
+        print(f"unigram entropy (train): {u['train_entropy']:.4f} nats/byte; "
+              f"unigram cross-entropy on val: {u['val_cross_entropy']:.4f} nats/byte")
+
+
+def run():
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()

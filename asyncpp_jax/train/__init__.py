@@ -1,0 +1,1 @@
+"""Train state, runners' train steps, the trainer loop, checkpoints and metrics."""

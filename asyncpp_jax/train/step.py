@@ -1,0 +1,120 @@
+"""The ``simulate`` runner: one jitted program, data parallel over the ``data`` mesh axis.
+
+Contract shared with the pipeline runner (DESIGN.md): ``train_step(state, batch) -> (state, metrics)``
+where ``batch`` is ``[microbatches, global_batch // microbatches, seq_len + 1]`` int32 tokens.
+
+Gradient accumulation: ``g = (1/M) Σ_m ∇L(w; batch_m)``, summed locally on each device inside a
+``shard_map``, then averaged over ``data`` with a single ``pmean`` per update (not per microbatch).
+Every microbatch holds the same number of tokens, so this equals the gradient of the mean loss over
+the whole global batch.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from asyncpp_jax.models import dense
+
+BATCH_SPEC = P(None, "data")  # [microbatch, batch, time]: batch split over data
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+def init_state(model_cfg, optimizer: optax.GradientTransformation, rng: jax.Array) -> TrainState:
+    params = dense.init_params(model_cfg, rng)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+
+
+def replicated(mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def _accumulate_grads(model_cfg, params, batch):
+    """Per-device: mean loss and gradient over the local microbatches ``batch[m]``."""
+    grad_fn = jax.value_and_grad(functools.partial(dense.loss_fn, model_cfg), has_aux=True)
+    # Differentiate w.r.t. a device-varying view of the replicated params: the gradient is then
+    # this device's own, and the one explicit pmean below is the only cross-device reduction.
+    # (W.r.t. the invariant params, shard_map's transpose would psum every microbatch's gradient.)
+    params = jax.lax.pcast(params, ("data",), to="varying")
+
+    def one(carry, mb):
+        g_sum, loss_sum, ce_sum, z_sum = carry
+        (loss, (ce, z)), g = grad_fn(params, mb)
+        return (jax.tree.map(jnp.add, g_sum, g), loss_sum + loss, ce_sum + ce, z_sum + z), None
+
+    # Scalar accumulators become device-varying once a batch shard is added; start them varying.
+    zero = jax.lax.pcast(jnp.zeros((), jnp.float32), ("data",), to="varying")
+    init = (jax.tree.map(jnp.zeros_like, params), zero, zero, zero)
+    (g_sum, loss, ce, z), _ = jax.lax.scan(one, init, batch)
+    m = batch.shape[0]
+    grads = jax.tree.map(lambda g: jax.lax.pmean(g / m, "data"), g_sum)
+    stats = {k: jax.lax.pmean(v / m, "data") for k, v in (("loss", loss), ("ce", ce), ("z_loss", z))}
+    return grads, stats
+
+
+def make_train_step(model_cfg, optimizer, schedule: optax.Schedule, mesh) -> Callable:
+    """Jitted ``train_step(state, batch) -> (state, metrics)``; the state buffer is donated."""
+    grads_fn = jax.shard_map(
+        functools.partial(_accumulate_grads, model_cfg),
+        mesh=mesh,
+        in_specs=(P(), BATCH_SPEC),
+        out_specs=(P(), P()),
+    )
+
+    def train_step(state: TrainState, batch):
+        grads, stats = grads_fn(state.params, batch)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = dict(stats, grad_norm=optax.global_norm(grads), lr=schedule(state.step))
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    rep = replicated(mesh)
+    return jax.jit(
+        train_step,
+        in_shardings=(rep, NamedSharding(mesh, BATCH_SPEC)),
+        out_shardings=(rep, rep),
+        donate_argnums=0,
+    )
+
+
+def make_eval_step(model_cfg, mesh) -> Callable:
+    """Jitted ``eval_step(params, batch[B, T+1]) -> (sum of token losses, token count)``."""
+
+    def local(params, batch):
+        logits = dense.forward(model_cfg, params, batch[:, :-1])
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        tgt = jnp.take_along_axis(logits, batch[:, 1:, None], axis=-1)[..., 0]
+        total = jax.lax.psum(jnp.sum(lse - tgt), "data")
+        count = jax.lax.psum(jnp.float32(tgt.size), "data")
+        return total, count
+
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()))
+    return jax.jit(fn, in_shardings=(replicated(mesh), eval_sharding(mesh)))
+
+
+def eval_sharding(mesh) -> NamedSharding:
+    return NamedSharding(mesh, P("data"))
+
+
+def to_global_batch(mesh, local_batch, microbatches: int, spec=BATCH_SPEC):
+    """Host ``[B_local, T+1]`` -> global device array ``[M, B/M, T+1]`` sharded over ``data``.
+
+    Each process passes its own rows (``jax.make_array_from_process_local_data``), so the same
+    code runs single-process and multi-host.
+    """
+    b, t = local_batch.shape
+    local = local_batch.reshape(microbatches, b // microbatches, t)
+    return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), local)
