@@ -11,6 +11,7 @@ import os
 import sys
 
 from absl import app, flags
+from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from asyncpp_jax import configs
@@ -53,6 +54,8 @@ def main(argv):
     except configs.ConfigError as e:
         _fail(str(e))
     ensure_host_devices(devices_needed(config))
+    # Our own progress at INFO; the libraries' (orbax logs every checkpoint step) at WARNING.
+    absl_logging.set_verbosity(absl_logging.WARNING)
     logging.getLogger("asyncpp_jax").setLevel(logging.INFO)
 
     # Imported here, after XLA_FLAGS is final: this is where JAX starts.

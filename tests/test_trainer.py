@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import sysconfig
+import time
 
 import jax
 import jax.numpy as jnp
@@ -220,3 +221,30 @@ def test_cli_trains_with_overrides_and_fake_devices(cache_dir, tmp_path):
     assert "validation loss" in out.stdout and "nats/byte" in out.stdout
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
     assert saved["mesh"]["data"] == 2 and saved["model"]["d_model"] == 32
+
+
+def test_cli_sigterm_checkpoints_and_exits_cleanly(cache_dir, tmp_path):
+    args = [
+        f"--workdir={tmp_path}/run", f"--config.data.source={SOURCE}", f"--config.data.cache_dir={cache_dir}",
+        "--config.data.seq_len=32", "--config.data.val_fraction=0.2", "--config.model.d_model=32",
+        "--config.model.n_heads=2", "--config.model.n_kv_heads=1", "--config.model.d_ff=64",
+        "--config.train.steps=100000", "--config.train.global_batch_size=8", "--config.train.log_every=1",
+        "--config.train.checkpoint_every=100000", "--config.train.progress_bar=False",
+    ]
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.Popen([sys.executable, "-m", "asyncpp_jax.main", *args], cwd=configs.REPO_ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "preempted" in stdout
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert status["status"] == "preempted" and status["step"] >= 3
+    assert (tmp_path / "run" / "checkpoints" / str(status["step"])).is_dir()

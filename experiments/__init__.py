@@ -1,0 +1,1 @@
+"""Studies, reports and benchmarks (``python -m experiments.<name>``)."""
