@@ -10,10 +10,13 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import re
 
 import ml_collections
 
-OPTIMIZERS = ("adamw",)
+OPTIMIZERS = ("adamw", "muon", "soap", "adan", "lion", "mars")
+MUON_SCALINGS = ("moonlight", "keller")
+ADAN_DECAY_MODES = ("proximal", "decoupled")
 SCHEDULES = ("constant", "cosine", "linear", "wsd")
 DTYPES = ("float32", "bfloat16")
 RUNNERS = ("simulate",)
@@ -81,18 +84,27 @@ def base_config() -> ml_collections.ConfigDict:
     )
     c.optimizer = ml_collections.ConfigDict(
         dict(
-            name="adamw",
-            lr=3e-3,
-            b1=0.9,
-            b2=0.95,
-            eps=1e-8,
-            weight_decay=0.1,
-            nesterov=False,
+            name="adamw",  # adamw | muon | soap | adan | lion | mars
+            lr=3e-3,  # peak learning rate of the main branch
+            weight_decay=0.1,  # decoupled; matrices only (never norm scales or biases)
             schedule="cosine",
             warmup_steps=100,
             min_lr_ratio=0.1,  # final lr / peak lr for cosine, linear and wsd
             wsd_decay_fraction=0.2,  # wsd: fraction of the steps spent in the final decay
             grad_clip=1.0,  # global-norm clip; 0 disables
+            # Each optimizer's own hyperparameters; defaults follow its reference.
+            adamw=dict(b1=0.9, b2=0.95, eps=1e-8, nesterov=False),
+            muon=dict(mu=0.95, nesterov=True, ns_steps=5, scaling="moonlight"),
+            soap=dict(b1=0.95, b2=0.95, shampoo_beta=-1.0, eps=1e-8, precondition_frequency=10,
+                      max_precond_dim=10000),
+            adan=dict(b1=0.98, b2=0.92, b3=0.99, eps=1e-8, weight_decay_mode="proximal"),
+            lion=dict(b1=0.9, b2=0.99),
+            mars=dict(b1=0.95, b2=0.99, gamma=0.025, eps=1e-8),
+            # Muon, SOAP and MARS act on hidden matrices; the rest (embeddings, head, norms,
+            # biases: leaves < 2-D or whose path matches adamw_pattern) go to an AdamW side branch.
+            adamw_pattern=r"embed|lm_head|head|norm|scale|bias",
+            # side lr = lr_ratio * lr; weight_decay -1 = the main branch's weight_decay.
+            side=dict(lr_ratio=1.0, b1=0.9, b2=0.95, eps=1e-8, weight_decay=-1.0),
         )
     )
     c.mesh = ml_collections.ConfigDict(dict(data=1))  # data-parallel devices; -1 = all devices
@@ -147,7 +159,28 @@ def validate(c: ml_collections.ConfigDict) -> None:
     need(o.name in OPTIMIZERS, f"config.optimizer.name={o.name!r} is unknown; choose one of {OPTIMIZERS}.")
     need(o.schedule in SCHEDULES, f"config.optimizer.schedule={o.schedule!r} is unknown; choose one of {SCHEDULES}.")
     need(o.lr > 0 and math.isfinite(o.lr), f"config.optimizer.lr={o.lr} must be a positive finite number.")
-    need(0 <= o.b1 < 1 and 0 <= o.b2 < 1, f"config.optimizer.b1={o.b1}, b2={o.b2} must lie in [0, 1).")
+    for sub, keys in (("adamw", ("b1", "b2")), ("soap", ("b1", "b2")), ("adan", ("b1", "b2", "b3")),
+                      ("lion", ("b1", "b2")), ("mars", ("b1", "b2")), ("side", ("b1", "b2")),
+                      ("muon", ("mu",))):
+        for k in keys:
+            v = o[sub][k]
+            need(0 <= v < 1, f"config.optimizer.{sub}.{k}={v} must lie in [0, 1).")
+    need(o.muon.scaling in MUON_SCALINGS,
+         f"config.optimizer.muon.scaling={o.muon.scaling!r} is unknown; choose one of {MUON_SCALINGS}.")
+    need(isinstance(o.muon.ns_steps, int) and o.muon.ns_steps > 0,
+         f"config.optimizer.muon.ns_steps={o.muon.ns_steps!r} must be a positive integer.")
+    need(o.adan.weight_decay_mode in ADAN_DECAY_MODES,
+         f"config.optimizer.adan.weight_decay_mode={o.adan.weight_decay_mode!r} is unknown; "
+         f"choose one of {ADAN_DECAY_MODES}.")
+    need(isinstance(o.soap.precondition_frequency, int) and o.soap.precondition_frequency > 0,
+         f"config.optimizer.soap.precondition_frequency={o.soap.precondition_frequency!r} must be a positive integer.")
+    need(o.side.lr_ratio > 0, f"config.optimizer.side.lr_ratio={o.side.lr_ratio} must be > 0.")
+    need(o.side.weight_decay >= 0 or o.side.weight_decay == -1,
+         f"config.optimizer.side.weight_decay={o.side.weight_decay} must be >= 0, or -1 for config.optimizer.weight_decay.")
+    try:
+        re.compile(o.adamw_pattern)
+    except re.error as e:
+        errs.append(f"config.optimizer.adamw_pattern={o.adamw_pattern!r} is not a valid regular expression ({e}).")
     need(o.weight_decay >= 0, f"config.optimizer.weight_decay={o.weight_decay} must be >= 0.")
     need(o.grad_clip >= 0, f"config.optimizer.grad_clip={o.grad_clip} must be >= 0 (0 disables clipping).")
     need(0 <= o.min_lr_ratio <= 1, f"config.optimizer.min_lr_ratio={o.min_lr_ratio} must lie in [0, 1].")

@@ -128,7 +128,8 @@ def test_divergence_stops_and_keeps_last_good_checkpoint(cache_dir, tmp_path):
 
 def test_real_divergence_is_caught(cache_dir, tmp_path):
     cfg = small_config(cache_dir, steps=30)
-    cfg.optimizer.update(lr=1e6, grad_clip=0.0, warmup_steps=0, schedule="constant", b2=0.0)
+    cfg.optimizer.update(lr=1e6, grad_clip=0.0, warmup_steps=0, schedule="constant")
+    cfg.optimizer.adamw.b2 = 0.0
     t = Trainer(cfg, tmp_path)
     with pytest.raises(TrainingDiverged):
         t.run()

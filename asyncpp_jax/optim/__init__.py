@@ -1,4 +1,16 @@
-"""Optimizers as optax transforms, and the factory that builds them from a config."""
+"""Optimizers as optax transforms, and the factory that builds them from a config.
 
-from asyncpp_jax.optim.factory import build_optimizer, decay_mask  # noqa: F401
+    from asyncpp_jax import optim
+    tx = optim.muon(3e-3)              # Muon on hidden matrices, AdamW on the rest
+    tx = optim.soap(3e-3); tx = optim.adan(1e-3); tx = optim.lion(3e-4); tx = optim.mars(3e-3)
+"""
+
+from asyncpp_jax.optim.adamw import adamw, decay_mask  # noqa: F401
+from asyncpp_jax.optim.adan import adan, scale_by_adan  # noqa: F401
+from asyncpp_jax.optim.factory import build_main, build_optimizer, describe_routing  # noqa: F401
+from asyncpp_jax.optim.lion import lion  # noqa: F401
+from asyncpp_jax.optim.mars import mars, scale_by_mars  # noqa: F401
+from asyncpp_jax.optim.muon import muon, orthogonalize, scale_by_muon  # noqa: F401
+from asyncpp_jax.optim.routing import describe, label_params, partition  # noqa: F401
 from asyncpp_jax.optim.schedules import make_schedule  # noqa: F401
+from asyncpp_jax.optim.soap import scale_by_soap, soap  # noqa: F401

@@ -24,8 +24,8 @@ from tqdm import tqdm
 
 from asyncpp_jax import configs
 from asyncpp_jax.data import load_corpus, make_eval_batches, make_train_iterator, prepare_corpus
-from asyncpp_jax.models import count_params
-from asyncpp_jax.optim import build_optimizer
+from asyncpp_jax.models import abstract_params, count_params
+from asyncpp_jax.optim import build_optimizer, describe_routing
 from asyncpp_jax.pipeline import make_mesh
 from asyncpp_jax.train import step as step_lib
 from asyncpp_jax.train.checkpoint import Checkpointer, abstract_like
@@ -89,6 +89,7 @@ class Trainer:
         self.mesh = make_mesh(self.data_size, devices)
 
         self.optimizer, self.schedule = build_optimizer(c.optimizer, c.train.steps)
+        self.routing = describe_routing(c.optimizer, abstract_params(c.model))
         self.train_step = step_lib.make_train_step(c.model, self.optimizer, self.schedule, self.mesh)
         self.eval_step = step_lib.make_eval_step(c.model, self.mesh)
         self.eval_batches = make_eval_batches(
@@ -108,6 +109,7 @@ class Trainer:
                 log.warning("config differs from the one saved in %s:\n  %s", path, "\n  ".join(changed))
         if jax.process_index() == 0:
             path.write_text(configs.to_json(self.config))
+            (self.workdir / "routing.txt").write_text(self.routing + "\n")
 
     def _new_iterator(self):
         return make_train_iterator(
@@ -168,6 +170,7 @@ class Trainer:
             log.info("model: %s parameters; data parallel over %d device(s); %d tokens per update",
                      f"{count_params(state.params):,}", self.data_size,
                      c.train.global_batch_size * c.data.seq_len)
+            log.info("optimizer %s; parameter routing (also in routing.txt):\n%s", c.optimizer.name, self.routing)
         tokens_per_step = c.train.global_batch_size * c.data.seq_len
         val: dict = {}
         bar = tqdm(total=c.train.steps, initial=start, desc=c.name, unit="step", dynamic_ncols=True,
