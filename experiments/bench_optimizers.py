@@ -3,7 +3,7 @@
 Params and gradients are random (no training): what is measured is the optimizer alone. For each
 optimizer this prints, measured side by side in one run:
 - the time of one jitted ``update + apply_updates``, as a ratio to AdamW's (and, where optax ships
-  the same method, to optax's implementation);
+  the same method, to optax's implementation), each pair timed in alternating rounds;
 - the optimizer-state memory in bytes per parameter (from ``jax.eval_shape``, nothing allocated).
 
 Times average over ``--steps`` updates after a warm-up, so SOAP's periodic basis refresh is
@@ -33,6 +33,16 @@ from asyncpp_jax.optim.soap import soap
 LR = 1e-3
 
 
+def _optax_muon_dims(params):
+    """optax's Muon on the same hidden matrices as ours (stacked: batch over the layer axis)."""
+    labels = optim.label_params(params)
+    dims = lambda p, lab: (  # noqa: E731
+        optax.contrib.MuonDimensionNumbers(reduction_axis=p.ndim - 2, output_axis=p.ndim - 1)
+        if lab == "hidden" else None
+    )
+    return jax.tree.map(dims, params, labels)
+
+
 def candidates() -> dict[str, optax.GradientTransformation]:
     ours = {
         "adamw": optim.adamw(LR),
@@ -44,7 +54,7 @@ def candidates() -> dict[str, optax.GradientTransformation]:
     }
     theirs = {
         "optax.adamw": optax.adamw(LR),
-        "optax.contrib.muon": optax.contrib.muon(LR),
+        "optax.contrib.muon": optax.contrib.muon(LR, muon_weight_dimension_numbers=_optax_muon_dims),
         "optax.adan": optax.adan(LR),
         "optax.lion": optax.lion(LR),
     }
@@ -56,22 +66,34 @@ def state_bytes(tx, params) -> int:
     return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(shapes)))
 
 
-def time_update(tx, params, grads, steps: int) -> float:
-    @jax.jit
-    def step(p, s):
-        u, s = tx.update(grads, s, p)
-        return optax.apply_updates(p, u), s
+class Runner:
+    """One optimizer's compiled update and live state, timed ``steps`` updates at a time."""
 
-    state = jax.jit(tx.init)(params)
-    p = params
-    for _ in range(2):  # compile + one warm step
-        p, state = step(p, state)
-    jax.block_until_ready(p)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        p, state = step(p, state)
-    jax.block_until_ready(p)
-    return (time.perf_counter() - t0) / steps
+    def __init__(self, tx, params, grads):
+        @jax.jit
+        def step(p, s, g):  # g is an argument: closed over, XLA would constant-fold the update
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), s
+
+        self.step, self.grads = step, grads
+        self.params, self.state = params, jax.jit(tx.init)(params)
+        self.time(2)  # compile + one warm step
+
+    def time(self, steps: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.params, self.state = self.step(self.params, self.state, self.grads)
+        jax.block_until_ready(self.params)
+        return (time.perf_counter() - t0) / steps
+
+
+def side_by_side(a: Runner, b: Runner, steps: int, rounds: int) -> tuple[float, float]:
+    """Median seconds per update of ``a`` and ``b``, measured in alternating rounds."""
+    ta, tb = [], []
+    for _ in range(rounds):
+        ta.append(a.time(steps))
+        tb.append(b.time(steps))
+    return float(np.median(ta)), float(np.median(tb))
 
 
 def load_config(path: str):
@@ -85,6 +107,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="configs/dense135m.py")
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--only", default="", help="comma-separated subset of optimizer names")
     a = ap.parse_args()
     cfg = load_config(a.config).model
@@ -96,22 +119,31 @@ def main():
     grads = jax.tree.map(rand, shapes)
 
     txs = candidates()
+    ours = [k for k in txs if not k.startswith("optax")]
     if a.only:
-        keep = set(a.only.split(","))
-        txs = {k: v for k, v in txs.items() if k in keep or k == "adamw"}
-    results = {}
-    for name, tx in txs.items():
-        results[name] = (time_update(tx, params, grads, a.steps), state_bytes(tx, params) / n_params)
-        print(f"  measured {name}: {results[name][0] * 1e3:.1f} ms/update", flush=True)
-
-    base = results["adamw"][0]
-    print(f"\nbackend={jax.default_backend()}  model={a.config} ({n_params:,} params)  steps={a.steps}")
-    print(f"{'optimizer':<20} {'ms/update':>10} {'vs adamw':>9} {'vs optax':>9} {'state B/param':>14}")
+        ours = [k for k in ours if k in a.only.split(",")]
     pairs = {"adamw": "optax.adamw", "muon": "optax.contrib.muon", "adan": "optax.adan", "lion": "optax.lion"}
-    for name, (t, b) in results.items():
-        ref = pairs.get(name)
-        vs_optax = f"{t / results[ref][0]:.2f}" if ref in results else "-"
-        print(f"{name:<20} {t * 1e3:>10.1f} {t / base:>9.2f} {vs_optax:>9} {b:>14.2f}")
+    base = Runner(txs["adamw"], params, grads)
+    rows = []
+    # Only two optimizer states live at a time: SOAP's alone is ~30 bytes per parameter.
+    for name in ours:
+        mine = Runner(txs[name], params, grads)
+        t_base, t_mine = side_by_side(base, mine, a.steps, a.rounds)
+        vs_optax = "-"
+        if name in pairs:
+            theirs = Runner(txs[pairs[name]], params, grads)
+            t_m, t_o = side_by_side(mine, theirs, a.steps, a.rounds)
+            vs_optax = f"{t_m / t_o:.2f}"
+            del theirs
+        rows.append((name, t_mine, t_mine / t_base, vs_optax, state_bytes(txs[name], params) / n_params))
+        print(f"  measured {name}", flush=True)
+        del mine
+
+    print(f"\nbackend={jax.default_backend()}  model={a.config} ({n_params:,} params)  "
+          f"median of {a.rounds} rounds x {a.steps} updates")
+    print(f"{'optimizer':<10} {'ms/update':>10} {'vs adamw':>9} {'vs optax':>9} {'state B/param':>14}")
+    for name, t, r, vo, b in rows:
+        print(f"{name:<10} {t * 1e3:>10.1f} {r:>9.2f} {vo:>9} {b:>14.2f}")
 
 
 if __name__ == "__main__":

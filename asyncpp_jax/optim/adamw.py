@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import optax
 
-from asyncpp_jax.optim.routing import path_names
+from asyncpp_jax.optim.routing import DEFAULT_ADAMW_PATTERN, partition, path_names
 
 NO_DECAY_NAMES = ("scale", "bias")
 
@@ -37,3 +37,28 @@ def adamw(
 ) -> optax.GradientTransformation:
     return optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=mask,
                        nesterov=nesterov)
+
+
+def with_adamw_side(
+    hidden: optax.GradientTransformation,
+    learning_rate: float | optax.Schedule,
+    adamw_learning_rate: float | optax.Schedule | None = None,
+    adamw_b1: float = 0.9,
+    adamw_b2: float = 0.95,
+    adamw_eps: float = 1e-8,
+    adamw_weight_decay: float = 0.0,
+    adamw_pattern: str = DEFAULT_ADAMW_PATTERN,
+) -> optax.GradientTransformation:
+    """``hidden`` on hidden matrices, AdamW on the rest: what Muon, SOAP and MARS share.
+
+    The side branch is ``optax.adamw`` with ``adamw_learning_rate`` (default ``learning_rate``) and
+    no decay on norm scales and biases; the split is :func:`asyncpp_jax.optim.routing.partition`.
+    """
+    side = adamw(
+        learning_rate if adamw_learning_rate is None else adamw_learning_rate,
+        b1=adamw_b1,
+        b2=adamw_b2,
+        eps=adamw_eps,
+        weight_decay=adamw_weight_decay,
+    )
+    return partition(hidden, side, adamw_pattern)

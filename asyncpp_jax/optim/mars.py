@@ -38,8 +38,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from asyncpp_jax.optim.adamw import decay_mask
-from asyncpp_jax.optim.routing import DEFAULT_ADAMW_PATTERN, partition
+from asyncpp_jax.optim.adamw import with_adamw_side
+from asyncpp_jax.optim.routing import DEFAULT_ADAMW_PATTERN
 
 
 class MarsState(NamedTuple):
@@ -128,12 +128,5 @@ def mars(
         optax.add_decayed_weights(weight_decay),
         optax.scale_by_learning_rate(learning_rate),
     )
-    side = optax.adamw(
-        learning_rate if adamw_learning_rate is None else adamw_learning_rate,
-        b1=adamw_b1,
-        b2=adamw_b2,
-        eps=adamw_eps,
-        weight_decay=adamw_weight_decay,
-        mask=decay_mask,
-    )
-    return partition(hidden, side, adamw_pattern)
+    return with_adamw_side(hidden, learning_rate, adamw_learning_rate, adamw_b1, adamw_b2, adamw_eps,
+                           adamw_weight_decay, adamw_pattern)

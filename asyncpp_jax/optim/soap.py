@@ -53,8 +53,8 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from asyncpp_jax.optim.adamw import decay_mask
-from asyncpp_jax.optim.routing import DEFAULT_ADAMW_PATTERN, partition
+from asyncpp_jax.optim.adamw import with_adamw_side
+from asyncpp_jax.optim.routing import DEFAULT_ADAMW_PATTERN
 
 # Reference defaults (SOAP README and soap.py): lr 3e-3, betas (0.95, 0.95), shampoo_beta -1 (use b2),
 # eps 1e-8, weight_decay 0.01, precondition_frequency 10, max_precond_dim 10000.
@@ -322,12 +322,5 @@ def soap(
     if weight_decay:
         hidden.append(_decoupled_weight_decay_after_first_step(weight_decay))
     hidden.append(optax.scale_by_learning_rate(learning_rate))
-    side = optax.adamw(
-        adamw_learning_rate if adamw_learning_rate is not None else learning_rate,
-        b1=adamw_b1,
-        b2=adamw_b2,
-        eps=adamw_eps,
-        weight_decay=adamw_weight_decay,
-        mask=decay_mask,
-    )
-    return partition(optax.chain(*hidden), side, adamw_pattern)
+    return with_adamw_side(optax.chain(*hidden), learning_rate, adamw_learning_rate, adamw_b1, adamw_b2, adamw_eps,
+                           adamw_weight_decay, adamw_pattern)
