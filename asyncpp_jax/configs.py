@@ -20,6 +20,8 @@ ADAN_DECAY_MODES = ("proximal", "decoupled")
 SCHEDULES = ("constant", "cosine", "linear", "wsd")
 DTYPES = ("float32", "bfloat16")
 RUNNERS = ("simulate",)
+STALENESS_MODES = ("sync", "2bw", "pipedream")
+MITIGATIONS = ("none", "ef", "taylor")
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "tiny.py"
@@ -66,6 +68,7 @@ def base_config() -> ml_collections.ConfigDict:
             hf_split="train",
             hf_text_field="text",
             hf_max_docs=0,
+            verify_checksums=True,  # sha256 of every shard at start; sizes are always checked
         )
     )
     c.train = ml_collections.ConfigDict(
@@ -105,6 +108,20 @@ def base_config() -> ml_collections.ConfigDict:
             adamw_pattern=r"embed|lm_head|head|norm|scale|bias",
             # side lr = lr_ratio * lr; weight_decay -1 = the main branch's weight_decay.
             side=dict(lr_ratio=1.0, b1=0.9, b2=0.95, eps=1e-8, weight_decay=-1.0),
+        )
+    )
+    c.staleness = ml_collections.ConfigDict(
+        dict(
+            mode="sync",  # sync | 2bw (one-step delay) | pipedream (per-stage delay P-1-s)
+            stages=4,  # pipedream: pipeline depth P
+            sync_start_steps=0,  # first K updates without delay
+            sync_cooldown_steps=0,  # last C updates without delay
+            mitigation="none",  # none | ef (error feedback) | taylor (DC-ASGD)
+            ef_strength=1.0,
+            taylor_adaptive=True,  # lam = taylor_lam0 / sqrt(EMA(g^2) + eps); else constant taylor_lam
+            taylor_lam=0.1,
+            taylor_lam0=0.1,
+            taylor_ema_decay=0.99,
         )
     )
     c.mesh = ml_collections.ConfigDict(dict(data=1))  # data-parallel devices; -1 = all devices
@@ -190,6 +207,30 @@ def validate(c: ml_collections.ConfigDict) -> None:
             0 <= o.warmup_steps < t.steps,
             f"config.optimizer.warmup_steps={o.warmup_steps} must be >= 0 and below config.train.steps={t.steps}.",
         )
+
+    # Staleness.
+    st = c.staleness
+    need(st.mode in STALENESS_MODES, f"config.staleness.mode={st.mode!r} is unknown; choose one of {STALENESS_MODES}.")
+    need(st.mitigation in MITIGATIONS,
+         f"config.staleness.mitigation={st.mitigation!r} is unknown; choose one of {MITIGATIONS}.")
+    if st.mode == "sync":
+        need(st.mitigation == "none",
+             f"config.staleness.mitigation={st.mitigation!r} needs a delay; set config.staleness.mode=2bw or pipedream.")
+    if st.mode == "pipedream":
+        need(isinstance(st.stages, int) and st.stages >= 2,
+             f"config.staleness.stages={st.stages!r} must be an integer >= 2 for pipedream.")
+        if isinstance(st.stages, int) and st.stages >= 2 and isinstance(m.n_layers, int):
+            need(m.n_layers % st.stages == 0,
+                 f"config.model.n_layers={m.n_layers} is not divisible by config.staleness.stages={st.stages}; "
+                 "each stage holds an equal, contiguous slice of layers.")
+    for f in ("sync_start_steps", "sync_cooldown_steps"):
+        need(isinstance(st[f], int) and st[f] >= 0, f"config.staleness.{f}={st[f]!r} must be an integer >= 0.")
+    if isinstance(t.steps, int) and isinstance(st.sync_start_steps, int) and isinstance(st.sync_cooldown_steps, int):
+        need(st.sync_start_steps + st.sync_cooldown_steps <= t.steps,
+             f"config.staleness.sync_start_steps + sync_cooldown_steps = "
+             f"{st.sync_start_steps + st.sync_cooldown_steps} exceeds config.train.steps={t.steps}.")
+    need(st.ef_strength >= 0, f"config.staleness.ef_strength={st.ef_strength} must be >= 0.")
+    need(0 <= st.taylor_ema_decay < 1, f"config.staleness.taylor_ema_decay={st.taylor_ema_decay} must lie in [0, 1).")
 
     # Parallelism: the batch splits into microbatches, each split over the data axis.
     need(isinstance(c.mesh.data, int) and (c.mesh.data > 0 or c.mesh.data == -1),

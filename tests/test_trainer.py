@@ -249,3 +249,16 @@ def test_cli_sigterm_checkpoints_and_exits_cleanly(cache_dir, tmp_path):
     status = json.loads((tmp_path / "run" / "status.json").read_text())
     assert status["status"] == "preempted" and status["step"] >= 3
     assert (tmp_path / "run" / "checkpoints" / str(status["step"])).is_dir()
+
+
+@pytest.mark.parametrize("mode, mitigation", [("2bw", "ef"), ("pipedream", "taylor")])
+def test_staleness_modes_train_and_log_the_delay(cache_dir, tmp_path, mode, mitigation):
+    cfg = small_config(cache_dir, steps=6, eval_every=6, checkpoint_every=6)
+    cfg.staleness.update(mode=mode, stages=2, mitigation=mitigation, sync_start_steps=1, sync_cooldown_steps=2)
+    t = Trainer(cfg, tmp_path)
+    result = t.run()
+    t.close()
+    assert result.status == "finished" and np.isfinite(result.val_loss)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["delay"] for r in rows] == [0, 1, 1, 1, 0, 0]  # sync start 1, cooldown 2 (P-1 = 1)
+    assert [r["skipped_batches"] for r in rows] == [0, 0, 0, 0, 1, 0]  # in flight at the switch

@@ -19,6 +19,7 @@ from asyncpp_jax.optim.mars import mars
 from asyncpp_jax.optim.muon import muon
 from asyncpp_jax.optim.soap import soap
 from asyncpp_jax.optim.schedules import make_schedule
+from asyncpp_jax.optim.staleness import DelaySchedule, delay, error_feedback, pipedream_leaf_delays, taylor_compensation
 
 MATRIX_OPTIMIZERS = ("muon", "soap", "mars")
 
@@ -61,12 +62,49 @@ def build_main(o, schedule) -> optax.GradientTransformation:
     )
 
 
-def build_optimizer(o, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """Returns ``(optimizer, lr_schedule)``; the schedule is also used to log the lr."""
+def _delay_kwargs(st, total_steps: int, params_shapes) -> dict:
+    leaf_delays = pipedream_leaf_delays(params_shapes, st.stages) if st.mode == "pipedream" else None
+    return dict(steps=1, sync_start_steps=st.sync_start_steps, sync_cooldown_steps=st.sync_cooldown_steps,
+                total_steps=total_steps, leaf_delays=leaf_delays)
+
+
+def delay_schedule(st, total_steps: int) -> DelaySchedule | None:
+    """The delay in force per update under ``config.staleness`` (for metrics); None when sync."""
+    if st is None or st.mode == "sync":
+        return None
+    steps = st.stages - 1 if st.mode == "pipedream" else 1
+    return DelaySchedule(steps=steps, sync_start_steps=st.sync_start_steps,
+                         sync_cooldown_steps=st.sync_cooldown_steps, total_steps=total_steps)
+
+
+def build_optimizer(o, total_steps: int, staleness=None, params_shapes=None):
+    """Returns ``(optimizer, lr_schedule)``; the schedule is also used to log the lr.
+
+    With ``staleness`` (``config.staleness``) in mode ``2bw`` or ``pipedream`` the chain simulates
+    the pipeline's delay (DESIGN.md, the simulate runner):
+
+        clip -> delay -> [taylor_compensation] -> optimizer -> [error_feedback]
+
+    ``pipedream`` gives each pipeline stage's parameters the delay ``P-1-s`` and needs the
+    parameter shapes (``params_shapes``, e.g. ``models.abstract_params``) to assign stages.
+    """
     schedule = make_schedule(o, total_steps)
-    main = build_main(o, schedule)
     parts = [optax.clip_by_global_norm(o.grad_clip)] if o.grad_clip else []
-    return optax.chain(*parts, main), schedule
+    main = build_main(o, schedule)
+    if staleness is None or staleness.mode == "sync":
+        return optax.chain(*parts, main), schedule
+    if staleness.mode == "pipedream" and params_shapes is None:
+        raise ValueError("staleness.mode='pipedream' needs params_shapes to assign parameters to stages")
+    kw = _delay_kwargs(staleness, total_steps, params_shapes)
+    parts.append(delay(**kw))
+    if staleness.mitigation == "taylor":
+        parts.append(taylor_compensation(
+            lam=staleness.taylor_lam, adaptive=staleness.taylor_adaptive, lam0=staleness.taylor_lam0,
+            ema_decay=staleness.taylor_ema_decay, **kw))
+    parts.append(main)
+    if staleness.mitigation == "ef":
+        parts.append(error_feedback(staleness.ef_strength, **kw))
+    return optax.chain(*parts), schedule
 
 
 def describe_routing(o, params) -> str:

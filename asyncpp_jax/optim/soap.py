@@ -204,7 +204,7 @@ def scale_by_soap(
         q_right = basis(gg_right) if rot_r else q_right
         return jnp.zeros_like(g), m, v, gg_left, gg_right, q_left, q_right
 
-    def later_leaf(count, g, m, v, gg_left, gg_right, q_left, q_right):
+    def later_leaf(count, g, m, v, gg_left, gg_right, q_left, q_right, *, refresh_basis: bool):
         rot_l, rot_r = sides(g)
         gf = g.astype(m.dtype)
         g_rot = _project(gf, q_left, q_right, rot_l, rot_r)
@@ -216,22 +216,15 @@ def scale_by_soap(
         # The statistics take this gradient only after it was used for the step (reference order).
         gg_left, gg_right = accumulate(gf, gg_left, gg_right, rot_l, rot_r)
 
-        if (rot_l or rot_r) and not freeze_basis_identity:
-
-            def refresh(operands):
-                m, v, q_left, q_right = operands
-                m_param = _project_back(m, q_left, q_right, rot_l, rot_r)
-                if rot_l:
-                    q_left, order = _power_qr(gg_left, q_left)
-                    v = jnp.take_along_axis(v, order[..., :, None], axis=-2)
-                if rot_r:
-                    q_right, order = _power_qr(gg_right, q_right)
-                    v = jnp.take_along_axis(v, order[..., None, :], axis=-1)
-                return _project(m_param, q_left, q_right, rot_l, rot_r), v, q_left, q_right
-
-            m, v, q_left, q_right = lax.cond(
-                count % precondition_frequency == 0, refresh, lambda o: o, (m, v, q_left, q_right)
-            )
+        if refresh_basis and (rot_l or rot_r) and not freeze_basis_identity:
+            m_param = _project_back(m, q_left, q_right, rot_l, rot_r)
+            if rot_l:
+                q_left, order = _power_qr(gg_left, q_left)
+                v = jnp.take_along_axis(v, order[..., :, None], axis=-2)
+            if rot_r:
+                q_right, order = _power_qr(gg_right, q_right)
+                v = jnp.take_along_axis(v, order[..., None, :], axis=-1)
+            m = _project(m_param, q_left, q_right, rot_l, rot_r)
         return u.astype(g.dtype), m, v, gg_left, gg_right, q_left, q_right
 
     def update_fn(updates, state, params=None):
@@ -243,10 +236,12 @@ def scale_by_soap(
         def first(_):
             return [first_leaf(*leaf) for leaf in leaves]
 
-        def later(_):
-            return [later_leaf(state.count, *leaf) for leaf in leaves]
+        def later(refresh_basis):
+            return lambda _: [later_leaf(state.count, *leaf, refresh_basis=refresh_basis) for leaf in leaves]
 
-        out = lax.cond(state.count == 0, first, later, None)
+        # One switch over the three kinds of call: first (eigh, zero update), plain, refresh (QR).
+        branch = jnp.where(state.count == 0, 0, jnp.where(state.count % precondition_frequency == 0, 2, 1))
+        out = lax.switch(branch, [first, later(False), later(True)], None)
         fields = [jax.tree.unflatten(treedef, [o[i] for o in out]) for i in range(7)]
         new_state = ScaleBySoapState(optax.safe_int32_increment(state.count), *fields[1:])
         return fields[0], new_state

@@ -65,8 +65,12 @@ def _accumulate_grads(model_cfg, params, batch):
     return grads, stats
 
 
-def make_train_step(model_cfg, optimizer, schedule: optax.Schedule, mesh) -> Callable:
-    """Jitted ``train_step(state, batch) -> (state, metrics)``; the state buffer is donated."""
+def make_train_step(model_cfg, optimizer, schedule: optax.Schedule, mesh, delay_schedule=None) -> Callable:
+    """Jitted ``train_step(state, batch) -> (state, metrics)``; the state buffer is donated.
+
+    With a ``delay_schedule`` (simulated asynchrony), metrics also record the delay in force at
+    this update and how many in-flight gradients a cooldown switch dropped.
+    """
     grads_fn = jax.shard_map(
         functools.partial(_accumulate_grads, model_cfg),
         mesh=mesh,
@@ -79,6 +83,9 @@ def make_train_step(model_cfg, optimizer, schedule: optax.Schedule, mesh) -> Cal
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = dict(stats, grad_norm=optax.global_norm(grads), lr=schedule(state.step))
+        if delay_schedule is not None:
+            metrics.update(delay=delay_schedule.delay_at(state.step),
+                           skipped_batches=delay_schedule.skipped_at(state.step))
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     rep = replicated(mesh)

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from asyncpp_jax import configs
 from asyncpp_jax.data import load_corpus, make_eval_batches, make_train_iterator, prepare_corpus
 from asyncpp_jax.models import abstract_params, count_params
-from asyncpp_jax.optim import build_optimizer, describe_routing
+from asyncpp_jax.optim import build_optimizer, delay_schedule, describe_routing
 from asyncpp_jax.pipeline import make_mesh
 from asyncpp_jax.train import step as step_lib
 from asyncpp_jax.train.checkpoint import Checkpointer, abstract_like
@@ -81,16 +81,18 @@ class Trainer:
             split_seed=d.split_seed, eos_token=d.eos_token or None, hf_split=d.hf_split,
             hf_text_field=d.hf_text_field, hf_max_docs=d.hf_max_docs, log=log.info,
         )
-        self.corpus = load_corpus(corpus_dir)
+        self.corpus = load_corpus(corpus_dir, verify=d.verify_checksums)
         configs.check_against_tokenizer(c, self.corpus.vocab_size)
 
         devices = list(devices if devices is not None else jax.devices())
         self.data_size = configs.check_against_devices(c, len(devices))
         self.mesh = make_mesh(self.data_size, devices)
 
-        self.optimizer, self.schedule = build_optimizer(c.optimizer, c.train.steps)
-        self.routing = describe_routing(c.optimizer, abstract_params(c.model))
-        self.train_step = step_lib.make_train_step(c.model, self.optimizer, self.schedule, self.mesh)
+        shapes = abstract_params(c.model)
+        self.optimizer, self.schedule = build_optimizer(c.optimizer, c.train.steps, c.staleness, shapes)
+        self.routing = describe_routing(c.optimizer, shapes)
+        self.train_step = step_lib.make_train_step(c.model, self.optimizer, self.schedule, self.mesh,
+                                                   delay_schedule(c.staleness, c.train.steps))
         self.eval_step = step_lib.make_eval_step(c.model, self.mesh)
         self.eval_batches = make_eval_batches(
             self.corpus, d.seq_len, c.train.global_batch_size // c.train.microbatches, c.train.eval_batches
