@@ -179,6 +179,19 @@ def _count_only_init(params):
 # ----------------------------------------------------------------------------------------- delay
 
 
+def _counting_identity(make_state) -> optax.GradientTransformation:
+    """The identity, keeping only an update counter (state ``make_state(count)``, a NamedTuple)."""
+
+    def init_fn(params):
+        return make_state(_count_only_init(params))
+
+    def update_fn(updates, state, params=None):
+        del params
+        return updates, state._replace(count=optax.safe_increment(state.count))
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
 class DelayState(NamedTuple):
     count: jax.Array  # int32: updates so far
     gradient_ring: Any  # per leaf [m, *shape]: the last m gradients (scalar where m = 0); () if none
@@ -230,14 +243,7 @@ def delay(
     sched = _resolve(steps, sync_start_steps, sync_cooldown_steps, total_steps, schedule, leaf_delays)
 
     if sched.steps == 0:
-        def init_identity(params):
-            return DelayState(_count_only_init(params), ())
-
-        def update_identity(updates, state, params=None):
-            del params
-            return updates, DelayState(optax.safe_increment(state.count), state.gradient_ring)
-
-        return optax.GradientTransformation(init_identity, update_identity)
+        return _counting_identity(lambda count: DelayState(count, ()))
 
     def init_fn(params):
         leaves, treedef = jax.tree.flatten(params)
@@ -355,14 +361,7 @@ def error_feedback(
     sched = _resolve(steps, sync_start_steps, sync_cooldown_steps, total_steps, schedule, leaf_delays)
 
     if strength == 0 or sched.steps == 0:
-        def init_identity(params):
-            return ErrorFeedbackState(_count_only_init(params), ())
-
-        def update_identity(updates, state, params=None):
-            del params
-            return updates, ErrorFeedbackState(optax.safe_increment(state.count), state.previous_update)
-
-        return optax.GradientTransformation(init_identity, update_identity)
+        return _counting_identity(lambda count: ErrorFeedbackState(count, ()))
 
     def init_fn(params):
         leaves, treedef = jax.tree.flatten(params)
@@ -442,14 +441,7 @@ def taylor_compensation(
     sched = _resolve(steps, sync_start_steps, sync_cooldown_steps, total_steps, schedule, leaf_delays)
 
     if (lam == 0 and not adaptive) or sched.steps == 0:
-        def init_identity(params):
-            return TaylorState(_count_only_init(params), (), ())
-
-        def update_identity(updates, state, params=None):
-            del params
-            return updates, state._replace(count=optax.safe_increment(state.count))
-
-        return optax.GradientTransformation(init_identity, update_identity)
+        return _counting_identity(lambda count: TaylorState(count, (), ()))
 
     def init_fn(params):
         leaves, treedef = jax.tree.flatten(params)
