@@ -63,7 +63,3 @@ class Checkpointer:
         self.manager.wait_until_finished()
         self.manager.close()
 
-
-def abstract_like(tree):
-    """ShapeDtypeStructs (with shardings) of a concrete pytree: the restore target."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)

@@ -28,7 +28,7 @@ from asyncpp_jax.models import abstract_params, count_params
 from asyncpp_jax.optim import build_optimizer, delay_schedule, describe_routing
 from asyncpp_jax.pipeline import make_mesh
 from asyncpp_jax.train import step as step_lib
-from asyncpp_jax.train.checkpoint import Checkpointer, abstract_like
+from asyncpp_jax.train.checkpoint import Checkpointer
 from asyncpp_jax.train.metrics import MetricWriter
 
 log = logging.getLogger("asyncpp_jax")
@@ -119,20 +119,24 @@ class Trainer:
             process_index=jax.process_index(), process_count=jax.process_count(),
         )
 
-    def _init_state(self):
-        rep = step_lib.replicated(self.mesh)
-        init = jax.jit(
-            lambda key: step_lib.init_state(self.config.model, self.optimizer, key), out_shardings=rep
-        )
-        return init(jax.random.key(self.config.seed))
+    def _init_fn(self):
+        return lambda key: step_lib.init_state(self.config.model, self.optimizer, key)
 
     def restore_or_init(self):
-        """The latest checkpoint in the workdir if any, else a fresh state and iterator."""
-        state, iterator = self._init_state(), self._new_iterator()
+        """The latest checkpoint in the workdir if any, else a fresh state and iterator.
+
+        A restore allocates only the restored state: its target is abstract (``eval_shape``).
+        """
+        rep = step_lib.replicated(self.mesh)
+        key = jax.random.key(self.config.seed)
+        iterator = self._new_iterator()
         latest = self.checkpointer.latest_step()
-        if latest is not None:
-            state, iterator = self.checkpointer.restore(latest, abstract_like(state), iterator)
-            log.info("resumed from %s at step %d", self.checkpointer.directory, latest)
+        if latest is None:
+            return jax.jit(self._init_fn(), out_shardings=rep)(key), iterator
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep),
+                                jax.eval_shape(self._init_fn(), key))
+        state, iterator = self.checkpointer.restore(latest, abstract, iterator)
+        log.info("resumed from %s at step %d", self.checkpointer.directory, latest)
         return state, iterator
 
     def evaluate(self, params) -> dict:
