@@ -11,7 +11,6 @@ import json
 import pathlib
 
 import grain
-import jax
 import orbax.checkpoint as ocp
 
 
