@@ -88,6 +88,9 @@ class Trainer:
         self.data_size = configs.check_against_devices(c, len(devices))
         self.mesh = make_mesh(self.data_size, devices)
 
+        if c.optimizer.name == "soap" and jax.default_backend() == "cpu":
+            log.warning("SOAP has been seen to hang on XLA:CPU with jaxlib 0.10.2 (README, 'Known problem, "
+                        "SOAP on CPU'); prefer a GPU/TPU for SOAP runs.")
         shapes = abstract_params(c.model)
         self.optimizer, self.schedule = build_optimizer(c.optimizer, c.train.steps, c.staleness, shapes)
         self.routing = describe_routing(c.optimizer, shapes)
