@@ -14,7 +14,7 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
-from asyncpp_jax import configs
+from asyncpp_jax import configs, host_setup
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", str(configs.DEFAULT_CONFIG), "Config file (a get_config() module); fields can be overridden "
@@ -23,21 +23,8 @@ _CONFIG = config_flags.DEFINE_config_file(
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (checkpoints, metrics, config). "
                                "Default: runs/<config.name>. An existing run there is resumed.")
 
-_FORCE_DEVICES = "--xla_force_host_platform_device_count"
-
-
 def devices_needed(config) -> int:
     return max(config.mesh.data, 1)
-
-
-def ensure_host_devices(n: int) -> None:
-    """Ask XLA for ``n`` CPU devices unless the user already chose; must run before JAX starts.
-
-    The flag only shapes the host (CPU) platform, so it is harmless where a GPU/TPU is the backend.
-    """
-    flags_now = os.environ.get("XLA_FLAGS", "")
-    if n > 1 and _FORCE_DEVICES not in flags_now:
-        os.environ["XLA_FLAGS"] = f"{flags_now} {_FORCE_DEVICES}={n}".strip()
 
 
 def _fail(message: str, code: int = 2):
@@ -53,7 +40,7 @@ def main(argv):
         configs.validate(config)
     except configs.ConfigError as e:
         _fail(str(e))
-    ensure_host_devices(devices_needed(config))
+    host_setup.prepare(devices_needed(config), config.optimizer.name)
     # Our own progress at INFO; the libraries' (orbax logs every checkpoint step) at WARNING.
     absl_logging.set_verbosity(absl_logging.WARNING)
     logging.getLogger("asyncpp_jax").setLevel(logging.INFO)

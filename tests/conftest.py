@@ -2,7 +2,7 @@
 
 import os
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-).strip()
+from asyncpp_jax import host_setup  # noqa: E402  (no JAX import)
+
+host_setup.add_host_devices(4)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
