@@ -20,6 +20,7 @@ ADAN_DECAY_MODES = ("proximal", "decoupled")
 SCHEDULES = ("constant", "cosine", "linear", "wsd")
 DTYPES = ("float32", "bfloat16")
 RUNNERS = ("simulate",)
+PIPEDREAM_GRADIENTS = ("mixed", "per_leaf")
 STALENESS_MODES = ("sync", "2bw", "pipedream")
 MITIGATIONS = ("none", "ef", "taylor")
 
@@ -114,6 +115,10 @@ def base_config() -> ml_collections.ConfigDict:
         dict(
             mode="sync",  # sync | 2bw (one-step delay) | pipedream (per-stage delay P-1-s)
             stages=4,  # pipedream: pipeline depth P
+            # pipedream: 'mixed' takes the gradient at PipeDream's mixed point (w_s[t-(P-1-s)] per
+            # stage; exact, keeps P-1 weight copies); 'per_leaf' delays stage s's slice of a
+            # consistent-point gradient by P-1-s (the optax delay(leaf_delays=...) approximation).
+            pipedream_gradient="mixed",
             sync_start_steps=0,  # first K updates without delay
             sync_cooldown_steps=0,  # last C updates without delay
             mitigation="none",  # none | ef (error feedback) | taylor (DC-ASGD)
@@ -223,6 +228,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
             need(m.n_layers % st.stages == 0,
                  f"config.model.n_layers={m.n_layers} is not divisible by config.staleness.stages={st.stages}; "
                  "each stage holds an equal, contiguous slice of layers.")
+    need(st.pipedream_gradient in PIPEDREAM_GRADIENTS,
+         f"config.staleness.pipedream_gradient={st.pipedream_gradient!r} is unknown; choose one of "
+         f"{PIPEDREAM_GRADIENTS}.")
     for f in ("sync_start_steps", "sync_cooldown_steps"):
         need(isinstance(st[f], int) and st[f] >= 0, f"config.staleness.{f}={st[f]!r} must be an integer >= 0.")
     if isinstance(t.steps, int) and isinstance(st.sync_start_steps, int) and isinstance(st.sync_cooldown_steps, int):

@@ -34,6 +34,9 @@ def test_default_config_is_tiny():
         ("optimizer.warmup_steps", 10_000, "config.optimizer.warmup_steps"),
         ("mesh.data", 0, "config.mesh.data"),
         ("runner", "magic", "config.runner"),
+        ("staleness.mode", "async", "config.staleness.mode='async' is unknown"),
+        ("staleness.pipedream_gradient", "exact", "config.staleness.pipedream_gradient='exact' is unknown"),
+        ("staleness.mitigation", "ef", "config.staleness.mitigation='ef' needs a delay"),
     ],
 )
 def test_validation_names_the_field(field, value, needle):

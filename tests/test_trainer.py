@@ -262,3 +262,23 @@ def test_staleness_modes_train_and_log_the_delay(cache_dir, tmp_path, mode, miti
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["delay"] for r in rows] == [0, 1, 1, 1, 0, 0]  # sync start 1, cooldown 2 (P-1 = 1)
     assert [r["skipped_batches"] for r in rows] == [0, 0, 0, 0, 1, 0]  # in flight at the switch
+
+
+def test_pipedream_mixed_point_resumes_exactly_with_its_weight_history(cache_dir, tmp_path):
+    cfg = small_config(cache_dir, steps=6, eval_every=6, checkpoint_every=6)
+    cfg.staleness.update(mode="pipedream", stages=2, pipedream_gradient="mixed", mitigation="ef")
+    runs = []
+    for name, pause in (("full", None), ("paused", 3)):
+        if pause:
+            first = Trainer(cfg, tmp_path / name)
+            assert first.run(until_step=pause).status == "paused"
+            first.close()
+        t = Trainer(cfg, tmp_path / name)
+        assert t.run().step == 6
+        t.close()
+        runs.append(t.state)
+    full, resumed = runs
+    assert full.weight_versions is not None and int(full.weight_versions.count) == 6
+    assert leaves_equal(resumed.params, full.params)
+    assert leaves_equal(resumed.weight_versions, full.weight_versions)
+    assert leaves_equal(resumed.opt_state, full.opt_state)

@@ -8,7 +8,7 @@
 
 from asyncpp_jax.optim.adamw import adamw, decay_mask  # noqa: F401
 from asyncpp_jax.optim.adan import adan, scale_by_adan  # noqa: F401
-from asyncpp_jax.optim.factory import build_main, build_optimizer, delay_schedule, describe_routing  # noqa: F401
+from asyncpp_jax.optim.factory import build_main, build_optimizer, delay_schedule, describe_routing, weight_versions  # noqa: F401
 from asyncpp_jax.optim.lion import lion  # noqa: F401
 from asyncpp_jax.optim.mars import mars, scale_by_mars  # noqa: F401
 from asyncpp_jax.optim.muon import muon, orthogonalize, scale_by_muon  # noqa: F401
@@ -17,6 +17,7 @@ from asyncpp_jax.optim.schedules import make_schedule  # noqa: F401
 from asyncpp_jax.optim.soap import scale_by_soap, soap  # noqa: F401
 from asyncpp_jax.optim.staleness import (  # noqa: F401
     DelaySchedule,
+    WeightVersions,
     delay,
     error_feedback,
     pipedream_leaf_delays,

@@ -19,7 +19,14 @@ from asyncpp_jax.optim.mars import mars
 from asyncpp_jax.optim.muon import muon
 from asyncpp_jax.optim.soap import soap
 from asyncpp_jax.optim.schedules import make_schedule
-from asyncpp_jax.optim.staleness import DelaySchedule, delay, error_feedback, pipedream_leaf_delays, taylor_compensation
+from asyncpp_jax.optim.staleness import (
+    DelaySchedule,
+    WeightVersions,
+    delay,
+    error_feedback,
+    pipedream_leaf_delays,
+    taylor_compensation,
+)
 
 MATRIX_OPTIMIZERS = ("muon", "soap", "mars")
 
@@ -77,6 +84,24 @@ def delay_schedule(st, total_steps: int) -> DelaySchedule | None:
                          sync_cooldown_steps=st.sync_cooldown_steps, total_steps=total_steps)
 
 
+def _mixed_point(st) -> bool:
+    return st.mode == "pipedream" and st.pipedream_gradient == "mixed"
+
+
+def weight_versions(st, total_steps: int, params_shapes) -> WeightVersions | None:
+    """The runner's weight history for PipeDream's exact mixed-version gradient, or None.
+
+    Only for ``staleness.mode='pipedream'`` with ``pipedream_gradient='mixed'``; otherwise the
+    delay lives in the optimizer chain (:func:`build_optimizer`).
+    """
+    if st is None or not _mixed_point(st):
+        return None
+    kw = _delay_kwargs(st, total_steps, params_shapes)
+    return WeightVersions(kw["leaf_delays"], DelaySchedule(
+        steps=1, sync_start_steps=kw["sync_start_steps"], sync_cooldown_steps=kw["sync_cooldown_steps"],
+        total_steps=total_steps))
+
+
 def build_optimizer(o, total_steps: int, staleness=None, params_shapes=None):
     """Returns ``(optimizer, lr_schedule)``; the schedule is also used to log the lr.
 
@@ -86,7 +111,10 @@ def build_optimizer(o, total_steps: int, staleness=None, params_shapes=None):
         clip -> delay -> [taylor_compensation] -> optimizer -> [error_feedback]
 
     ``pipedream`` gives each pipeline stage's parameters the delay ``P-1-s`` and needs the
-    parameter shapes (``params_shapes``, e.g. ``models.abstract_params``) to assign stages.
+    parameter shapes (``params_shapes``, e.g. ``models.abstract_params``) to assign stages.  With
+    ``pipedream_gradient='mixed'`` the delay comes from where the runner takes the gradient
+    (:func:`weight_versions`), so the chain has no ``delay`` and the mitigations keep their
+    per-stage schedule.
     """
     schedule = make_schedule(o, total_steps)
     parts = [optax.clip_by_global_norm(o.grad_clip)] if o.grad_clip else []
@@ -96,7 +124,8 @@ def build_optimizer(o, total_steps: int, staleness=None, params_shapes=None):
     if staleness.mode == "pipedream" and params_shapes is None:
         raise ValueError("staleness.mode='pipedream' needs params_shapes to assign parameters to stages")
     kw = _delay_kwargs(staleness, total_steps, params_shapes)
-    parts.append(delay(**kw))
+    if not _mixed_point(staleness):
+        parts.append(delay(**kw))
     if staleness.mitigation == "taylor":
         parts.append(taylor_compensation(
             lam=staleness.taylor_lam, adaptive=staleness.taylor_adaptive, lam0=staleness.taylor_lam0,

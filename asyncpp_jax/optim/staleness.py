@@ -323,6 +323,89 @@ def pipedream_leaf_delays(params, n_stages: int):
     return jax.tree_util.tree_map_with_path(leaf_delay, params)
 
 
+class WeightVersionsState(NamedTuple):
+    count: jax.Array  # int32: updates so far
+    weight_ring: Any  # per leaf [m, *shape]: the weights before each of the last m updates (scalar where m = 0)
+
+
+class WeightVersions:
+    """PipeDream's exact mixed-version gradient point, for the ``simulate`` runner.
+
+    Real PipeDream (Narayanan et al. 2019) takes update ``t``'s gradient at the mixed point
+
+        w_mix[t] = (w_0[t - d_0], ..., w_{P-1}[t - d_{P-1}]),   d_s = P - 1 - s,
+
+    each stage's own stashed weights, and applies it at once: ``w[t+1] = w[t] - U_t(∇L(w_mix[t]))``.
+    ``delay(leaf_delays=pipedream_leaf_delays(...))`` only approximates this: it hands stage ``s``
+    its slice of ``∇L(w[t - d_s])``, a gradient taken at one consistent (all-stale) point.  This
+    class gives the runner what it needs for the faithful version: :meth:`mixed_point` builds
+    ``w_mix[t]`` from a ring of past weights, :meth:`mask_fill` zeroes the slices in their fill
+    steps, and :meth:`push` records ``w[t]``.  The conventions are :func:`delay`'s, per slice: the
+    delay of slice ``s`` is ``d_s`` while the schedule has it in force; update ``t`` is a fill step
+    for that slice (zero gradient) when the delay is in force at ``t`` but not at ``t - d_s``; with
+    the delay off the slice uses ``w[t]``.  With every ``d_s = 1`` this is 2BW with the batches
+    relabelled: update ``t`` takes batch ``t``'s gradient at ``w[t-1]``, where ``delay(1)`` applies
+    batch ``t-1``'s gradient at ``w[t-1]``.
+
+    State: the counter and, per leaf of largest delay ``m > 0``, a ring ``[m, *leaf.shape]`` of the
+    weights before each of the last ``m`` updates: ``P - 1`` copies of the stage-0 and layer
+    weights (the layer stack keeps one ring for all its slices), none for the last stage's head.
+    """
+
+    def __init__(self, leaf_delays, schedule: DelaySchedule):
+        self.leaf_delays = leaf_delays
+        self.schedule = _resolve(1, 0, 0, None, schedule, leaf_delays)
+
+    def _flat(self, tree):
+        leaves, treedef = jax.tree.flatten(tree)
+        return leaves, treedef, _specs(treedef, self.schedule, self.leaf_delays, leaves)
+
+    def init(self, params) -> WeightVersionsState:
+        leaves, treedef, specs = self._flat(params)
+        ring = [_ring_init(x, spec[0]) for x, spec in zip(leaves, specs)]
+        return WeightVersionsState(jnp.zeros([], jnp.int32), treedef.unflatten(ring))
+
+    def _slices(self, count, spec, ndim):
+        m, d = spec
+        dv = jnp.asarray(d)
+        delayed = self.schedule.in_force(count) & _per_slice(dv > 0, d, ndim)
+        ready = _per_slice(self.schedule.in_force(count - dv), d, ndim)
+        return delayed, ready
+
+    def mixed_point(self, params, state: WeightVersionsState):
+        """``w_mix[t]``: ``w[t - d_s]`` on slices whose delay is in force and past its fill, else ``w[t]``."""
+        leaves, treedef, specs = self._flat(params)
+        rings = treedef.flatten_up_to(state.weight_ring)
+        out = []
+        for w, ring, spec in zip(leaves, rings, specs):
+            if spec[0] == 0:
+                out.append(w)
+                continue
+            delayed, ready = self._slices(state.count, spec, w.ndim)
+            out.append(jnp.where(delayed & ready, _ring_read(ring, state.count, spec).astype(w.dtype), w))
+        return treedef.unflatten(out)
+
+    def mask_fill(self, grads, state: WeightVersionsState):
+        """Zero the gradient on slices in a fill step (their stage has no finished backward yet)."""
+        leaves, treedef, specs = self._flat(grads)
+        out = []
+        for g, spec in zip(leaves, specs):
+            if spec[0] == 0:
+                out.append(g)
+                continue
+            delayed, ready = self._slices(state.count, spec, g.ndim)
+            out.append(jnp.where(delayed & ~ready, jnp.zeros_like(g), g))
+        return treedef.unflatten(out)
+
+    def push(self, params, state: WeightVersionsState) -> WeightVersionsState:
+        """Record ``w[t]`` (the weights before update ``t``) and advance the counter."""
+        leaves, treedef, specs = self._flat(params)
+        rings = treedef.flatten_up_to(state.weight_ring)
+        new = [ring if spec[0] == 0 else _ring_write(ring, state.count, w, spec)
+               for w, ring, spec in zip(leaves, rings, specs)]
+        return WeightVersionsState(optax.safe_increment(state.count), treedef.unflatten(new))
+
+
 # ---------------------------------------------------------------------------------- error feedback
 
 

@@ -31,11 +31,15 @@ class TrainState:
     step: jax.Array
     params: Any
     opt_state: Any
+    weight_versions: Any = None  # PipeDream's past weights (optim.WeightVersions), else None
 
 
-def init_state(model_cfg, optimizer: optax.GradientTransformation, rng: jax.Array) -> TrainState:
+def init_state(model_cfg, optimizer: optax.GradientTransformation, rng: jax.Array,
+               weight_versions=None) -> TrainState:
     params = dense.init_params(model_cfg, rng)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+    versions = weight_versions.init(params) if weight_versions is not None else None
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
+                      weight_versions=versions)
 
 
 def replicated(mesh) -> NamedSharding:
@@ -65,11 +69,15 @@ def _accumulate_grads(model_cfg, params, batch):
     return grads, stats
 
 
-def make_train_step(model_cfg, optimizer, schedule: optax.Schedule, mesh, delay_schedule=None) -> Callable:
+def make_train_step(model_cfg, optimizer, schedule: optax.Schedule, mesh, delay_schedule=None,
+                    weight_versions=None) -> Callable:
     """Jitted ``train_step(state, batch) -> (state, metrics)``; the state buffer is donated.
 
     With a ``delay_schedule`` (simulated asynchrony), metrics also record the delay in force at
-    this update and how many in-flight gradients a cooldown switch dropped.
+    this update and how many in-flight gradients a cooldown switch dropped.  With
+    ``weight_versions`` (``optim.WeightVersions``, PipeDream's exact simulation) the gradient is
+    taken at the mixed point ``w_mix[t]`` of past stage weights, its fill slices are zeroed, and
+    ``w[t]`` joins the history: ``w[t+1] = w[t] - U_t(∇L(w_mix[t]; batch t))``.
     """
     grads_fn = jax.shard_map(
         functools.partial(_accumulate_grads, model_cfg),
@@ -79,14 +87,21 @@ def make_train_step(model_cfg, optimizer, schedule: optax.Schedule, mesh, delay_
     )
 
     def train_step(state: TrainState, batch):
-        grads, stats = grads_fn(state.params, batch)
+        versions = state.weight_versions
+        if weight_versions is None:
+            grads, stats = grads_fn(state.params, batch)
+        else:
+            grads, stats = grads_fn(weight_versions.mixed_point(state.params, versions), batch)
+            grads = weight_versions.mask_fill(grads, versions)
+            versions = weight_versions.push(state.params, versions)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = dict(stats, grad_norm=optax.global_norm(grads), lr=schedule(state.step))
         if delay_schedule is not None:
             metrics.update(delay=delay_schedule.delay_at(state.step),
                            skipped_batches=delay_schedule.skipped_at(state.step))
-        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state,
+                          weight_versions=versions), metrics
 
     rep = replicated(mesh)
     return jax.jit(

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import pathlib
 import signal
 import threading
@@ -25,7 +26,7 @@ from tqdm import tqdm
 from asyncpp_jax import configs
 from asyncpp_jax.data import load_corpus, make_eval_batches, make_train_iterator, prepare_corpus
 from asyncpp_jax.models import abstract_params, count_params
-from asyncpp_jax.optim import build_optimizer, delay_schedule, describe_routing
+from asyncpp_jax.optim import build_optimizer, delay_schedule, describe_routing, weight_versions
 from asyncpp_jax.pipeline import make_mesh
 from asyncpp_jax.train import step as step_lib
 from asyncpp_jax.train.checkpoint import Checkpointer
@@ -88,14 +89,17 @@ class Trainer:
         self.data_size = configs.check_against_devices(c, len(devices))
         self.mesh = make_mesh(self.data_size, devices)
 
-        if c.optimizer.name == "soap" and jax.default_backend() == "cpu":
-            log.warning("SOAP has been seen to hang on XLA:CPU with jaxlib 0.10.2 (README, 'Known problem, "
-                        "SOAP on CPU'); prefer a GPU/TPU for SOAP runs.")
+        if c.optimizer.name == "soap" and jax.default_backend() == "cpu" and len(os.sched_getaffinity(0)) > 1:
+            log.warning("SOAP on XLA:CPU with more than one core can deadlock (jaxlib 0.10.2); call "
+                        "asyncpp_jax.host_setup.prepare(optimizer_name='soap') before JAX starts, as "
+                        "asyncpp_jax.main does.")
         shapes = abstract_params(c.model)
         self.optimizer, self.schedule = build_optimizer(c.optimizer, c.train.steps, c.staleness, shapes)
         self.routing = describe_routing(c.optimizer, shapes)
+        self.weight_versions = weight_versions(c.staleness, c.train.steps, shapes)
         self.train_step = step_lib.make_train_step(c.model, self.optimizer, self.schedule, self.mesh,
-                                                   delay_schedule(c.staleness, c.train.steps))
+                                                   delay_schedule(c.staleness, c.train.steps),
+                                                   self.weight_versions)
         self.eval_step = step_lib.make_eval_step(c.model, self.mesh)
         self.eval_batches = make_eval_batches(
             self.corpus, d.seq_len, c.train.global_batch_size // c.train.microbatches, c.train.eval_batches
@@ -123,7 +127,7 @@ class Trainer:
         )
 
     def _init_fn(self):
-        return lambda key: step_lib.init_state(self.config.model, self.optimizer, key)
+        return lambda key: step_lib.init_state(self.config.model, self.optimizer, key, self.weight_versions)
 
     def restore_or_init(self):
         """The latest checkpoint in the workdir if any, else a fresh state and iterator.
