@@ -278,7 +278,7 @@ def test_pipedream_mixed_point_resumes_exactly_with_its_weight_history(cache_dir
         t.close()
         runs.append(t.state)
     full, resumed = runs
-    assert full.weight_versions is not None and int(full.weight_versions.count) == 6
+    assert full.runner_state is not None and int(full.runner_state.count) == 6
     assert leaves_equal(resumed.params, full.params)
-    assert leaves_equal(resumed.weight_versions, full.weight_versions)
+    assert leaves_equal(resumed.runner_state, full.runner_state)
     assert leaves_equal(resumed.opt_state, full.opt_state)

@@ -31,7 +31,9 @@ class TrainState:
     step: jax.Array
     params: Any
     opt_state: Any
-    weight_versions: Any = None  # PipeDream's past weights (optim.WeightVersions), else None
+    # What a runner carries between steps besides params and optimizer: PipeDream's weight history
+    # (optim.WeightVersionsState) or the pipeline engine's in-flight PipelineState; else None.
+    runner_state: Any = None
 
 
 def init_state(model_cfg, optimizer: optax.GradientTransformation, rng: jax.Array,
@@ -39,7 +41,7 @@ def init_state(model_cfg, optimizer: optax.GradientTransformation, rng: jax.Arra
     params = dense.init_params(model_cfg, rng)
     versions = weight_versions.init(params) if weight_versions is not None else None
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
-                      weight_versions=versions)
+                      runner_state=versions)
 
 
 def replicated(mesh) -> NamedSharding:
@@ -87,7 +89,7 @@ def make_train_step(model_cfg, optimizer, schedule: optax.Schedule, mesh, delay_
     )
 
     def train_step(state: TrainState, batch):
-        versions = state.weight_versions
+        versions = state.runner_state
         if weight_versions is None:
             grads, stats = grads_fn(state.params, batch)
         else:
@@ -101,7 +103,7 @@ def make_train_step(model_cfg, optimizer, schedule: optax.Schedule, mesh, delay_
             metrics.update(delay=delay_schedule.delay_at(state.step),
                            skipped_batches=delay_schedule.skipped_at(state.step))
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state,
-                          weight_versions=versions), metrics
+                          runner_state=versions), metrics
 
     rep = replicated(mesh)
     return jax.jit(

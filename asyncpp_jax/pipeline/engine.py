@@ -1,0 +1,269 @@
+"""The ``pipeline`` runner: one ``jax.shard_map`` over ``('data', 'stage')``, a ``lax.scan`` over ticks.
+
+Stage ``s`` holds layers ``[s L/P, (s+1) L/P)`` (the stacked layer leaves are sharded on their
+leading axis over ``stage``); the embedding, final norm and head are replicated, used by stage 0
+(embedding) and stage ``P-1`` (norm, head, loss) only, and their gradients are summed over
+``stage`` (with tied embeddings both uses add up, as in the unsplit model).
+
+Per tick (:mod:`asyncpp_jax.pipeline.schedules` says which microbatch), every stage runs
+
+* a forward slot: ``h_out = layers_s(h_in)`` with ``h_in`` the embedded tokens on stage 0, else
+  the activation received from ``s-1``; ``h_in`` goes into the stash ring; ``h_out`` is sent to
+  ``s+1`` with ``lax.ppermute``;
+* a backward slot: ``jax.vjp`` of the stage, recomputed from the stashed ``h_in``, with the
+  cotangent received from ``s+1`` (on stage ``P-1``: the loss, scaled by ``1/M``); parameter
+  gradients are added to the accumulator of the microbatch's batch; the input cotangent is sent to
+  ``s-1``.
+
+Idle slots compute on whatever is in the buffers and are discarded with ``jnp.where`` (never by
+multiplying with a mask, which would let a NaN through).  Gradients are averaged over ``data``
+once per update, after the tick loop.
+
+``sync`` flushes each step: the gradient of batch ``t`` at ``w[t]`` is applied at update ``t``,
+as in the ``simulate`` runner.  ``2bw`` never flushes: the stash ring, the activations and
+cotangents in transit, the partial gradient of the batch in flight, the previous weight version
+and the previous batch's tokens live in :class:`PipelineState` (so they are checkpointed), each
+microbatch uses its batch's weight version for both its forward and its backward, and update
+``t`` applies the gradient of batch ``t-1`` taken at ``w[t-1]``: ``optim.delay``'s conventions
+exactly (fill at the first delayed update, in-flight batch dropped at a cooldown switch).  The
+optimizer chain has no ``delay`` transform; mitigations (error feedback) follow the same schedule.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from asyncpp_jax.models import dense
+from asyncpp_jax.optim.staleness import DelaySchedule
+from asyncpp_jax.pipeline import schedules
+from asyncpp_jax.train.step import TrainState
+
+BATCH_SPEC = P(None, "data")  # [microbatch, batch, time + 1]
+DEVICE = P("data", "stage")  # per-device in-flight state: leading [data, stage] axes
+
+
+def make_pipeline_mesh(data: int, stages: int, devices=None) -> jax.sharding.Mesh:
+    """A ``('data', 'stage')`` mesh.  Auto axes: the optimizer update outside the ``shard_map``
+    is partitioned by XLA (each stage updates its own layer shard)."""
+    devices = list(devices if devices is not None else jax.devices())
+    if len(devices) < data * stages:
+        raise ValueError(
+            f"config.mesh.data={data} x config.pipeline.stages={stages} needs {data * stages} devices, "
+            f"found {len(devices)}; on CPU set XLA_FLAGS=--xla_force_host_platform_device_count="
+            f"{data * stages} before JAX starts (python -m asyncpp_jax.main does).")
+    return jax.make_mesh((data, stages), ("data", "stage"), axis_types=(AxisType.Auto,) * 2,
+                         devices=devices[: data * stages])
+
+
+def param_specs(params) -> Any:
+    """``layers/...`` sharded on the leading (layer) axis over ``stage``; the rest replicated."""
+    return {k: jax.tree.map(lambda _: P("stage") if k == "layers" else P(), v) for k, v in params.items()}
+
+
+class PipelineState(NamedTuple):
+    """What crosses ``train_step`` calls under ``2bw`` (zeros, and unused, under ``sync``)."""
+
+    prev_params: Any  # w[t-1]: the weight version of the batch still draining
+    stash: jax.Array  # [D, P, 2P-1, b, T, d]: stage inputs awaiting their backward
+    fwd_buf: jax.Array  # [D, P, b, T, d]: activation received from stage s-1
+    bwd_buf: jax.Array  # [D, P, b, T, d]: cotangent received from stage s+1
+    grad_partial: Any  # the in-flight batch's gradient so far; leaves [D, P, *local shape]
+    prev_batch: jax.Array  # [M, B, T+1]: the in-flight batch's tokens (the last stage needs targets)
+
+
+def _local_shape(x, n_stages: int, is_layer: bool):
+    return (x.shape[0] // n_stages,) + tuple(x.shape[1:]) if is_layer else tuple(x.shape)
+
+
+def init_pipeline_state(model_cfg, params, data: int, n_stages: int, microbatches: int,
+                        global_batch: int, seq_len: int) -> PipelineState:
+    b = global_batch // microbatches // data
+    act = jnp.zeros((data, n_stages, b, seq_len, model_cfg.d_model), jnp.float32)
+    partial = {k: jax.tree.map(lambda x, k=k: jnp.zeros((data, n_stages) + _local_shape(x, n_stages, k == "layers"),
+                                                        jnp.float32), v) for k, v in params.items()}
+    return PipelineState(
+        prev_params=jax.tree.map(jnp.copy, params),
+        stash=jnp.zeros((data, n_stages, schedules.stash_slots(n_stages), b, seq_len, model_cfg.d_model),
+                        jnp.float32),
+        fwd_buf=act, bwd_buf=act, grad_partial=partial,
+        prev_batch=jnp.zeros((microbatches, global_batch // microbatches, seq_len + 1), jnp.int32),
+    )
+
+
+def pipeline_state_specs(params) -> PipelineState:
+    return PipelineState(
+        prev_params=param_specs(params), stash=DEVICE, fwd_buf=DEVICE, bwd_buf=DEVICE,
+        grad_partial=jax.tree.map(lambda _: DEVICE, params), prev_batch=BATCH_SPEC)
+
+
+def _select(pred, a, b):
+    return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
+
+
+def _vary(tree, axes=("data", "stage")):
+    """Cast to device-varying over ``axes``: differentiating w.r.t. a value that is invariant over an
+    axis would make shard_map's transpose sum the gradient over that axis."""
+    def one(x):
+        missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+    return jax.tree.map(one, tree)
+
+
+def _make_grads_fn(model_cfg, mesh, table: schedules.TickTable, is_async: bool, params_abstract, fill_nan=False):
+    """``shard_map``-ped ``(cur, prev, batch, pstate, prev_live) -> (grads, stats, pstate)``."""
+    n_stages, M = table.n_stages, table.microbatches
+    S = schedules.stash_slots(n_stages)
+    fwd_tbl, bwd_tbl = jnp.asarray(table.forward), jnp.asarray(table.backward)
+    fwd_perm = [(i, i + 1) for i in range(n_stages - 1)]
+    bwd_perm = [(i + 1, i) for i in range(n_stages - 1)]
+    axes = ("data", "stage")
+
+    def local(cur, prev, batch, pstate, prev_live, step):
+        s = jax.lax.axis_index("stage")
+        is_first, is_last = s == 0, s == n_stages - 1
+        strip = lambda x: x[0, 0]  # noqa: E731
+        stash, fwd_buf, bwd_buf = strip(pstate.stash), strip(pstate.fwd_buf), strip(pstate.bwd_buf)
+        acc_prev = jax.tree.map(strip, pstate.grad_partial)
+        acc_prev = jax.tree.map(jnp.zeros_like, acc_prev) if not is_async else acc_prev
+        acc_cur = jax.tree.map(jnp.zeros_like, acc_prev)
+        prev_batch = pstate.prev_batch
+
+        def tokens_of(j):
+            m = jnp.mod(j, M)
+            return jnp.where(j < 0, prev_batch[m], batch[m])
+
+        def stage_fn(p, h_recv, tokens):
+            h_in = jnp.where(is_first, dense.embed(model_cfg, p, tokens[:, :-1]).astype(h_recv.dtype), h_recv)
+            return h_in, dense.apply_layers(model_cfg, p["layers"], h_in)
+
+        def stage_with_loss(p, h_stash, tokens):
+            _, h_out = stage_fn(p, h_stash, tokens)
+            logits = dense.logits_from_hidden(model_cfg, p, h_out)
+            loss, (ce, z) = dense.cross_entropy(logits, tokens[:, 1:], model_cfg.z_loss)
+            return (h_out, loss), (ce, z)
+
+        def live(j):
+            return (j != schedules.IDLE) & ((j >= 0) | prev_live)
+
+        def tick(carry, row):
+            stash, fwd_buf, bwd_buf, acc_prev, acc_cur, sums = carry
+            jf, jb = row[0], row[1]
+            # Forward slot.
+            p_f = _select(jf < 0, prev, cur)
+            h_in, h_out = stage_fn(p_f, fwd_buf, tokens_of(jf))
+            slot_f = jnp.mod(step * M + jf, S)
+            stash = stash.at[slot_f].set(jnp.where(live(jf), h_in, stash[slot_f]))
+            # Backward slot: recompute the stage from the stashed input, then its vjp.
+            p_b = _vary(_select(jb < 0, prev, cur))
+            h_stash = stash[jnp.mod(step * M + jb, S)]
+            (_, loss), vjp, (ce, z) = jax.vjp(lambda p, h: stage_with_loss(p, h, tokens_of(jb)), p_b, h_stash,
+                                              has_aux=True)
+            ct_out = jnp.where(is_last, jnp.zeros_like(bwd_buf), bwd_buf)
+            ct_loss = jnp.where(is_last, 1.0 / M, 0.0) * jnp.ones_like(loss)
+            g_p, g_h = vjp((ct_out, ct_loss))
+            ok = live(jb)
+            into_prev = ok & (jb < 0)
+            into_cur = ok & (jb >= 0)
+            acc_prev = jax.tree.map(lambda a, g: jnp.where(into_prev, a + g, a), acc_prev, g_p)
+            acc_cur = jax.tree.map(lambda a, g: jnp.where(into_cur, a + g, a), acc_cur, g_p)
+            counted = ok & is_last
+            sums = jax.tree.map(lambda a, v: jnp.where(counted, a + v, a), sums, (loss, ce, z, jnp.ones_like(loss)))
+            # Send: activations forward, cotangents backward (stage 0 / P-1 receive zeros).
+            fwd_buf = jax.lax.ppermute(h_out.astype(fwd_buf.dtype), "stage", fwd_perm)
+            bwd_buf = jax.lax.ppermute(g_h.astype(bwd_buf.dtype), "stage", bwd_perm)
+            return (stash, fwd_buf, bwd_buf, acc_prev, acc_cur, sums), None
+
+        zero = jax.lax.pcast(jnp.zeros((), jnp.float32), axes, to="varying")
+        rows = jnp.stack([jnp.take(fwd_tbl, s, axis=1), jnp.take(bwd_tbl, s, axis=1)], axis=1)
+        carry = (stash, fwd_buf, bwd_buf, acc_prev, acc_cur, (zero, zero, zero, zero))
+        (stash, fwd_buf, bwd_buf, acc_prev, acc_cur, sums), _ = jax.lax.scan(tick, carry, rows)
+
+        done, partial = (acc_prev, acc_cur) if is_async else (acc_cur, jax.tree.map(jnp.zeros_like, acc_cur))
+        grads = {}
+        for k, v in done.items():
+            if k != "layers":  # replicated params: each stage holds only its own uses' gradient
+                v = jax.tree.map(lambda g: jax.lax.psum(g, "stage"), v)
+            grads[k] = jax.tree.map(lambda g: jax.lax.pmean(g, "data"), v)
+        loss, ce, z, count = (jax.lax.psum(x, "stage") for x in sums)
+        stats = {k: jax.lax.pmean(v / jnp.maximum(count, 1.0), "data")
+                 for k, v in (("loss", loss), ("ce", ce), ("z_loss", z))}
+        grow = lambda x: x[None, None]  # noqa: E731
+        new = PipelineState(prev_params=cur, stash=grow(stash), fwd_buf=grow(fwd_buf), bwd_buf=grow(bwd_buf),
+                            grad_partial=jax.tree.map(grow, partial), prev_batch=batch)
+        return grads, stats, new
+
+    pspec = param_specs(params_abstract)
+    sspec = pipeline_state_specs(params_abstract)
+    return jax.shard_map(
+        local, mesh=mesh,
+        in_specs=(pspec, pspec, BATCH_SPEC, sspec, P(), P()),
+        out_specs=(pspec, P(), sspec),
+    )
+
+
+def make_pipeline_train_step(model_cfg, optimizer, schedule: optax.Schedule, mesh, params_abstract,
+                             microbatches: int, pipeline_schedule: str, delay_schedule: DelaySchedule | None = None):
+    """Jitted ``train_step(state, batch) -> (state, metrics)`` with ``state.runner_state`` a
+    :class:`PipelineState`.  ``pipeline_schedule`` is ``sync`` or ``2bw``; under ``2bw`` the
+    ``delay_schedule`` (``optim.delay_schedule``) says which updates are synchronous (start,
+    cooldown): those run the flushed ``sync`` table and drop what is in flight, as ``delay`` does."""
+    n_stages = mesh.shape["stage"]
+    sync_fn = _make_grads_fn(model_cfg, mesh, schedules.sync_table(n_stages, microbatches), False, params_abstract)
+    async_fn = None
+    if pipeline_schedule == "2bw":
+        async_fn = _make_grads_fn(model_cfg, mesh, schedules.async_table(n_stages, microbatches), True,
+                                  params_abstract)
+        delay_schedule = delay_schedule or DelaySchedule(1)
+
+    def train_step(state: TrainState, batch):
+        ps = state.runner_state
+        args = (state.params, ps.prev_params, batch, ps)
+        if async_fn is None:
+            grads, stats, ps = sync_fn(*args, jnp.bool_(False), state.step)
+        else:
+            on = delay_schedule.in_force(state.step)
+            prev_live = delay_schedule.in_force(state.step - 1)
+            grads, stats, ps = jax.lax.cond(
+                on, lambda: async_fn(*args, prev_live, state.step), lambda: sync_fn(*args, prev_live, state.step))
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = dict(stats, grad_norm=optax.global_norm(grads), lr=schedule(state.step))
+        if delay_schedule is not None:
+            metrics.update(delay=delay_schedule.delay_at(state.step),
+                           skipped_batches=delay_schedule.skipped_at(state.step))
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state, runner_state=ps), metrics
+
+    return jax.jit(train_step, donate_argnums=0)
+
+
+def place_state(state: TrainState, mesh, params_abstract) -> TrainState:
+    """Put a fresh or restored state on the pipeline mesh (layers over ``stage``)."""
+    shard = functools.partial(NamedSharding, mesh)
+    pspec = jax.tree.map(shard, param_specs(params_abstract))
+    rspec = jax.tree.map(shard, pipeline_state_specs(params_abstract))
+
+    n_layers = {x.shape[0] for x in jax.tree.leaves(params_abstract["layers"])}.pop()
+
+    def opt_leaf_sharding(x):
+        # Optimizer moments of stacked layer leaves live with their stage, like the params.
+        stacked = getattr(x, "ndim", 0) >= 2 and x.shape[0] == n_layers
+        return shard(P("stage") if stacked else P())
+
+    params = jax.device_put(state.params, pspec)
+    opt_state = jax.device_put(state.opt_state, jax.tree.map(opt_leaf_sharding, state.opt_state))
+    runner = jax.device_put(state.runner_state, rspec)
+    return TrainState(step=jax.device_put(state.step, shard(P())), params=params, opt_state=opt_state,
+                      runner_state=runner)
+
+
+def global_batch_sharding(mesh) -> NamedSharding:
+    return NamedSharding(mesh, BATCH_SPEC)
+
+

@@ -1,0 +1,102 @@
+"""Static tick tables for the pipeline engine, built in Python and printable.
+
+Both schedules run one forward slot and one backward slot per stage per tick ("1F1B, backward as
+soon as possible").  Microbatch ``j`` (counted in one stream across steps: ``j = n M + m`` for
+microbatch ``m`` of step ``n``) enters stage 0 at tick ``j``; stage ``s`` runs its forward at
+tick ``j + s`` and its backward at tick ``j + 2(P-1) - s`` (the last stage does both in one tick).
+
+* ``sync`` (flush every step): ticks ``0 .. M + 2P - 3`` of one step, microbatches ``0..M-1`` only;
+  a stage is busy in ``M`` of the ``M + 2P - 2`` ticks.
+* ``2bw`` (no flush): step ``n`` owns ticks ``[nM, (n+1)M)``; in steady state every stage does a
+  forward and a backward at every tick.  Step ``n``'s window holds the tail of batch ``n-1``
+  (stage ``s`` finishes its backwards of batch ``n-1`` at tick ``nM + 2P - 3 - s``) and the head of
+  batch ``n``.  For a ONE-step delay batch ``n``'s last backward (stage 0, tick
+  ``nM + M - 1 + 2P - 2``) must fall inside window ``n+1``, i.e. ``M >= 2(P-1)``; with fewer
+  microbatches a batch would span three windows and need three weight versions.
+
+Tables hold the microbatch index relative to the step (``j - nM``; negative = the previous batch)
+or ``IDLE``.  The stash of a stage holds the inputs of the microbatches between their forward and
+backward: at most ``2P - 1`` (stage 0), so the stash ring has ``2P - 1`` slots, indexed ``j mod (2P-1)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+IDLE = np.iinfo(np.int32).min  # no work in this slot
+
+
+def min_microbatches_2bw(n_stages: int) -> int:
+    """The fewest microbatches per step for which the ``2bw`` schedule has a one-step delay."""
+    return max(2 * (n_stages - 1), 1)
+
+
+def stash_slots(n_stages: int) -> int:
+    return 2 * n_stages - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class TickTable:
+    """``forward[k, s]`` / ``backward[k, s]``: step-relative microbatch at tick ``k`` on stage ``s``."""
+
+    name: str
+    n_stages: int
+    microbatches: int
+    forward: np.ndarray  # int32 [ticks, P]
+    backward: np.ndarray  # int32 [ticks, P]
+
+    @property
+    def ticks(self) -> int:
+        return self.forward.shape[0]
+
+    def useful_fraction(self) -> float:
+        """Share of the (forward + backward) slots doing real work (1 - the bubble)."""
+        busy = np.sum(self.forward != IDLE) + np.sum(self.backward != IDLE)
+        return float(busy) / (2 * self.forward.size)
+
+    def render(self) -> str:
+        """Tick x stage picture: ``F3`` forward of microbatch 3, ``B-1`` backward of the previous
+        batch's last microbatch, ``.`` idle."""
+
+        def cell(f, b):
+            parts = [f"F{f}" if f != IDLE else "", f"B{b}" if b != IDLE else ""]
+            return "/".join(p for p in parts if p) or "."
+
+        rows = [f"{self.name}: P={self.n_stages} stages, M={self.microbatches} microbatches, "
+                f"{self.ticks} ticks/step, useful {self.useful_fraction():.0%}"]
+        width = max(len(cell(f, b)) for f, b in zip(self.forward.ravel(), self.backward.ravel())) + 1
+        rows.append("tick  " + "".join(f"s{s}".ljust(width) for s in range(self.n_stages)))
+        for k in range(self.ticks):
+            rows.append(f"{k:<6d}" + "".join(cell(self.forward[k, s], self.backward[k, s]).ljust(width)
+                                             for s in range(self.n_stages)))
+        return "\n".join(rows)
+
+
+def sync_table(n_stages: int, microbatches: int) -> TickTable:
+    """One flushed step: forward of ``m`` on ``s`` at ``m + s``, backward at ``m + 2(P-1) - s``."""
+    P, M = n_stages, microbatches
+    ticks = M + 2 * P - 2
+    fwd = np.full((ticks, P), IDLE, np.int32)
+    bwd = np.full((ticks, P), IDLE, np.int32)
+    for s in range(P):
+        for m in range(M):
+            fwd[m + s, s] = m
+            bwd[m + 2 * (P - 1) - s, s] = m
+    return TickTable("sync", P, M, fwd, bwd)
+
+
+def async_table(n_stages: int, microbatches: int) -> TickTable:
+    """One steady-state ``2bw`` window of ``M`` ticks (no flush); see the module docstring."""
+    P, M = n_stages, microbatches
+    if M < min_microbatches_2bw(P):
+        raise ValueError(
+            f"config.train.microbatches={M} is too few for the 2bw schedule with config.pipeline.stages={P}: "
+            f"a one-step delay needs microbatches >= 2*(stages-1) = {min_microbatches_2bw(P)}, else a batch's "
+            "backward spills into a third step and needs a third weight version.")
+    k = np.arange(M)[:, None]
+    s = np.arange(P)[None, :]
+    fwd = (k - s).astype(np.int32)
+    bwd = (k - (2 * (P - 1) - s)).astype(np.int32)
+    return TickTable("2bw", P, M, fwd, bwd)
