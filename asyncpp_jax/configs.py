@@ -19,7 +19,8 @@ MUON_SCALINGS = ("moonlight", "keller")
 ADAN_DECAY_MODES = ("proximal", "decoupled")
 SCHEDULES = ("constant", "cosine", "linear", "wsd")
 DTYPES = ("float32", "bfloat16")
-RUNNERS = ("simulate",)
+RUNNERS = ("auto", "simulate", "pipeline")
+PIPELINE_SCHEDULES = ("sync", "2bw")
 PIPEDREAM_GRADIENTS = ("mixed", "per_leaf")
 STALENESS_MODES = ("sync", "2bw", "pipedream")
 MITIGATIONS = ("none", "ef", "taylor")
@@ -36,7 +37,7 @@ def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.name = "base"
     c.seed = 0
-    c.runner = "simulate"
+    c.runner = "auto"  # auto: the pipeline engine when config.pipeline.stages > 1, else simulate
 
     c.model = ml_collections.ConfigDict(
         dict(
@@ -76,7 +77,9 @@ def base_config() -> ml_collections.ConfigDict:
         dict(
             steps=1000,
             global_batch_size=32,  # sequences per optimizer update, over all devices and microbatches
-            microbatches=1,  # gradient accumulation steps per update
+            # gradient accumulation steps per update; -1 = auto: 1, or under the pipeline engine the
+            # smallest divisor of the per-replica batch that is >= 2*(stages-1) (2bw's minimum)
+            microbatches=-1,
             eval_every=100,
             eval_batches=8,
             log_every=10,
@@ -129,12 +132,50 @@ def base_config() -> ml_collections.ConfigDict:
             taylor_ema_decay=0.99,
         )
     )
+    c.pipeline = ml_collections.ConfigDict(
+        dict(
+            stages=1,  # > 1: the pipeline engine, layers split into this many contiguous stages
+            schedule="sync",  # sync (1F1B, flush every step) | 2bw (no flush, one-step delay)
+        )
+    )
     c.mesh = ml_collections.ConfigDict(dict(data=1))  # data-parallel devices; -1 = all devices
     return c
 
 
+def resolve(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """A copy with the automatic fields filled in (``train.microbatches = -1``); validate after."""
+    c = ml_collections.ConfigDict(c.to_dict())
+    if c.train.microbatches == -1:
+        want = 1
+        if uses_pipeline(c) and isinstance(c.pipeline.stages, int) and c.pipeline.stages > 1:
+            want = 2 * (c.pipeline.stages - 1)
+        per_replica = c.train.global_batch_size // max(c.mesh.data, 1) if isinstance(c.mesh.data, int) else 1
+        divisors = [m for m in range(want, max(per_replica, 0) + 1) if per_replica % m == 0]
+        c.train.microbatches = divisors[0] if divisors else want
+    return c
+
+
+def uses_pipeline(c: ml_collections.ConfigDict) -> bool:
+    return c.runner == "pipeline" or (c.runner == "auto" and c.pipeline.stages > 1)
+
+
+def effective_staleness(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """``config.staleness`` as the optimizer chain should see it: under the engine's ``2bw``
+    schedule the one-step delay is physical, so the mode is ``2bw`` whatever the field says."""
+    st = ml_collections.ConfigDict(c.staleness.to_dict())
+    if uses_pipeline(c) and c.pipeline.schedule == "2bw":
+        st.mode = "2bw"
+    return st
+
+
+def devices_needed(c: ml_collections.ConfigDict) -> int:
+    stages = c.pipeline.stages if uses_pipeline(c) else 1
+    return max(c.mesh.data, 1) * stages
+
+
 def validate(c: ml_collections.ConfigDict) -> None:
     """Raise one ConfigError listing every impossible setting in ``c``."""
+    c = resolve(c)
     errs: list[str] = []
 
     def need(cond: bool, msg: str) -> None:
@@ -218,9 +259,34 @@ def validate(c: ml_collections.ConfigDict) -> None:
     need(st.mode in STALENESS_MODES, f"config.staleness.mode={st.mode!r} is unknown; choose one of {STALENESS_MODES}.")
     need(st.mitigation in MITIGATIONS,
          f"config.staleness.mitigation={st.mitigation!r} is unknown; choose one of {MITIGATIONS}.")
-    if st.mode == "sync":
+    pipe = c.pipeline
+    need(isinstance(pipe.stages, int) and pipe.stages >= 1,
+         f"config.pipeline.stages={pipe.stages!r} must be a positive integer.")
+    need(pipe.schedule in PIPELINE_SCHEDULES,
+         f"config.pipeline.schedule={pipe.schedule!r} is unknown; choose one of {PIPELINE_SCHEDULES}.")
+    engine_2bw = False
+    if isinstance(pipe.stages, int) and pipe.stages >= 1 and pipe.schedule in PIPELINE_SCHEDULES:
+        if c.runner == "pipeline":
+            need(pipe.stages > 1, "config.runner='pipeline' needs config.pipeline.stages > 1.")
+        if uses_pipeline(c) and pipe.stages > 1:
+            engine_2bw = pipe.schedule == "2bw"
+            if isinstance(m.n_layers, int):
+                need(m.n_layers % pipe.stages == 0,
+                     f"config.model.n_layers={m.n_layers} is not divisible by config.pipeline.stages={pipe.stages}; "
+                     "each stage holds an equal, contiguous block of layers.")
+            need(st.mode in ("sync", pipe.schedule),
+                 f"config.staleness.mode={st.mode!r} cannot run on the pipeline engine with "
+                 f"config.pipeline.schedule={pipe.schedule!r}: the engine's delay is physical. Use "
+                 "config.pipeline.schedule=2bw for a one-step delay, or config.pipeline.stages=1 to simulate it.")
+            if engine_2bw and isinstance(t.microbatches, int):
+                need(t.microbatches >= 2 * (pipe.stages - 1),
+                     f"config.train.microbatches={t.microbatches} is too few for config.pipeline.schedule=2bw "
+                     f"with config.pipeline.stages={pipe.stages}: a one-step delay needs microbatches >= "
+                     f"2*(stages-1) = {2 * (pipe.stages - 1)}.")
+    if st.mode == "sync" and not engine_2bw:
         need(st.mitigation == "none",
-             f"config.staleness.mitigation={st.mitigation!r} needs a delay; set config.staleness.mode=2bw or pipedream.")
+             f"config.staleness.mitigation={st.mitigation!r} needs a delay; set config.staleness.mode=2bw or "
+             "pipedream, or config.pipeline.schedule=2bw.")
     if st.mode == "pipedream":
         need(isinstance(st.stages, int) and st.stages >= 2,
              f"config.staleness.stages={st.stages!r} must be an integer >= 2 for pipedream.")
@@ -258,11 +324,14 @@ def validate(c: ml_collections.ConfigDict) -> None:
 
 def check_against_devices(c: ml_collections.ConfigDict, num_devices: int) -> int:
     """Resolve ``mesh.data = -1`` and check the mesh fits the devices; returns the data size."""
-    data = num_devices if c.mesh.data == -1 else c.mesh.data
-    if data > num_devices:
+    c = resolve(c)
+    stages = c.pipeline.stages if uses_pipeline(c) else 1
+    data = num_devices // stages if c.mesh.data == -1 else c.mesh.data
+    if data * stages > num_devices or data < 1:
         raise ConfigError(
-            f"config.mesh.data={data} asks for more devices than the {num_devices} present; lower it, "
-            "or on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=N before starting."
+            f"config.mesh.data={c.mesh.data} x config.pipeline.stages={stages} asks for {max(data, 1) * stages} "
+            f"devices but {num_devices} are present; lower them, or on CPU set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={max(data, 1) * stages} before JAX starts."
         )
     div = c.train.microbatches * data
     if c.train.global_batch_size % div:

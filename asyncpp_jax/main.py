@@ -23,10 +23,6 @@ _CONFIG = config_flags.DEFINE_config_file(
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (checkpoints, metrics, config). "
                                "Default: runs/<config.name>. An existing run there is resumed.")
 
-def devices_needed(config) -> int:
-    return max(config.mesh.data, 1)
-
-
 def _fail(message: str, code: int = 2):
     print(f"error: {message}", file=sys.stderr)
     sys.exit(code)
@@ -35,12 +31,12 @@ def _fail(message: str, code: int = 2):
 def main(argv):
     if len(argv) > 1:
         _fail(f"unexpected arguments {argv[1:]}; settings go in --config.section.field=value")
-    config = _CONFIG.value
+    config = configs.resolve(_CONFIG.value)
     try:
         configs.validate(config)
     except configs.ConfigError as e:
         _fail(str(e))
-    host_setup.prepare(devices_needed(config), config.optimizer.name)
+    host_setup.prepare(configs.devices_needed(config), config.optimizer.name)
     # Our own progress at INFO; the libraries' (orbax logs every checkpoint step) at WARNING.
     absl_logging.set_verbosity(absl_logging.WARNING)
     logging.getLogger("asyncpp_jax").setLevel(logging.INFO)

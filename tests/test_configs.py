@@ -34,6 +34,9 @@ def test_default_config_is_tiny():
         ("optimizer.warmup_steps", 10_000, "config.optimizer.warmup_steps"),
         ("mesh.data", 0, "config.mesh.data"),
         ("runner", "magic", "config.runner"),
+        ("pipeline.schedule", "1f1b", "config.pipeline.schedule='1f1b' is unknown"),
+        ("pipeline.stages", 0, "config.pipeline.stages=0 must be a positive integer"),
+        ("pipeline.stages", 3, "config.model.n_layers=4 is not divisible by config.pipeline.stages=3"),
         ("staleness.mode", "async", "config.staleness.mode='async' is unknown"),
         ("staleness.pipedream_gradient", "exact", "config.staleness.pipedream_gradient='exact' is unknown"),
         ("staleness.mitigation", "ef", "config.staleness.mitigation='ef' needs a delay"),
@@ -60,13 +63,37 @@ def test_all_problems_reported_at_once():
 def test_device_and_tokenizer_checks():
     c = importlib.import_module("configs.tiny").get_config()
     c.mesh.data = 8
-    with pytest.raises(configs.ConfigError, match="config.mesh.data=8 asks for more devices than the 2"):
+    with pytest.raises(configs.ConfigError, match="config.mesh.data=8 x config.pipeline.stages=1 asks for 8 devices but 2"):
         configs.check_against_devices(c, 2)
     c.mesh.data = -1
     assert configs.check_against_devices(c, 4) == 4
     c.model.vocab_size = 100
     with pytest.raises(configs.ConfigError, match="config.model.vocab_size=100 is smaller"):
         configs.check_against_tokenizer(c, 257)
+
+
+def test_pipeline_settings_resolve_and_fail_clearly():
+    c = importlib.import_module("configs.tiny").get_config()
+    c.pipeline.update(stages=4, schedule="2bw")
+    r = configs.resolve(c)
+    assert r.train.microbatches == 8  # smallest divisor of 32 that is >= 2*(4-1)
+    assert configs.devices_needed(r) == 4 and configs.uses_pipeline(r)
+    assert configs.effective_staleness(r).mode == "2bw"
+    configs.validate(c)
+    c.train.microbatches = 4
+    with pytest.raises(configs.ConfigError, match=r"microbatches=4 is too few .* >= 2\*\(stages-1\) = 6"):
+        configs.validate(c)
+    c.train.microbatches = 8
+    c.staleness.mode = "pipedream"
+    with pytest.raises(configs.ConfigError, match="config.staleness.mode='pipedream' cannot run on the pipeline engine"):
+        configs.validate(c)
+    c.staleness.mode = "sync"
+    with pytest.raises(configs.ConfigError, match="config.pipeline.stages=4 asks for 4 devices but 2"):
+        configs.check_against_devices(c, 2)
+    c.pipeline.update(stages=1, schedule="sync")
+    c.staleness.mitigation = "ef"
+    with pytest.raises(configs.ConfigError, match="needs a delay"):
+        configs.validate(c)
 
 
 def test_diff_lists_changed_fields():

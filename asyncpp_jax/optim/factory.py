@@ -102,7 +102,7 @@ def weight_versions(st, total_steps: int, params_shapes) -> WeightVersions | Non
         total_steps=total_steps))
 
 
-def build_optimizer(o, total_steps: int, staleness=None, params_shapes=None):
+def build_optimizer(o, total_steps: int, staleness=None, params_shapes=None, delay_in_chain: bool = True):
     """Returns ``(optimizer, lr_schedule)``; the schedule is also used to log the lr.
 
     With ``staleness`` (``config.staleness``) in mode ``2bw`` or ``pipedream`` the chain simulates
@@ -114,7 +114,8 @@ def build_optimizer(o, total_steps: int, staleness=None, params_shapes=None):
     parameter shapes (``params_shapes``, e.g. ``models.abstract_params``) to assign stages.  With
     ``pipedream_gradient='mixed'`` the delay comes from where the runner takes the gradient
     (:func:`weight_versions`), so the chain has no ``delay`` and the mitigations keep their
-    per-stage schedule.
+    per-stage schedule.  ``delay_in_chain=False`` is for the pipeline engine, whose delay is
+    physical: the chain keeps the mitigations and their schedule but has no ``delay``.
     """
     schedule = make_schedule(o, total_steps)
     parts = [optax.clip_by_global_norm(o.grad_clip)] if o.grad_clip else []
@@ -124,7 +125,7 @@ def build_optimizer(o, total_steps: int, staleness=None, params_shapes=None):
     if staleness.mode == "pipedream" and params_shapes is None:
         raise ValueError("staleness.mode='pipedream' needs params_shapes to assign parameters to stages")
     kw = _delay_kwargs(staleness, total_steps, params_shapes)
-    if not _mixed_point(staleness):
+    if delay_in_chain and not _mixed_point(staleness):
         parts.append(delay(**kw))
     if staleness.mitigation == "taylor":
         parts.append(taylor_compensation(

@@ -116,7 +116,7 @@ def _vary(tree, axes=("data", "stage")):
     return jax.tree.map(one, tree)
 
 
-def _make_grads_fn(model_cfg, mesh, table: schedules.TickTable, is_async: bool, params_abstract, fill_nan=False):
+def _make_grads_fn(model_cfg, mesh, table: schedules.TickTable, is_async: bool, params_abstract):
     """``shard_map``-ped ``(cur, prev, batch, pstate, prev_live) -> (grads, stats, pstate)``."""
     n_stages, M = table.n_stages, table.microbatches
     S = schedules.stash_slots(n_stages)
@@ -131,7 +131,9 @@ def _make_grads_fn(model_cfg, mesh, table: schedules.TickTable, is_async: bool, 
         strip = lambda x: x[0, 0]  # noqa: E731
         stash, fwd_buf, bwd_buf = strip(pstate.stash), strip(pstate.fwd_buf), strip(pstate.bwd_buf)
         acc_prev = jax.tree.map(strip, pstate.grad_partial)
-        acc_prev = jax.tree.map(jnp.zeros_like, acc_prev) if not is_async else acc_prev
+        # The in-flight batch's partial gradient counts only if the previous step was asynchronous;
+        # at the first 2bw step it is a fill (zero) gradient, whatever the buffer holds.
+        acc_prev = jax.tree.map(lambda a: jnp.where(prev_live, a, jnp.zeros_like(a)), acc_prev)
         acc_cur = jax.tree.map(jnp.zeros_like, acc_prev)
         prev_batch = pstate.prev_batch
 
@@ -243,24 +245,25 @@ def make_pipeline_train_step(model_cfg, optimizer, schedule: optax.Schedule, mes
     return jax.jit(train_step, donate_argnums=0)
 
 
-def place_state(state: TrainState, mesh, params_abstract) -> TrainState:
-    """Put a fresh or restored state on the pipeline mesh (layers over ``stage``)."""
+def state_shardings(state, mesh, params_abstract):
+    """NamedShardings for a (possibly abstract) pipeline TrainState: layers and their optimizer
+    moments over ``stage``, the in-flight state per device, the rest replicated."""
     shard = functools.partial(NamedSharding, mesh)
-    pspec = jax.tree.map(shard, param_specs(params_abstract))
-    rspec = jax.tree.map(shard, pipeline_state_specs(params_abstract))
-
     n_layers = {x.shape[0] for x in jax.tree.leaves(params_abstract["layers"])}.pop()
 
-    def opt_leaf_sharding(x):
+    def opt_leaf(x):
         # Optimizer moments of stacked layer leaves live with their stage, like the params.
-        stacked = getattr(x, "ndim", 0) >= 2 and x.shape[0] == n_layers
+        stacked = len(x.shape) >= 2 and x.shape[0] == n_layers
         return shard(P("stage") if stacked else P())
 
-    params = jax.device_put(state.params, pspec)
-    opt_state = jax.device_put(state.opt_state, jax.tree.map(opt_leaf_sharding, state.opt_state))
-    runner = jax.device_put(state.runner_state, rspec)
-    return TrainState(step=jax.device_put(state.step, shard(P())), params=params, opt_state=opt_state,
-                      runner_state=runner)
+    return TrainState(step=shard(P()), params=jax.tree.map(shard, param_specs(params_abstract)),
+                      opt_state=jax.tree.map(opt_leaf, state.opt_state),
+                      runner_state=jax.tree.map(shard, pipeline_state_specs(params_abstract)))
+
+
+def place_state(state: TrainState, mesh, params_abstract) -> TrainState:
+    """Put a fresh state on the pipeline mesh (layers over ``stage``)."""
+    return jax.device_put(state, state_shardings(state, mesh, params_abstract))
 
 
 def global_batch_sharding(mesh) -> NamedSharding:

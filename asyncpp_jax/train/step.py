@@ -126,7 +126,9 @@ def make_eval_step(model_cfg, mesh) -> Callable:
         return total, count
 
     fn = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()))
-    return jax.jit(fn, in_shardings=(replicated(mesh), eval_sharding(mesh)))
+    # Under the pipeline engine the params arrive sharded over ``stage``; shard_map gathers them.
+    params_sharding = replicated(mesh) if "stage" not in mesh.axis_names else None
+    return jax.jit(fn, in_shardings=(params_sharding, eval_sharding(mesh)))
 
 
 def eval_sharding(mesh) -> NamedSharding:

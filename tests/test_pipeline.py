@@ -1,0 +1,159 @@
+"""The pipeline engine against the simulate runner (DESIGN.md: parity is the contract).
+
+Small model (4 layers, d 16) on fake CPU devices; the simulate runner with ``delay(1)`` in its
+chain is the reference for ``2bw``, the plain simulate runner for ``sync``.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+
+from asyncpp_jax.configs import base_config
+from asyncpp_jax.models import dense
+from asyncpp_jax.optim import DelaySchedule, delay, error_feedback, muon
+from asyncpp_jax.pipeline import engine, make_mesh, schedules
+from asyncpp_jax.train import step as step_lib
+
+T = 8
+SCHED = optax.constant_schedule(0.0)  # only logged
+
+
+def model_cfg():
+    m = base_config().model
+    m.update(vocab_size=31, d_model=16, n_layers=4, n_heads=2, n_kv_heads=1, head_dim=8, d_ff=24, tie_embeddings=True)
+    return m
+
+
+def batches(n, M, B, seed=0):
+    rng = np.random.default_rng(seed)
+    return [jnp.asarray(rng.integers(0, 31, (M, B // M, T + 1)), jnp.int32) for _ in range(n)]
+
+
+def make_opt(name, ef=False, K=0, C=0, total=None):
+    # eps 1e-6: rows of rarely seen tokens get ~1e-9 gradients, whose float32 rounding Adam would
+    # otherwise blow up to O(lr) differences between two equally valid summation orders.
+    base = (optax.adamw(1e-2, b1=0.9, eps=1e-6, weight_decay=0.1) if name == "adamw"
+            else muon(2e-2, mu=0.9, weight_decay=0.1))
+    return optax.chain(base, error_feedback(1.0, sync_start_steps=K, sync_cooldown_steps=C,
+                                            total_steps=total)) if ef else base
+
+
+def run_simulate(cfg, tx, data, data_size=1):
+    mesh = make_mesh(data_size, jax.devices()[:data_size])
+    step = step_lib.make_train_step(cfg, tx, SCHED, mesh)
+    state = jax.device_put(step_lib.init_state(cfg, tx, jax.random.key(0)), step_lib.replicated(mesh))
+    for b in data:
+        state, _ = step(state, jax.device_put(b, NamedSharding(mesh, step_lib.BATCH_SPEC)))
+    return state
+
+
+def init_pipeline(cfg, tx, mesh, M, B, poison=False):
+    abstract = dense.abstract_params(cfg)
+    state = step_lib.init_state(cfg, tx, jax.random.key(0))
+    ps = engine.init_pipeline_state(cfg, state.params, mesh.shape["data"], mesh.shape["stage"], M, B, T)
+    if poison:  # every buffer a bubble slot could read: NaN (tokens stay valid ints)
+        ps = ps._replace(**{k: jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), getattr(ps, k))
+                            for k in ("prev_params", "stash", "fwd_buf", "bwd_buf", "grad_partial")})
+    return engine.place_state(state.replace(runner_state=ps), mesh, abstract)
+
+
+def run_pipeline(cfg, tx, data, P, schedule, data_size=1, dsched=None, poison=False):
+    M, B = data[0].shape[0], data[0].shape[0] * data[0].shape[1]
+    mesh = engine.make_pipeline_mesh(data_size, P)
+    step = engine.make_pipeline_train_step(cfg, tx, SCHED, mesh, dense.abstract_params(cfg), M, schedule, dsched)
+    state = init_pipeline(cfg, tx, mesh, M, B, poison)
+    metrics = []
+    for b in data:
+        state, m = step(state, jax.device_put(b, engine.global_batch_sharding(mesh)))
+        metrics.append(jax.device_get(m))
+    return state, metrics
+
+
+def assert_params_close(a, b, rtol=2e-5, atol=2e-5):
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+# ------------------------------------------------------------------------------------ tick tables
+
+
+@pytest.mark.parametrize("P, M", [(2, 2), (4, 6), (4, 16)])
+def test_tick_tables(P, M):
+    sync, asyn = schedules.sync_table(P, M), schedules.async_table(P, M)
+    assert sync.ticks == M + 2 * P - 2
+    assert sync.useful_fraction() == pytest.approx(M / (M + 2 * P - 2))
+    assert asyn.ticks == M and asyn.useful_fraction() == 1.0  # no bubble in steady state
+    for table in (sync, asyn):
+        for s in range(P):  # each microbatch once forward and once backward per stage
+            f, b = table.forward[:, s], table.backward[:, s]
+            assert sorted(f[f != schedules.IDLE] % M) == list(range(M))
+            assert sorted(b[b != schedules.IDLE] % M) == list(range(M))
+    # Backward of a microbatch on stage s comes after the one on s+1 (its cotangent), one tick apart.
+    k_b = {(int(sync.backward[k, s]), s): k for k in range(sync.ticks) for s in range(P)}
+    assert all(k_b[(m, s)] == k_b[(m, s + 1)] + 1 for m in range(M) for s in range(P - 1))
+    assert "F0" in sync.render() and f"useful {sync.useful_fraction():.0%}" in sync.render()
+
+
+def test_2bw_needs_enough_microbatches():
+    assert schedules.min_microbatches_2bw(4) == 6
+    with pytest.raises(ValueError, match=r"microbatches=5 is too few .* >= 2\*\(stages-1\) = 6"):
+        schedules.async_table(4, 5)
+
+
+# ------------------------------------------------------------------------------------------ parity
+
+
+@pytest.mark.parametrize("P, M", [(2, 2), (2, 4), (4, 4), (4, 8)])
+def test_sync_schedule_equals_simulate(P, M):
+    cfg, data = model_cfg(), batches(2, M, 2 * M)
+    want = run_simulate(cfg, make_opt("adamw"), data)
+    got, metrics = run_pipeline(cfg, make_opt("adamw"), data, P, "sync")
+    assert_params_close(got.params, want.params)
+    assert np.isfinite(metrics[-1]["loss"])
+
+
+def test_sync_schedule_with_data_parallel_equals_one_device():
+    cfg, data = model_cfg(), batches(2, 2, 8)
+    want = run_simulate(cfg, make_opt("adamw"), data, data_size=1)
+    got, _ = run_pipeline(cfg, make_opt("adamw"), data, 2, "sync", data_size=2)
+    assert_params_close(got.params, want.params)
+
+
+@pytest.mark.parametrize("opt, ef", [("adamw", False), ("adamw", True), ("muon", False), ("muon", True)])
+def test_2bw_equals_simulate_with_delay_one(opt, ef):
+    cfg, data = model_cfg(), batches(10, 2, 4, seed=1)
+    want = run_simulate(cfg, optax.chain(delay(1), make_opt(opt, ef)), data)
+    got, metrics = run_pipeline(cfg, make_opt(opt, ef), data, 2, "2bw")
+    assert_params_close(got.params, want.params)
+    assert [m["delay"] for m in metrics] == [1] * 10
+    # Not vacuous: the delay matters at this learning rate.
+    sync = run_simulate(cfg, make_opt(opt, ef), data)
+    assert np.max(np.abs(np.asarray(got.params["embed"]["embedding"]) - np.asarray(sync.params["embed"]["embedding"]))) > 1e-3
+
+
+def test_2bw_parity_across_sync_start_and_cooldown_four_stages():
+    K, C, n = 2, 3, 11
+    cfg, data = model_cfg(), batches(n, 6, 6, seed=2)
+    dsched = DelaySchedule(1, K, C, n)
+    chain_kw = dict(sync_start_steps=K, sync_cooldown_steps=C, total_steps=n)
+    want = run_simulate(cfg, optax.chain(delay(1, **chain_kw), make_opt("muon", True, K, C, n)), data)
+    got, metrics = run_pipeline(cfg, make_opt("muon", True, K, C, n), data, 4, "2bw", dsched=dsched)
+    assert_params_close(got.params, want.params)
+    assert [int(m["delay"]) for m in metrics] == [0, 0] + [1] * 6 + [0] * 3
+    assert [int(m["skipped_batches"]) for m in metrics] == [0] * 8 + [1, 0, 0]
+
+
+@pytest.mark.parametrize("schedule", ["sync", "2bw"])
+def test_bubbles_filled_with_nan_leak_nothing(schedule):
+    cfg, data = model_cfg(), batches(3, 4, 4, seed=3)
+    clean, _ = run_pipeline(cfg, make_opt("adamw"), data, 2, schedule)
+    poisoned, metrics = run_pipeline(cfg, make_opt("adamw"), data, 2, schedule, poison=True)
+    assert all(np.isfinite(m["loss"]) for m in metrics)
+    for x, y in zip(jax.tree.leaves(clean.params), jax.tree.leaves(poisoned.params)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
