@@ -56,6 +56,19 @@ def base_config() -> ml_collections.ConfigDict:
             compute_dtype="float32",
             param_dtype="float32",
             remat=False,
+            # Mixture of experts (models/moe.py); num_experts = 0 is a dense model.
+            moe=dict(
+                num_experts=0,
+                top_k=2,
+                expert_d_ff=0,  # each expert's SwiGLU hidden size
+                gating="softmax",  # softmax | sigmoid router scores
+                normalize_gates=True,  # renormalise the top-k gates to sum to 1
+                capacity_factor=1.25,  # <= 0: dropless (every expert on every token)
+                shared_experts=0,  # always-on experts, fused into one SwiGLU of shared_experts * expert_d_ff
+                every=1,  # MoE on every k-th layer (the others dense)
+                lb_loss_coef=0.01,  # Switch load-balancing loss weight
+                router_z_loss_coef=0.001,  # ST-MoE router z-loss weight
+            ),
         )
     )
     c.data = ml_collections.ConfigDict(
@@ -87,6 +100,8 @@ def base_config() -> ml_collections.ConfigDict:
             keep_checkpoints=3,
             async_checkpoint=True,
             progress_bar=True,
+            # peak dense TFLOP/s of one accelerator (e.g. 989 H100 bf16, 459 TPU v5p); 0 = MFU not reported
+            peak_tflops_per_device=0.0,
         )
     )
     c.optimizer = ml_collections.ConfigDict(
@@ -109,7 +124,7 @@ def base_config() -> ml_collections.ConfigDict:
             mars=dict(b1=0.95, b2=0.99, gamma=0.025, eps=1e-8),
             # Muon, SOAP and MARS act on hidden matrices; the rest (embeddings, head, norms,
             # biases: leaves < 2-D or whose path matches adamw_pattern) go to an AdamW side branch.
-            adamw_pattern=r"embed|lm_head|head|norm|scale|bias",
+            adamw_pattern=r"embed|lm_head|head|norm|scale|bias|router",
             # side lr = lr_ratio * lr; weight_decay -1 = the main branch's weight_decay.
             side=dict(lr_ratio=1.0, b1=0.9, b2=0.95, eps=1e-8, weight_decay=-1.0),
         )
@@ -188,6 +203,20 @@ def validate(c: ml_collections.ConfigDict) -> None:
     # Model shape.
     for f in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff"):
         need(isinstance(m[f], int) and m[f] > 0, f"config.model.{f}={m[f]!r} must be a positive integer.")
+    moe = m.moe
+    if moe.num_experts:
+        need(isinstance(moe.num_experts, int) and moe.num_experts >= 2,
+             f"config.model.moe.num_experts={moe.num_experts!r} must be 0 (dense) or an integer >= 2.")
+        need(isinstance(moe.top_k, int) and 1 <= moe.top_k <= moe.num_experts,
+             f"config.model.moe.top_k={moe.top_k!r} must lie in [1, num_experts={moe.num_experts}].")
+        need(isinstance(moe.expert_d_ff, int) and moe.expert_d_ff > 0,
+             f"config.model.moe.expert_d_ff={moe.expert_d_ff!r} must be a positive integer.")
+        need(moe.gating in ("softmax", "sigmoid"),
+             f"config.model.moe.gating={moe.gating!r} is unknown; choose softmax or sigmoid.")
+        need(isinstance(moe.every, int) and moe.every >= 1 and isinstance(m.n_layers, int)
+             and m.n_layers % moe.every == 0,
+             f"config.model.moe.every={moe.every!r} must be a positive integer dividing "
+             f"config.model.n_layers={m.n_layers}.")
     if not errs:
         if not m.head_dim:
             need(
@@ -270,10 +299,12 @@ def validate(c: ml_collections.ConfigDict) -> None:
             need(pipe.stages > 1, "config.runner='pipeline' needs config.pipeline.stages > 1.")
         if uses_pipeline(c) and pipe.stages > 1:
             engine_2bw = pipe.schedule == "2bw"
-            if isinstance(m.n_layers, int):
-                need(m.n_layers % pipe.stages == 0,
-                     f"config.model.n_layers={m.n_layers} is not divisible by config.pipeline.stages={pipe.stages}; "
-                     "each stage holds an equal, contiguous block of layers.")
+            units = m.n_layers // m.moe.every if m.moe.num_experts and m.moe.every > 1 else m.n_layers
+            if isinstance(units, int):
+                need(units % pipe.stages == 0,
+                     f"config.model.n_layers={m.n_layers} is not divisible by config.pipeline.stages={pipe.stages}"
+                     + (f" x config.model.moe.every={m.moe.every}" if units != m.n_layers else "")
+                     + "; each stage holds an equal, contiguous block of layers.")
             need(st.mode in ("sync", pipe.schedule),
                  f"config.staleness.mode={st.mode!r} cannot run on the pipeline engine with "
                  f"config.pipeline.schedule={pipe.schedule!r}: the engine's delay is physical. Use "

@@ -137,6 +137,13 @@ def test_2bw_equals_simulate_with_delay_one(opt, ef):
     assert np.max(np.abs(np.asarray(got.params["embed"]["embedding"]) - np.asarray(sync.params["embed"]["embedding"]))) > 1e-3
 
 
+def test_2bw_with_data_parallel_equals_simulate():
+    cfg, data = model_cfg(), batches(4, 2, 8, seed=4)
+    want = run_simulate(cfg, optax.chain(delay(1), make_opt("adamw")), data, data_size=2)
+    got, _ = run_pipeline(cfg, make_opt("adamw"), data, 2, "2bw", data_size=2)
+    assert_params_close(got.params, want.params)
+
+
 def test_2bw_parity_across_sync_start_and_cooldown_four_stages():
     K, C, n = 2, 3, 11
     cfg, data = model_cfg(), batches(n, 6, 6, seed=2)
@@ -147,6 +154,17 @@ def test_2bw_parity_across_sync_start_and_cooldown_four_stages():
     assert_params_close(got.params, want.params)
     assert [int(m["delay"]) for m in metrics] == [0, 0] + [1] * 6 + [0] * 3
     assert [int(m["skipped_batches"]) for m in metrics] == [0] * 8 + [1, 0, 0]
+
+
+def test_moe_model_under_2bw_equals_simulate():
+    """MoE (every other layer, 4 experts top-2, capacity 1.25): aux losses included on every stage."""
+    cfg = model_cfg()
+    cfg.moe.update(num_experts=4, top_k=2, expert_d_ff=8, every=2, capacity_factor=1.25)
+    data = batches(6, 2, 4, seed=5)
+    want = run_simulate(cfg, optax.chain(delay(1), make_opt("adamw")), data)
+    got, metrics = run_pipeline(cfg, make_opt("adamw"), data, 2, "2bw")
+    assert_params_close(got.params, want.params)
+    assert metrics[-1]["moe_lb_loss"] > 0 and "moe_dropped" in metrics[-1]
 
 
 @pytest.mark.parametrize("schedule", ["sync", "2bw"])

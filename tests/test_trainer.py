@@ -208,20 +208,34 @@ def test_cli_rejects_bad_config_without_traceback(tmp_path):
     assert "Traceback" not in out.stderr
 
 
-def test_cli_trains_with_overrides_and_fake_devices(cache_dir, tmp_path):
+@pytest.mark.parametrize("parallel", [["--config.mesh.data=2"],
+                                      ["--config.pipeline.stages=2", "--config.pipeline.schedule=2bw"]])
+def test_cli_trains_with_overrides_and_fake_devices(cache_dir, tmp_path, parallel):
+    """Data parallel, or the pipeline engine: the CLI makes the fake CPU devices either needs."""
     args = [
         "--config=configs/tiny.py", f"--workdir={tmp_path}/run", f"--config.data.source={SOURCE}",
         f"--config.data.cache_dir={cache_dir}", "--config.data.seq_len=32", "--config.data.val_fraction=0.2",
         "--config.model.d_model=32", "--config.model.n_heads=2", "--config.model.n_kv_heads=1",
         "--config.model.d_ff=64", "--config.train.steps=4", "--config.train.eval_every=2",
-        "--config.train.eval_batches=1", "--config.train.global_batch_size=8", "--config.mesh.data=2",
-        "--config.optimizer.warmup_steps=1", "--config.train.progress_bar=False",
+        "--config.train.eval_batches=1", "--config.train.global_batch_size=8",
+        "--config.optimizer.warmup_steps=1", "--config.train.progress_bar=False", *parallel,
     ]
     out = _cli(args, cwd=configs.REPO_ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "validation loss" in out.stdout and "nats/byte" in out.stdout
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert saved["mesh"]["data"] == 2 and saved["model"]["d_model"] == 32
+    assert saved["model"]["d_model"] == 32
+    if "--config.mesh.data=2" in parallel:
+        assert saved["mesh"]["data"] == 2
+    else:  # microbatches=-1 resolved to 2 = 2*(stages-1); the schedule is logged
+        assert saved["train"]["microbatches"] == 2 and "useful 100%" in out.stderr
+
+
+def test_cli_rejects_too_few_microbatches_for_2bw(tmp_path):
+    out = _cli(["--config.pipeline.stages=4", "--config.pipeline.schedule=2bw", "--config.train.microbatches=4",
+                f"--workdir={tmp_path}/run"], cwd=configs.REPO_ROOT)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "config.train.microbatches=4 is too few for config.pipeline.schedule=2bw" in out.stderr
 
 
 def test_cli_sigterm_checkpoints_and_exits_cleanly(cache_dir, tmp_path):

@@ -116,10 +116,19 @@ class MLP(nn.Module):
         return nn.Dense(cfg.d_model, kernel_init=out_init, name="down", **kw)(nn.silu(gate) * up)
 
 
+MOE_METRICS = ("moe_lb_loss", "moe_router_z", "moe_dropped")
+
+
+def _no_moe_aux() -> dict:
+    return {k: jnp.zeros((), jnp.float32) for k in MOE_METRICS}
+
+
 class Block(nn.Module):
-    """One pre-norm decoder layer. Signature ``(h, positions) -> (h, None)`` so it scans."""
+    """One pre-norm decoder layer, ``(h, positions) -> (h, aux)`` so it scans; ``aux`` holds the
+    MoE losses and drop fraction (zeros for a dense layer)."""
 
     cfg: ml_collections.ConfigDict
+    moe: bool = False
 
     @nn.compact
     def __call__(self, h: Array, positions: Array):
@@ -128,13 +137,52 @@ class Block(nn.Module):
             cfg.norm_eps, dtype_of(cfg.compute_dtype), dtype_of(cfg.param_dtype), name=name
         )
         h = h + Attention(cfg, name="attn")(norm("attn_norm")(h), positions)
-        h = h + MLP(cfg, name="mlp")(norm("mlp_norm")(h))
-        return h, None
+        if self.moe:
+            from asyncpp_jax.models.moe import MoE
+
+            y, aux = MoE(cfg, name="moe")(norm("mlp_norm")(h))
+        else:
+            y, aux = MLP(cfg, name="mlp")(norm("mlp_norm")(h)), _no_moe_aux()
+        return h + y, aux
+
+
+class Group(nn.Module):
+    """``moe.every = k`` consecutive layers, the last one MoE: the scanned unit of such a model."""
+
+    cfg: ml_collections.ConfigDict
+
+    @nn.compact
+    def __call__(self, h: Array, positions: Array):
+        every = self.cfg.moe.every
+        total = _no_moe_aux()
+        for i in range(every):
+            h, aux = Block(self.cfg, moe=i == every - 1, name=f"block_{i}")(h, positions)
+            total = jax.tree.map(jnp.add, total, aux)
+        return h, total
+
+
+class MoEBlock(Block):
+    moe: bool = True
+
+
+def uses_moe(cfg) -> bool:
+    return bool(cfg.get("moe") and cfg.moe.num_experts)
+
+
+def scan_length(cfg) -> int:
+    """Length of the stacked layer axis: ``n_layers``, or ``n_layers / moe.every`` groups."""
+    return cfg.n_layers // cfg.moe.every if uses_moe(cfg) and cfg.moe.every > 1 else cfg.n_layers
 
 
 def _block_cls(cfg):
+    if uses_moe(cfg) and cfg.moe.every > 1:
+        cls = Group
+    elif uses_moe(cfg):
+        cls = MoEBlock
+    else:
+        cls = Block
     # Rematerialise each layer in the backward pass when asked: memory O(1) layers of activations.
-    return nn.remat(Block, prevent_cse=False) if cfg.remat else Block
+    return nn.remat(cls, prevent_cse=False) if cfg.remat else cls
 
 
 class Decoder(nn.Module):
@@ -158,7 +206,7 @@ class Decoder(nn.Module):
             variable_axes={"params": 0},
             split_rngs={"params": True},
             in_axes=nn.broadcast,
-            length=cfg.n_layers,
+            length=scan_length(cfg),
         )(cfg, name="layers")
         self.final_norm = RMSNorm(cfg.norm_eps, dtype_of(cfg.compute_dtype), pdtype, name="final_norm")
         if not cfg.tie_embeddings:
@@ -172,9 +220,13 @@ class Decoder(nn.Module):
             )
 
     def __call__(self, tokens: Array) -> Array:
+        return self.forward_with_aux(tokens)[0]
+
+    def forward_with_aux(self, tokens: Array):
+        """Logits and the per-layer MoE aux values summed over layers."""
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[-1]), tokens.shape)
-        h, _ = self.layers(self.embed(tokens), positions)
-        return self.logits(h)
+        h, aux = self.layers(self.embed(tokens), positions)
+        return self.logits(h), jax.tree.map(jnp.sum, aux)
 
     def logits(self, h: Array) -> Array:
         h = self.final_norm(h)
@@ -215,15 +267,26 @@ def embed(cfg, params: dict, tokens: Array) -> Array:
 
 def apply_layers(cfg, layer_params: dict, h: Array) -> Array:
     """Run a contiguous slice of the layer stack (leading axis = its layers) with ``lax.scan``."""
+    return apply_layers_with_aux(cfg, layer_params, h)[0]
+
+
+def apply_layers_with_aux(cfg, layer_params: dict, h: Array):
+    """:func:`apply_layers`, also returning the slice's MoE aux values summed over its layers."""
     block = _block_cls(cfg)(cfg)
     positions = jnp.broadcast_to(jnp.arange(h.shape[1]), h.shape[:2])
 
     def body(carry, p):
-        out, _ = block.apply({"params": p}, carry, positions)
-        return out, None
+        return block.apply({"params": p}, carry, positions)
 
-    h, _ = jax.lax.scan(body, h, layer_params)
-    return h
+    h, aux = jax.lax.scan(body, h, layer_params)
+    return h, jax.tree.map(jnp.sum, aux)
+
+
+def aux_loss(cfg, aux: dict) -> Array:
+    """The MoE terms of the training loss: ``lb_coef * sum lb + router_z_coef * sum z`` over layers."""
+    if not uses_moe(cfg):
+        return jnp.zeros((), jnp.float32)
+    return cfg.moe.lb_loss_coef * aux["moe_lb_loss"] + cfg.moe.router_z_loss_coef * aux["moe_router_z"]
 
 
 def logits_from_hidden(cfg, params: dict, h: Array) -> Array:
@@ -253,6 +316,19 @@ def cross_entropy(logits: Array, targets: Array, z_loss: float = 0.0):
 
 
 def loss_fn(cfg, params: dict, batch: Array):
-    """Loss on a packed batch ``[B, T+1]``: inputs ``batch[:, :-1]``, targets ``batch[:, 1:]``."""
-    logits = forward(cfg, params, batch[:, :-1])
-    return cross_entropy(logits, batch[:, 1:], cfg.z_loss)
+    """Loss on a packed batch ``[B, T+1]``: inputs ``batch[:, :-1]``, targets ``batch[:, 1:]``.
+
+    Returns ``(total, stats)``: ``total = ce + z_loss + MoE aux terms`` (:func:`aux_loss`), and
+    ``stats`` the scalars to log: ``ce``, ``z_loss`` and, for an MoE model, the per-layer sums of
+    ``moe_lb_loss``, ``moe_router_z`` and ``moe_dropped``.
+    """
+    logits, aux = Decoder(cfg).apply({"params": params}, batch[:, :-1], method=Decoder.forward_with_aux)
+    total, (ce, z) = cross_entropy(logits, batch[:, 1:], cfg.z_loss)
+    return total + aux_loss(cfg, aux), loss_stats(cfg, ce, z, aux)
+
+
+def loss_stats(cfg, ce, z, aux) -> dict:
+    stats = {"ce": ce, "z_loss": z}
+    if uses_moe(cfg):
+        stats.update(aux)
+    return stats

@@ -17,7 +17,7 @@ import jax
 import optax
 
 HIDDEN, ADAMW = "hidden", "adamw"
-DEFAULT_ADAMW_PATTERN = r"embed|lm_head|head|norm|scale|bias"
+DEFAULT_ADAMW_PATTERN = r"embed|lm_head|head|norm|scale|bias|router"
 
 
 def path_names(path) -> tuple[str, ...]:

@@ -146,10 +146,14 @@ def _make_grads_fn(model_cfg, mesh, table: schedules.TickTable, is_async: bool, 
             return h_in, dense.apply_layers(model_cfg, p["layers"], h_in)
 
         def stage_with_loss(p, h_stash, tokens):
-            _, h_out = stage_fn(p, h_stash, tokens)
+            """``(h_out, this stage's loss)``: the LM loss on stage P-1, plus every stage's MoE terms."""
+            h_in = jnp.where(is_first, dense.embed(model_cfg, p, tokens[:, :-1]).astype(h_stash.dtype), h_stash)
+            h_out, aux = dense.apply_layers_with_aux(model_cfg, p["layers"], h_in)
             logits = dense.logits_from_hidden(model_cfg, p, h_out)
-            loss, (ce, z) = dense.cross_entropy(logits, tokens[:, 1:], model_cfg.z_loss)
-            return (h_out, loss), (ce, z)
+            lm, (ce, z) = dense.cross_entropy(logits, tokens[:, 1:], model_cfg.z_loss)
+            last = lambda x: jnp.where(is_last, x, jnp.zeros_like(x))  # noqa: E731
+            loss = last(lm) + dense.aux_loss(model_cfg, aux)
+            return (h_out, loss), dense.loss_stats(model_cfg, last(ce), last(z), aux)
 
         def live(j):
             return (j != schedules.IDLE) & ((j >= 0) | prev_live)
@@ -165,18 +169,19 @@ def _make_grads_fn(model_cfg, mesh, table: schedules.TickTable, is_async: bool, 
             # Backward slot: recompute the stage from the stashed input, then its vjp.
             p_b = _vary(_select(jb < 0, prev, cur))
             h_stash = stash[jnp.mod(step * M + jb, S)]
-            (_, loss), vjp, (ce, z) = jax.vjp(lambda p, h: stage_with_loss(p, h, tokens_of(jb)), p_b, h_stash,
-                                              has_aux=True)
+            (_, loss), vjp, stats = jax.vjp(lambda p, h: stage_with_loss(p, h, tokens_of(jb)), p_b, h_stash,
+                                            has_aux=True)
             ct_out = jnp.where(is_last, jnp.zeros_like(bwd_buf), bwd_buf)
-            ct_loss = jnp.where(is_last, 1.0 / M, 0.0) * jnp.ones_like(loss)
+            ct_loss = jnp.ones_like(loss) / M
             g_p, g_h = vjp((ct_out, ct_loss))
             ok = live(jb)
             into_prev = ok & (jb < 0)
             into_cur = ok & (jb >= 0)
             acc_prev = jax.tree.map(lambda a, g: jnp.where(into_prev, a + g, a), acc_prev, g_p)
             acc_cur = jax.tree.map(lambda a, g: jnp.where(into_cur, a + g, a), acc_cur, g_p)
-            counted = ok & is_last
-            sums = jax.tree.map(lambda a, v: jnp.where(counted, a + v, a), sums, (loss, ce, z, jnp.ones_like(loss)))
+            # Every stage adds its share of each finished microbatch's loss; the last stage counts them.
+            sums = jax.tree.map(lambda a, v: jnp.where(ok, a + v, a), sums,
+                                {"loss": loss, **stats, "count": jnp.where(is_last, 1.0, 0.0) * jnp.ones_like(loss)})
             # Send: activations forward, cotangents backward (stage 0 / P-1 receive zeros).
             fwd_buf = jax.lax.ppermute(h_out.astype(fwd_buf.dtype), "stage", fwd_perm)
             bwd_buf = jax.lax.ppermute(g_h.astype(bwd_buf.dtype), "stage", bwd_perm)
@@ -184,7 +189,8 @@ def _make_grads_fn(model_cfg, mesh, table: schedules.TickTable, is_async: bool, 
 
         zero = jax.lax.pcast(jnp.zeros((), jnp.float32), axes, to="varying")
         rows = jnp.stack([jnp.take(fwd_tbl, s, axis=1), jnp.take(bwd_tbl, s, axis=1)], axis=1)
-        carry = (stash, fwd_buf, bwd_buf, acc_prev, acc_cur, (zero, zero, zero, zero))
+        stat_names = ["loss", "ce", "z_loss"] + (list(dense.MOE_METRICS) if dense.uses_moe(model_cfg) else [])
+        carry = (stash, fwd_buf, bwd_buf, acc_prev, acc_cur, {k: zero for k in stat_names + ["count"]})
         (stash, fwd_buf, bwd_buf, acc_prev, acc_cur, sums), _ = jax.lax.scan(tick, carry, rows)
 
         done, partial = (acc_prev, acc_cur) if is_async else (acc_cur, jax.tree.map(jnp.zeros_like, acc_cur))
@@ -193,9 +199,9 @@ def _make_grads_fn(model_cfg, mesh, table: schedules.TickTable, is_async: bool, 
             if k != "layers":  # replicated params: each stage holds only its own uses' gradient
                 v = jax.tree.map(lambda g: jax.lax.psum(g, "stage"), v)
             grads[k] = jax.tree.map(lambda g: jax.lax.pmean(g, "data"), v)
-        loss, ce, z, count = (jax.lax.psum(x, "stage") for x in sums)
-        stats = {k: jax.lax.pmean(v / jnp.maximum(count, 1.0), "data")
-                 for k, v in (("loss", loss), ("ce", ce), ("z_loss", z))}
+        sums = {k: jax.lax.psum(v, "stage") for k, v in sums.items()}
+        count = jnp.maximum(sums.pop("count"), 1.0)
+        stats = {k: jax.lax.pmean(v / count, "data") for k, v in sums.items()}
         grow = lambda x: x[None, None]  # noqa: E731
         new = PipelineState(prev_params=cur, stash=grow(stash), fwd_buf=grow(fwd_buf), bwd_buf=grow(bwd_buf),
                             grad_partial=jax.tree.map(grow, partial), prev_batch=batch)

@@ -57,17 +57,18 @@ def _accumulate_grads(model_cfg, params, batch):
     params = jax.lax.pcast(params, ("data",), to="varying")
 
     def one(carry, mb):
-        g_sum, loss_sum, ce_sum, z_sum = carry
-        (loss, (ce, z)), g = grad_fn(params, mb)
-        return (jax.tree.map(jnp.add, g_sum, g), loss_sum + loss, ce_sum + ce, z_sum + z), None
+        g_sum, loss_sum, stat_sums = carry
+        (loss, stats), g = grad_fn(params, mb)
+        return (jax.tree.map(jnp.add, g_sum, g), loss_sum + loss, jax.tree.map(jnp.add, stat_sums, stats)), None
 
     # Scalar accumulators become device-varying once a batch shard is added; start them varying.
     zero = jax.lax.pcast(jnp.zeros((), jnp.float32), ("data",), to="varying")
-    init = (jax.tree.map(jnp.zeros_like, params), zero, zero, zero)
-    (g_sum, loss, ce, z), _ = jax.lax.scan(one, init, batch)
+    stat_zeros = {k: zero for k in jax.eval_shape(grad_fn, params, batch[0])[0][1]}
+    init = (jax.tree.map(jnp.zeros_like, params), zero, stat_zeros)
+    (g_sum, loss, stat_sums), _ = jax.lax.scan(one, init, batch)
     m = batch.shape[0]
     grads = jax.tree.map(lambda g: jax.lax.pmean(g / m, "data"), g_sum)
-    stats = {k: jax.lax.pmean(v / m, "data") for k, v in (("loss", loss), ("ce", ce), ("z_loss", z))}
+    stats = {k: jax.lax.pmean(v / m, "data") for k, v in {"loss": loss, **stat_sums}.items()}
     return grads, stats
 
 

@@ -26,6 +26,7 @@ from tqdm import tqdm
 from asyncpp_jax import configs
 from asyncpp_jax.data import load_corpus, make_eval_batches, make_train_iterator, prepare_corpus
 from asyncpp_jax.models import abstract_params, count_params
+from asyncpp_jax.models.flops import flops_per_token
 from asyncpp_jax.optim import build_optimizer, delay_schedule, describe_routing, weight_versions
 from asyncpp_jax.pipeline import engine, make_mesh, schedules
 from asyncpp_jax.train import step as step_lib
@@ -101,6 +102,7 @@ class Trainer:
         self.optimizer, self.schedule = build_optimizer(c.optimizer, c.train.steps, staleness, shapes,
                                                         delay_in_chain=not self.pipelined)
         self.routing = describe_routing(c.optimizer, shapes)
+        self.flops_per_token = flops_per_token(c.model, c.data.seq_len)
         if self.pipelined:
             self.weight_versions = None
             self.train_step = engine.make_pipeline_train_step(
@@ -212,9 +214,9 @@ class Trainer:
         writer = MetricWriter(self.workdir)
         unigram = self.corpus.unigram_entropy_nats_per_byte()
         if start == 0:
-            log.info("model: %s parameters; data parallel over %d device(s); %d tokens per update",
-                     f"{count_params(state.params):,}", self.data_size,
-                     c.train.global_batch_size * c.data.seq_len)
+            log.info("model: %s parameters; data parallel over %d device(s); %d tokens per update; "
+                     "%.3g model FLOPs per token (6N + attention)", f"{count_params(state.params):,}",
+                     self.data_size, c.train.global_batch_size * c.data.seq_len, self.flops_per_token)
             log.info("optimizer %s; parameter routing (also in routing.txt):\n%s", c.optimizer.name, self.routing)
         tokens_per_step = c.train.global_batch_size * c.data.seq_len
         val: dict = {}
@@ -233,6 +235,10 @@ class Trainer:
                     now = time.perf_counter()
                     metrics["step_time"], last_t = now - last_t, now
                     metrics["tokens_per_sec"] = tokens_per_step / metrics["step_time"]
+                    metrics["model_tflops_per_sec"] = metrics["tokens_per_sec"] * self.flops_per_token / 1e12
+                    if c.train.peak_tflops_per_device:
+                        metrics["mfu"] = metrics["model_tflops_per_sec"] / (
+                            c.train.peak_tflops_per_device * self.mesh.devices.size)
                     if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
                         raise TrainingDiverged(
                             f"non-finite loss ({metrics['loss']}) or grad norm ({metrics['grad_norm']}) at step "

@@ -1,0 +1,130 @@
+"""Mixture-of-Experts feed-forward: token-choice top-k routing over ``E`` SwiGLU experts.
+
+Router (Shazeer et al. 2017; Fedus et al. 2021, "Switch Transformers"; Lepikhin et al. 2020,
+"GShard"): ``s = x W_r`` (fp32), scores ``p = softmax(s)`` or ``sigmoid(s)`` (``gating``); each
+token picks its top-``k`` experts; their gates are the picked scores, renormalised to sum to 1
+when ``normalize_gates`` (Mixtral/DeepSeek practice).  Output
+``y = sum_{e in topk} gate_e * SwiGLU_e(x)  (+ SwiGLU_shared(x))``.
+
+Two dispatch paths:
+
+* **capacity** (``capacity_factor > 0``): expert ``e`` takes at most
+  ``C = ceil(capacity_factor * k * N / E)`` of the ``N`` tokens of a sequence batch; slots are
+  filled by choice rank, then token order (GShard); tokens past ``C`` are dropped for that
+  expert (their gate contributes nothing; the residual stream carries them) and counted in
+  ``moe_dropped`` (fraction of the ``k N`` assignments).  Dispatch and combine are one-hot
+  einsums ``[N, E, C]``, the layout expert parallelism splits over ``E``.
+* **dropless** (``capacity_factor <= 0``): every expert runs on every token and the output keeps
+  only the top-``k`` gates.  Exact (nothing is dropped) but ``E/k`` times the expert FLOPs: for
+  tests and small models.
+
+Auxiliary losses, both returned per layer and added to the training loss by the model:
+
+* load balance (Switch, eq. 4): ``lb = E * sum_e f_e * P_e`` with ``f_e`` the fraction of the
+  ``k N`` assignments that chose ``e`` and ``P_e`` the mean normalised score of ``e``; 1 when
+  perfectly balanced;
+* router z-loss (Zoph et al. 2022, ST-MoE, eq. 5): ``mean_n logsumexp(s_n)^2``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+Array = jax.Array
+
+
+def capacity(n_tokens: int, n_experts: int, top_k: int, capacity_factor: float) -> int:
+    return max(1, math.ceil(capacity_factor * top_k * n_tokens / n_experts))
+
+
+def route(logits: Array, top_k: int, gating: str, normalize_gates: bool):
+    """``logits [N, E]`` -> (gates [N, k], expert ids [N, k], normalised scores [N, E])."""
+    if gating == "softmax":
+        scores = jax.nn.softmax(logits, axis=-1)
+    elif gating == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+    else:
+        raise ValueError(f"config.model.moe.gating={gating!r} is unknown; choose softmax or sigmoid.")
+    gates, idx = jax.lax.top_k(scores, top_k)
+    if normalize_gates:
+        gates = gates / (jnp.sum(gates, axis=-1, keepdims=True) + 1e-9)
+    probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+    return gates, idx, probs
+
+
+def dispatch_mask(idx: Array, n_experts: int, cap: int):
+    """One-hot ``[N, k, E, C]`` dispatch (zero where dropped) and the dropped count.
+
+    Slot order: all first choices in token order, then all second choices, ... (GShard)."""
+    n, k = idx.shape
+    onehot = jax.nn.one_hot(idx, n_experts, dtype=jnp.int32)  # [N, k, E]
+    by_rank = jnp.swapaxes(onehot, 0, 1).reshape(k * n, n_experts)  # rank-major order
+    position = jnp.cumsum(by_rank, axis=0) - 1  # slot of each assignment in its expert's queue
+    position = jnp.swapaxes(position.reshape(k, n, n_experts), 0, 1)  # [N, k, E]
+    kept = onehot * (position < cap)
+    slots = jax.nn.one_hot(jnp.sum(position * onehot, axis=-1), cap, dtype=jnp.float32)  # [N, k, C]
+    mask = kept[..., None].astype(jnp.float32) * slots[:, :, None, :]
+    dropped = n * k - jnp.sum(kept)
+    return mask, dropped
+
+
+class MoE(nn.Module):
+    """Drop-in for the dense MLP: ``x [B, T, D] -> (y [B, T, D], aux dict of scalars)``."""
+
+    cfg: ml_collections.ConfigDict
+
+    @nn.compact
+    def __call__(self, x: Array):
+        cfg, mcfg = self.cfg, self.cfg.moe
+        from asyncpp_jax.models.dense import MLP, dtype_of
+
+        dtype, pdtype = dtype_of(cfg.compute_dtype), dtype_of(cfg.param_dtype)
+        E, k, F, D = mcfg.num_experts, mcfg.top_k, mcfg.expert_d_ff, cfg.d_model
+        b, t, _ = x.shape
+        tokens = x.reshape(b * t, D)
+        n = b * t
+
+        w_router = self.param("router", nn.initializers.normal(cfg.init_std), (D, E), pdtype)
+        logits = jnp.dot(tokens.astype(jnp.float32), w_router.astype(jnp.float32))
+        gates, idx, probs = route(logits, k, mcfg.gating, mcfg.normalize_gates)
+
+        init = nn.initializers.normal(cfg.init_std)
+        out_init = nn.initializers.normal(cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+        w_gate = self.param("gate", init, (E, D, F), pdtype).astype(dtype)
+        w_up = self.param("up", init, (E, D, F), pdtype).astype(dtype)
+        w_down = self.param("down", out_init, (E, F, D), pdtype).astype(dtype)
+
+        def experts(xe):  # [E, C, D] -> [E, C, D]
+            h = nn.silu(jnp.einsum("ecd,edf->ecf", xe, w_gate)) * jnp.einsum("ecd,edf->ecf", xe, w_up)
+            return jnp.einsum("ecf,efd->ecd", h, w_down)
+
+        if mcfg.capacity_factor > 0:
+            cap = capacity(n, E, k, mcfg.capacity_factor)
+            mask, dropped = dispatch_mask(idx, E, cap)  # [N, k, E, C]
+            dispatch = jnp.sum(mask, axis=1)  # [N, E, C]
+            combine = jnp.einsum("nk,nkec->nec", gates, mask)
+            xe = jnp.einsum("nec,nd->ecd", dispatch.astype(dtype), tokens.astype(dtype))
+            y = jnp.einsum("nec,ecd->nd", combine.astype(dtype), experts(xe))
+        else:
+            dropped = jnp.zeros((), jnp.int32)
+            dense_gates = jnp.sum(jax.nn.one_hot(idx, E, dtype=jnp.float32) * gates[..., None], axis=1)  # [N, E]
+            ye = experts(jnp.broadcast_to(tokens.astype(dtype), (E, n, D)))  # every expert, every token
+            y = jnp.einsum("ne,end->nd", dense_gates.astype(dtype), ye)
+        y = y.reshape(b, t, D).astype(dtype)
+        if mcfg.shared_experts:
+            shared = ml_collections.ConfigDict(cfg.to_dict())
+            shared.d_ff = mcfg.shared_experts * F
+            y = y + MLP(shared, name="shared")(x)
+
+        assigned = jnp.sum(jax.nn.one_hot(idx, E, dtype=jnp.float32), axis=(0, 1)) / (n * k)  # f_e
+        aux = {
+            "moe_lb_loss": E * jnp.sum(assigned * jnp.mean(probs, axis=0)),
+            "moe_router_z": jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2),
+            "moe_dropped": dropped.astype(jnp.float32) / (n * k),
+        }
+        return y, aux

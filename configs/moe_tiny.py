@@ -1,0 +1,13 @@
+"""A CPU-sized MoE: the tiny dense model with 8 SwiGLU experts (top-2) on every other layer.
+
+    python -m asyncpp_jax.main --config=configs/moe_tiny.py
+"""
+
+from configs.tiny import get_config as tiny
+
+
+def get_config():
+    c = tiny()
+    c.name = "moe_tiny"
+    c.model.moe.update(num_experts=8, top_k=2, expert_d_ff=344, every=2, capacity_factor=1.25, shared_experts=0)
+    return c
