@@ -20,6 +20,9 @@ _CONFIG = config_flags.DEFINE_config_file(
     "config", str(configs.DEFAULT_CONFIG), "Config file (a get_config() module); fields can be overridden "
     "with --config.section.field=value.", lock_config=True,
 )
+_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Build the model abstractly, lower and compile the real train "
+                              "step for the config's mesh (fake CPU devices here), report memory per device "
+                              "and whether it fits; no data, no allocation, no training.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (checkpoints, metrics, config). "
                                "Default: runs/<config.name>. An existing run there is resumed.")
 
@@ -41,6 +44,14 @@ def main(argv):
     absl_logging.set_verbosity(absl_logging.WARNING)
     logging.getLogger("asyncpp_jax").setLevel(logging.INFO)
 
+    if _DRY_RUN.value:
+        from asyncpp_jax.train.dry_run import dry_run, format_report
+
+        try:
+            print(format_report(dry_run(config)))
+        except configs.ConfigError as e:
+            _fail(str(e))
+        return
     # Imported here, after XLA_FLAGS is final: this is where JAX starts.
     from asyncpp_jax.data import CorpusError
     from asyncpp_jax.train.trainer import Trainer, TrainingDiverged

@@ -12,8 +12,9 @@ Two dispatch paths:
   ``C = ceil(capacity_factor * k * N / E)`` of the ``N`` tokens of a sequence batch; slots are
   filled by choice rank, then token order (GShard); tokens past ``C`` are dropped for that
   expert (their gate contributes nothing; the residual stream carries them) and counted in
-  ``moe_dropped`` (fraction of the ``k N`` assignments).  Dispatch and combine are one-hot
-  einsums ``[N, E, C]``, the layout expert parallelism splits over ``E``.
+  ``moe_dropped`` (fraction of the ``k N`` assignments).  Tokens are scattered into an
+  ``[E, C, D]`` buffer and gathered back by slot index (memory ``O(N k D)``, not GShard's one-hot
+  ``[N, E, C]``); the ``E`` axis of that buffer is what expert parallelism would split.
 * **dropless** (``capacity_factor <= 0``): every expert runs on every token and the output keeps
   only the top-``k`` gates.  Exact (nothing is dropped) but ``E/k`` times the expert FLOPs: for
   tests and small models.
@@ -57,20 +58,19 @@ def route(logits: Array, top_k: int, gating: str, normalize_gates: bool):
     return gates, idx, probs
 
 
-def dispatch_mask(idx: Array, n_experts: int, cap: int):
-    """One-hot ``[N, k, E, C]`` dispatch (zero where dropped) and the dropped count.
+def slots(idx: Array, n_experts: int, cap: int):
+    """Each assignment's flat slot ``e * C + position`` in the ``[E * C]`` expert buffer, a keep
+    mask (``position < C``), and the dropped count.  ``idx``: ``[N, k]`` expert ids.
 
-    Slot order: all first choices in token order, then all second choices, ... (GShard)."""
+    Slot order: all first choices in token order, then all second choices, ... (GShard).  Memory
+    is ``O(N k E)`` for the running counts and ``O(N k)`` after, never ``O(N^2)``."""
     n, k = idx.shape
-    onehot = jax.nn.one_hot(idx, n_experts, dtype=jnp.int32)  # [N, k, E]
-    by_rank = jnp.swapaxes(onehot, 0, 1).reshape(k * n, n_experts)  # rank-major order
-    position = jnp.cumsum(by_rank, axis=0) - 1  # slot of each assignment in its expert's queue
-    position = jnp.swapaxes(position.reshape(k, n, n_experts), 0, 1)  # [N, k, E]
-    kept = onehot * (position < cap)
-    slots = jax.nn.one_hot(jnp.sum(position * onehot, axis=-1), cap, dtype=jnp.float32)  # [N, k, C]
-    mask = kept[..., None].astype(jnp.float32) * slots[:, :, None, :]
-    dropped = n * k - jnp.sum(kept)
-    return mask, dropped
+    by_rank = jnp.swapaxes(idx, 0, 1).reshape(k * n)  # rank-major order
+    onehot = jax.nn.one_hot(by_rank, n_experts, dtype=jnp.int32)
+    position = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=-1)  # slot in its expert's queue
+    position = jnp.swapaxes(position.reshape(k, n), 0, 1)  # [N, k]
+    keep = position < cap
+    return idx * cap + jnp.minimum(position, cap - 1), keep, n * k - jnp.sum(keep)
 
 
 class MoE(nn.Module):
@@ -105,11 +105,16 @@ class MoE(nn.Module):
 
         if mcfg.capacity_factor > 0:
             cap = capacity(n, E, k, mcfg.capacity_factor)
-            mask, dropped = dispatch_mask(idx, E, cap)  # [N, k, E, C]
-            dispatch = jnp.sum(mask, axis=1)  # [N, E, C]
-            combine = jnp.einsum("nk,nkec->nec", gates, mask)
-            xe = jnp.einsum("nec,nd->ecd", dispatch.astype(dtype), tokens.astype(dtype))
-            y = jnp.einsum("nec,ecd->nd", combine.astype(dtype), experts(xe))
+            flat, keep, dropped = slots(idx, E, cap)  # [N, k]
+            # Scatter the kept assignments into the [E, C, D] expert buffer (dropped ones go to a
+            # discarded row), run the experts, and gather each token's k results back.
+            target = jnp.where(keep, flat, E * cap).reshape(-1)
+            src = jnp.repeat(tokens.astype(dtype), k, axis=0)
+            xe = jnp.zeros((E * cap + 1, D), dtype).at[target].set(src)[:-1].reshape(E, cap, D)
+            ye = experts(xe).reshape(E * cap, D)
+            picked = jnp.take(ye, flat.reshape(-1), axis=0).reshape(n, k, D)
+            w = jnp.where(keep, gates, 0.0).astype(dtype)
+            y = jnp.einsum("nk,nkd->nd", w, picked)
         else:
             dropped = jnp.zeros((), jnp.int32)
             dense_gates = jnp.sum(jax.nn.one_hot(idx, E, dtype=jnp.float32) * gates[..., None], axis=1)  # [N, E]

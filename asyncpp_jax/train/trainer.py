@@ -25,10 +25,10 @@ from tqdm import tqdm
 
 from asyncpp_jax import configs
 from asyncpp_jax.data import load_corpus, make_eval_batches, make_train_iterator, prepare_corpus
-from asyncpp_jax.models import abstract_params, count_params
+from asyncpp_jax.models import count_params
 from asyncpp_jax.models.flops import flops_per_token
-from asyncpp_jax.optim import build_optimizer, delay_schedule, describe_routing, weight_versions
-from asyncpp_jax.pipeline import engine, make_mesh, schedules
+from asyncpp_jax.optim import describe_routing
+from asyncpp_jax.train import runner as runner_lib
 from asyncpp_jax.train import step as step_lib
 from asyncpp_jax.train.checkpoint import Checkpointer
 from asyncpp_jax.train.metrics import MetricWriter
@@ -87,33 +87,17 @@ class Trainer:
         self.corpus = load_corpus(corpus_dir, verify=d.verify_checksums)
         configs.check_against_tokenizer(c, self.corpus.vocab_size)
 
-        devices = list(devices if devices is not None else jax.devices())
-        self.data_size = configs.check_against_devices(c, len(devices))
-        self.pipelined = configs.uses_pipeline(c)
-        self.mesh = (engine.make_pipeline_mesh(self.data_size, c.pipeline.stages, devices) if self.pipelined
-                     else make_mesh(self.data_size, devices))
-
         if c.optimizer.name == "soap" and jax.default_backend() == "cpu" and len(os.sched_getaffinity(0)) > 1:
             log.warning("SOAP on XLA:CPU with more than one core can deadlock (jaxlib 0.10.2); call "
                         "asyncpp_jax.host_setup.prepare(optimizer_name='soap') before JAX starts, as "
                         "asyncpp_jax.main does.")
-        self.shapes = shapes = abstract_params(c.model)
-        staleness = configs.effective_staleness(c)
-        self.optimizer, self.schedule = build_optimizer(c.optimizer, c.train.steps, staleness, shapes,
-                                                        delay_in_chain=not self.pipelined)
-        self.routing = describe_routing(c.optimizer, shapes)
+        self.runner = r = runner_lib.build(c, devices if devices is not None else jax.devices())
+        self.mesh, self.data_size, self.pipelined, self.shapes = r.mesh, r.data_size, r.pipelined, r.shapes
+        self.optimizer, self.schedule, self.train_step = r.optimizer, r.schedule, r.train_step
+        self.routing = describe_routing(c.optimizer, r.shapes)
         self.flops_per_token = flops_per_token(c.model, c.data.seq_len)
-        if self.pipelined:
-            self.weight_versions = None
-            self.train_step = engine.make_pipeline_train_step(
-                c.model, self.optimizer, self.schedule, self.mesh, shapes, c.train.microbatches,
-                c.pipeline.schedule, delay_schedule(staleness, c.train.steps))
-            log.info("pipeline engine, %s schedule:\n%s", c.pipeline.schedule, self.tick_table().render())
-        else:
-            self.weight_versions = weight_versions(staleness, c.train.steps, shapes)
-            self.train_step = step_lib.make_train_step(c.model, self.optimizer, self.schedule, self.mesh,
-                                                       delay_schedule(staleness, c.train.steps),
-                                                       self.weight_versions)
+        if r.pipelined:
+            log.info("pipeline engine, %s schedule:\n%s", c.pipeline.schedule, r.tick_table().render())
         self.eval_step = step_lib.make_eval_step(c.model, self.mesh)
         self.eval_batches = make_eval_batches(
             self.corpus, d.seq_len, c.train.global_batch_size // c.train.microbatches, c.train.eval_batches
@@ -140,29 +124,6 @@ class Trainer:
             process_index=jax.process_index(), process_count=jax.process_count(),
         )
 
-    def tick_table(self):
-        c = self.config
-        make = schedules.async_table if c.pipeline.schedule == "2bw" else schedules.sync_table
-        return make(c.pipeline.stages, c.train.microbatches)
-
-    def _init_fn(self):
-        c = self.config
-
-        def init(key):
-            state = step_lib.init_state(c.model, self.optimizer, key, self.weight_versions)
-            if self.pipelined:
-                state = state.replace(runner_state=engine.init_pipeline_state(
-                    c.model, state.params, self.data_size, c.pipeline.stages, c.train.microbatches,
-                    c.train.global_batch_size, c.data.seq_len))
-            return state
-
-        return init
-
-    def _state_shardings(self, abstract):
-        if self.pipelined:
-            return engine.state_shardings(abstract, self.mesh, self.shapes)
-        return jax.tree.map(lambda _: step_lib.replicated(self.mesh), abstract)
-
     def restore_or_init(self):
         """The latest checkpoint in the workdir if any, else a fresh state and iterator.
 
@@ -171,11 +132,10 @@ class Trainer:
         key = jax.random.key(self.config.seed)
         iterator = self._new_iterator()
         latest = self.checkpointer.latest_step()
-        abstract = jax.eval_shape(self._init_fn(), key)
-        shardings = self._state_shardings(abstract)
+        abstract = self.runner.abstract_state(key)
         if latest is None:
-            return jax.jit(self._init_fn(), out_shardings=shardings)(key), iterator
-        abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
+            shardings = jax.tree.map(lambda x: x.sharding, abstract)
+            return jax.jit(self.runner.init_fn(), out_shardings=shardings)(key), iterator
         state, iterator = self.checkpointer.restore(latest, abstract, iterator)
         log.info("resumed from %s at step %d", self.checkpointer.directory, latest)
         return state, iterator

@@ -1,0 +1,99 @@
+"""``--dry_run``: prove a config fits its mesh without allocating the model.
+
+Builds the same runner as training (:mod:`asyncpp_jax.train.runner`) on the config's mesh of
+(fake, on CPU) devices, makes the train state and a batch as sharded ``ShapeDtypeStruct``s, and
+lowers and compiles the real ``train_step``.  Reports per device: parameter, optimizer-state and
+runner-state bytes (from the shardings), XLA's memory analysis of the compiled step, the
+schedule's bubble fraction, and whether the step fits named accelerators.
+
+XLA:CPU compiles the program here; a GPU/TPU compiler fuses and lays out differently, so the
+temporary-buffer figure is an estimate of the accelerator's, while the argument (state) bytes are
+exact.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from asyncpp_jax.models import count_params
+from asyncpp_jax.models.flops import active_matmul_params, flops_per_token
+from asyncpp_jax.train import runner as runner_lib
+
+ACCELERATORS_GB = {"H100 80GB": 80, "H200 141GB": 141, "TPU v5p 95GB": 95}
+
+
+def _bytes_per_device(tree) -> int:
+    """Bytes one device holds of a tree of sharded ShapeDtypeStructs (the largest shard)."""
+    total = 0
+    for x in jax.tree.leaves(tree):
+        shard = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+        total += int(np.prod(shard)) * jnp.dtype(x.dtype).itemsize
+    return total
+
+
+def dry_run(c, devices=None) -> dict:
+    runner = runner_lib.build(c, devices if devices is not None else jax.devices())
+    state = runner.abstract_state(jax.random.key(c.seed))
+    M, B = c.train.microbatches, c.train.global_batch_size
+    batch = jax.ShapeDtypeStruct((M, B // M, c.data.seq_len + 1), jnp.int32, sharding=runner.batch_sharding())
+    t0 = time.perf_counter()
+    lowered = runner.train_step.lower(state, batch)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    mem = compiled.memory_analysis()
+    table = runner.tick_table()
+    report = {
+        "config": c.name,
+        "mesh": dict(runner.mesh.shape),
+        "devices": int(runner.mesh.devices.size),
+        "params_total": count_params(runner.shapes),
+        "params_active_matmul": active_matmul_params(c.model),
+        "model_flops_per_token": flops_per_token(c.model, c.data.seq_len),
+        "param_bytes_per_device": _bytes_per_device(state.params),
+        "optimizer_bytes_per_device": _bytes_per_device(state.opt_state),
+        "runner_state_bytes_per_device": _bytes_per_device(state.runner_state),
+        "bubble_fraction": 0.0 if table is None else 1.0 - table.useful_fraction(),
+        "lower_seconds": t1 - t0,
+        "compile_seconds": t2 - t1,
+    }
+    if mem is not None:
+        report.update(
+            xla_argument_bytes=int(mem.argument_size_in_bytes),
+            xla_output_bytes=int(mem.output_size_in_bytes),
+            xla_alias_bytes=int(mem.alias_size_in_bytes),
+            xla_temp_bytes=int(mem.temp_size_in_bytes),
+        )
+        peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+                + mem.temp_size_in_bytes)
+    else:
+        peak = report["param_bytes_per_device"] + report["optimizer_bytes_per_device"] + \
+            report["runner_state_bytes_per_device"]
+    report["peak_bytes_per_device"] = int(peak)
+    report["fits"] = {name: peak <= gb * 1e9 for name, gb in ACCELERATORS_GB.items()}
+    return report
+
+
+def format_report(r: dict) -> str:
+    gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
+    lines = [
+        f"dry run of {r['config']}: mesh {r['mesh']} ({r['devices']} devices)",
+        f"  parameters: {r['params_total']:,} total, {r['params_active_matmul']:,} in a token's matmuls; "
+        f"{r['model_flops_per_token']:.3g} model FLOPs/token",
+        f"  per device: params {gb(r['param_bytes_per_device'])}, optimizer state "
+        f"{gb(r['optimizer_bytes_per_device'])}, runner state (weight versions, stash, buffers) "
+        f"{gb(r['runner_state_bytes_per_device'])}",
+    ]
+    if "xla_temp_bytes" in r:
+        lines.append(f"  XLA memory analysis (per device): arguments {gb(r['xla_argument_bytes'])}, outputs "
+                     f"{gb(r['xla_output_bytes'])}, aliased {gb(r['xla_alias_bytes'])}, temporaries "
+                     f"{gb(r['xla_temp_bytes'])}")
+    lines.append(f"  peak estimate per device: {gb(r['peak_bytes_per_device'])}; schedule bubble "
+                 f"{r['bubble_fraction']:.0%}; lowered in {r['lower_seconds']:.0f} s, compiled in "
+                 f"{r['compile_seconds']:.0f} s")
+    lines.append("  fits: " + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in r["fits"].items()))
+    return "\n".join(lines)

@@ -1,0 +1,91 @@
+"""Build the runner a config asks for: mesh, optimizer chain, ``train_step``, and the state layout.
+
+Shared by the trainer and the dry run, so the dry run compiles exactly the program a real run
+executes.  ``simulate`` is one jitted data-parallel program (the delay, if any, in the optimizer
+chain or, for exact PipeDream, in the runner's weight history); ``pipeline`` is the
+``shard_map`` engine over ``('data', 'stage')`` (DESIGN.md, the two runners).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import optax
+
+from asyncpp_jax import configs
+from asyncpp_jax.models import abstract_params
+from asyncpp_jax.optim import build_optimizer, delay_schedule, weight_versions
+from asyncpp_jax.pipeline import engine, make_mesh, schedules
+from asyncpp_jax.train import step as step_lib
+
+
+@dataclasses.dataclass
+class Runner:
+    config: Any
+    mesh: jax.sharding.Mesh
+    data_size: int
+    pipelined: bool
+    shapes: Any  # abstract params
+    optimizer: optax.GradientTransformation
+    schedule: optax.Schedule
+    train_step: Callable
+    weight_versions: Any  # optim.WeightVersions for exact PipeDream, else None
+
+    def tick_table(self) -> schedules.TickTable | None:
+        c = self.config
+        if not self.pipelined:
+            return None
+        make = schedules.async_table if c.pipeline.schedule == "2bw" else schedules.sync_table
+        return make(c.pipeline.stages, c.train.microbatches)
+
+    def init_fn(self) -> Callable:
+        c = self.config
+
+        def init(key):
+            state = step_lib.init_state(c.model, self.optimizer, key, self.weight_versions)
+            if self.pipelined:
+                state = state.replace(runner_state=engine.init_pipeline_state(
+                    c.model, state.params, self.data_size, c.pipeline.stages, c.train.microbatches,
+                    c.train.global_batch_size, c.data.seq_len))
+            return state
+
+        return init
+
+    def state_shardings(self, abstract_state):
+        if self.pipelined:
+            return engine.state_shardings(abstract_state, self.mesh, self.shapes)
+        return jax.tree.map(lambda _: step_lib.replicated(self.mesh), abstract_state)
+
+    def abstract_state(self, key):
+        """The train state as sharded ``ShapeDtypeStruct``s: nothing is allocated."""
+        abstract = jax.eval_shape(self.init_fn(), key)
+        shardings = self.state_shardings(abstract)
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
+
+    def batch_sharding(self):
+        return jax.sharding.NamedSharding(self.mesh, step_lib.BATCH_SPEC)
+
+
+def build(c, devices) -> Runner:
+    """``c`` resolved and validated; ``devices`` the devices to lay the mesh over."""
+    devices = list(devices)
+    data_size = configs.check_against_devices(c, len(devices))
+    pipelined = configs.uses_pipeline(c)
+    mesh = (engine.make_pipeline_mesh(data_size, c.pipeline.stages, devices) if pipelined
+            else make_mesh(data_size, devices))
+    shapes = abstract_params(c.model)
+    staleness = configs.effective_staleness(c)
+    optimizer, schedule = build_optimizer(c.optimizer, c.train.steps, staleness, shapes,
+                                          delay_in_chain=not pipelined)
+    if pipelined:
+        versions = None
+        train_step = engine.make_pipeline_train_step(
+            c.model, optimizer, schedule, mesh, shapes, c.train.microbatches, c.pipeline.schedule,
+            delay_schedule(staleness, c.train.steps))
+    else:
+        versions = weight_versions(staleness, c.train.steps, shapes)
+        train_step = step_lib.make_train_step(c.model, optimizer, schedule, mesh,
+                                              delay_schedule(staleness, c.train.steps), versions)
+    return Runner(c, mesh, data_size, pipelined, shapes, optimizer, schedule, train_step, versions)
