@@ -44,7 +44,7 @@ def main(argv):
     absl_logging.set_verbosity(absl_logging.WARNING)
     logging.getLogger("asyncpp_jax").setLevel(logging.INFO)
 
-    if _DRY_RUN.value:
+    if _DRY_RUN.value:  # fake CPU devices on this host: never joins a cluster
         from asyncpp_jax.train.dry_run import dry_run, format_report
 
         try:
@@ -53,9 +53,11 @@ def main(argv):
             _fail(str(e))
         return
     # Imported here, after XLA_FLAGS is final: this is where JAX starts.
+    from asyncpp_jax import distributed
     from asyncpp_jax.data import CorpusError
     from asyncpp_jax.train.trainer import Trainer, TrainingDiverged
 
+    distributed.maybe_initialize()  # SLURM / Open MPI / TPU pod: before anything touches devices
     workdir = _WORKDIR.value or os.path.join("runs", config.name)
     try:
         trainer = Trainer(config, workdir)
