@@ -19,6 +19,11 @@ Two dispatch paths:
   only the top-``k`` gates.  Exact (nothing is dropped) but ``E/k`` times the expert FLOPs: for
   tests and small models.
 
+Expert parallelism (GShard): with ``expert_shards = S`` over the mesh axis ``expert_axis``, each
+device holds ``E/S`` experts; the ``[E, C, D]`` buffer of its tokens is split by expert group and
+exchanged with ``lax.all_to_all``, the local experts run on ``S C`` slots, and a second
+``all_to_all`` brings the results home.  Capacity is per device (per GShard "group").
+
 Auxiliary losses, both returned per layer and added to the training loss by the model:
 
 * load balance (Switch, eq. 4): ``lb = E * sum_e f_e * P_e`` with ``f_e`` the fraction of the
@@ -95,13 +100,30 @@ class MoE(nn.Module):
 
         init = nn.initializers.normal(cfg.init_std)
         out_init = nn.initializers.normal(cfg.init_std / (2 * cfg.n_layers) ** 0.5)
-        w_gate = self.param("gate", init, (E, D, F), pdtype).astype(dtype)
-        w_up = self.param("up", init, (E, D, F), pdtype).astype(dtype)
-        w_down = self.param("down", out_init, (E, F, D), pdtype).astype(dtype)
+        # Expert parallelism: inside a shard_map, this device holds experts
+        # [s E/S, (s+1) E/S) of its ``expert_axis`` index s; the runner sets both fields on its
+        # copy of the model config (they are not user settings).
+        axis, S = mcfg.get("expert_axis", ""), mcfg.get("expert_shards", 1)
+        if S > 1 and mcfg.capacity_factor <= 0:
+            raise ValueError("expert parallelism needs config.model.moe.capacity_factor > 0 (the dropless path "
+                             "runs every expert on every token).")
+        w_gate = self.param("gate", init, (E // S, D, F), pdtype).astype(dtype)
+        w_up = self.param("up", init, (E // S, D, F), pdtype).astype(dtype)
+        w_down = self.param("down", out_init, (E // S, F, D), pdtype).astype(dtype)
 
-        def experts(xe):  # [E, C, D] -> [E, C, D]
+        def local_experts(xe):  # [E/S, C', D] -> [E/S, C', D]
             h = nn.silu(jnp.einsum("ecd,edf->ecf", xe, w_gate)) * jnp.einsum("ecd,edf->ecf", xe, w_up)
             return jnp.einsum("ecf,efd->ecd", h, w_down)
+
+        def experts(xe):  # [E, C, D] -> [E, C, D]: this device's tokens through all E experts
+            if S == 1:
+                return local_experts(xe)
+            _, cap_, _ = xe.shape
+            # Send each expert group its slots; receive [S (source), E/S, C, D] for our experts.
+            recv = jax.lax.all_to_all(xe.reshape(S, E // S, cap_, D), axis, 0, 0, tiled=True)
+            out = local_experts(jnp.swapaxes(recv, 0, 1).reshape(E // S, S * cap_, D))
+            out = jnp.swapaxes(out.reshape(E // S, S, cap_, D), 0, 1)
+            return jax.lax.all_to_all(out, axis, 0, 0, tiled=True).reshape(E, cap_, D)
 
         if mcfg.capacity_factor > 0:
             cap = capacity(n, E, k, mcfg.capacity_factor)
