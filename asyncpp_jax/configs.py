@@ -153,7 +153,14 @@ def base_config() -> ml_collections.ConfigDict:
             schedule="sync",  # sync (1F1B, flush every step) | 2bw (no flush, one-step delay)
         )
     )
-    c.mesh = ml_collections.ConfigDict(dict(data=1))  # data-parallel devices; -1 = all devices
+    c.mesh = ml_collections.ConfigDict(
+        dict(
+            data=1,  # data-parallel devices; -1 = all devices
+            # MoE under the pipeline engine: shard the experts over the data axis (GShard) and move
+            # tokens to them with all_to_all; needs num_experts divisible by data
+            expert_parallel=False,
+        )
+    )
     return c
 
 
@@ -336,6 +343,16 @@ def validate(c: ml_collections.ConfigDict) -> None:
              f"{st.sync_start_steps + st.sync_cooldown_steps} exceeds config.train.steps={t.steps}.")
     need(st.ef_strength >= 0, f"config.staleness.ef_strength={st.ef_strength} must be >= 0.")
     need(0 <= st.taylor_ema_decay < 1, f"config.staleness.taylor_ema_decay={st.taylor_ema_decay} must lie in [0, 1).")
+
+    if c.mesh.expert_parallel:
+        need(m.moe.num_experts > 0, "config.mesh.expert_parallel=True needs an MoE model (config.model.moe.num_experts > 0).")
+        need(uses_pipeline(c), "config.mesh.expert_parallel=True runs inside the pipeline engine; set "
+             "config.pipeline.stages > 1.")
+        need(m.moe.capacity_factor > 0, "config.mesh.expert_parallel=True needs config.model.moe.capacity_factor > 0.")
+        if isinstance(c.mesh.data, int) and c.mesh.data > 0 and m.moe.num_experts:
+            need(m.moe.num_experts % c.mesh.data == 0,
+                 f"config.model.moe.num_experts={m.moe.num_experts} is not divisible by config.mesh.data={c.mesh.data} "
+                 "(expert parallelism gives each data shard num_experts / data experts).")
 
     # Parallelism: the batch splits into microbatches, each split over the data axis.
     need(isinstance(c.mesh.data, int) and (c.mesh.data > 0 or c.mesh.data == -1),

@@ -7,8 +7,9 @@ al. 2024: d 2048, 64 experts, top-8, expert hidden 1024, 16 layers) at 24 layers
 total to 10.1B with 1.66B active: fine-grained experts with 8 active of 64, as in OLMoE and
 DeepSeekMoE, rather than Mixtral's 2 of 8 coarse ones.
 
-Trained with Async PP: 4 pipeline stages x 16-way data parallel on a 64-accelerator slice, the
-bubble-free 2bw schedule, Muon with error feedback.  Meant for TPU/GPU meshes:
+Trained with Async PP: 4 pipeline stages x 16-way data parallel on a 64-accelerator slice, experts
+sharded over the data axis (4 per device, all_to_all dispatch), the bubble-free 2bw schedule,
+Muon with error feedback.  Meant for TPU/GPU meshes:
 
     python -m asyncpp_jax.main --config=configs/moe10b.py \\
         --config.data.tokenizer=/path/to/tokenizer.json --config.data.source=hf:HuggingFaceFW/fineweb-edu:sample-10BT
@@ -32,5 +33,5 @@ def get_config():
     c.optimizer.update(name="muon", lr=3e-3, warmup_steps=2000, weight_decay=0.1, schedule="wsd")
     c.pipeline.update(stages=4, schedule="2bw")
     c.staleness.update(mitigation="ef")
-    c.mesh.data = 16
+    c.mesh.update(data=16, expert_parallel=True)  # 4 of the 64 experts per data shard
     return c

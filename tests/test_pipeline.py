@@ -52,21 +52,22 @@ def run_simulate(cfg, tx, data, data_size=1):
     return state
 
 
-def init_pipeline(cfg, tx, mesh, M, B, poison=False):
+def init_pipeline(cfg, tx, mesh, M, B, poison=False, ep=False):
     abstract = dense.abstract_params(cfg)
     state = step_lib.init_state(cfg, tx, jax.random.key(0))
-    ps = engine.init_pipeline_state(cfg, state.params, mesh.shape["data"], mesh.shape["stage"], M, B, T)
+    ps = engine.init_pipeline_state(cfg, state.params, mesh.shape["data"], mesh.shape["stage"], M, B, T, ep)
     if poison:  # every buffer a bubble slot could read: NaN (tokens stay valid ints)
         ps = ps._replace(**{k: jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), getattr(ps, k))
                             for k in ("prev_params", "stash", "fwd_buf", "bwd_buf", "grad_partial")})
-    return engine.place_state(state.replace(runner_state=ps), mesh, abstract)
+    return engine.place_state(state.replace(runner_state=ps), mesh, abstract, ep)
 
 
-def run_pipeline(cfg, tx, data, P, schedule, data_size=1, dsched=None, poison=False):
+def run_pipeline(cfg, tx, data, P, schedule, data_size=1, dsched=None, poison=False, ep=False):
     M, B = data[0].shape[0], data[0].shape[0] * data[0].shape[1]
     mesh = engine.make_pipeline_mesh(data_size, P)
-    step = engine.make_pipeline_train_step(cfg, tx, SCHED, mesh, dense.abstract_params(cfg), M, schedule, dsched)
-    state = init_pipeline(cfg, tx, mesh, M, B, poison)
+    step = engine.make_pipeline_train_step(cfg, tx, SCHED, mesh, dense.abstract_params(cfg), M, schedule, dsched,
+                                           expert_parallel=ep)
+    state = init_pipeline(cfg, tx, mesh, M, B, poison, ep)
     metrics = []
     for b in data:
         state, m = step(state, jax.device_put(b, engine.global_batch_sharding(mesh)))
@@ -165,6 +166,19 @@ def test_moe_model_under_2bw_equals_simulate():
     got, metrics = run_pipeline(cfg, make_opt("adamw"), data, 2, "2bw")
     assert_params_close(got.params, want.params)
     assert metrics[-1]["moe_lb_loss"] > 0 and "moe_dropped" in metrics[-1]
+
+
+def test_moe_expert_parallel_in_the_engine_equals_simulate():
+    """Experts sharded over data=2 (all_to_all inside the engine's shard_map) vs the data-parallel
+    simulation with replicated experts: same per-device capacity groups, so the same drops."""
+    cfg = model_cfg()
+    cfg.moe.update(num_experts=4, top_k=2, expert_d_ff=8, every=2, capacity_factor=1.0)
+    data = batches(4, 2, 8, seed=6)
+    want = run_simulate(cfg, optax.chain(delay(1), make_opt("adamw")), data, data_size=2)
+    got, metrics = run_pipeline(cfg, make_opt("adamw"), data, 2, "2bw", data_size=2, ep=True)
+    assert metrics[-1]["moe_dropped"] > 0
+    assert got.params["layers"]["block_1"]["moe"]["gate"].sharding.spec == jax.sharding.PartitionSpec("stage", "data")
+    assert_params_close(got.params, want.params)
 
 
 @pytest.mark.parametrize("schedule", ["sync", "2bw"])

@@ -302,3 +302,19 @@ def test_runner_state_resumes_exactly(cache_dir, tmp_path, runner):
     assert leaves_equal(resumed.params, full.params)
     assert leaves_equal(resumed.runner_state, full.runner_state)
     assert leaves_equal(resumed.opt_state, full.opt_state)
+
+
+def test_cli_dry_run_of_moe10b_fits_its_mesh():
+    """The flagship config lowers and compiles on 64 fake CPU devices without allocating the model."""
+    out = _cli(["--config=configs/moe10b.py", "--dry_run"], cwd=configs.REPO_ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "mesh {'data': 16, 'stage': 4} (64 devices)" in out.stdout
+    assert "10,119,907,328 total" in out.stdout
+    assert "XLA memory analysis" in out.stdout and "schedule bubble 0%" in out.stdout
+    assert "fits: H100 80GB yes, H200 141GB yes, TPU v5p 95GB yes" in out.stdout
+
+
+def test_cli_dry_run_works_for_the_default_config():
+    out = _cli(["--dry_run"], cwd=configs.REPO_ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "dry run of tiny" in out.stdout and "2,968,064 total" in out.stdout

@@ -44,6 +44,23 @@ import ml_collections
 Array = jax.Array
 
 
+EXPERT_WEIGHTS = ("gate", "up", "down")
+
+
+def is_expert_weight(path) -> bool:
+    """Whether a params-tree path (``tree_util`` keys) is a routed expert's weight ``[..., E, ...]``
+    (the axis after the stacked-layer axis); shared experts and the router are not."""
+    names = [getattr(k, "key", getattr(k, "name", str(k))) for k in path]
+    return len(names) >= 2 and names[-2] == "moe" and names[-1] in EXPERT_WEIGHTS
+
+
+def with_expert_parallel(cfg: ml_collections.ConfigDict, axis: str, shards: int) -> ml_collections.ConfigDict:
+    """A copy of the model config whose MoE layers hold ``E/shards`` experts per ``axis`` index."""
+    cfg = ml_collections.ConfigDict(cfg.to_dict())
+    cfg.moe.expert_axis, cfg.moe.expert_shards = axis, shards
+    return cfg
+
+
 def capacity(n_tokens: int, n_experts: int, top_k: int, capacity_factor: float) -> int:
     return max(1, math.ceil(capacity_factor * top_k * n_tokens / n_experts))
 

@@ -41,6 +41,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from asyncpp_jax.models import dense
+from asyncpp_jax.models.moe import is_expert_weight, with_expert_parallel
 from asyncpp_jax.optim.staleness import DelaySchedule
 from asyncpp_jax.pipeline import schedules
 from asyncpp_jax.train.step import TrainState
@@ -62,9 +63,24 @@ def make_pipeline_mesh(data: int, stages: int, devices=None) -> jax.sharding.Mes
                          devices=devices[: data * stages])
 
 
-def param_specs(params) -> Any:
-    """``layers/...`` sharded on the leading (layer) axis over ``stage``; the rest replicated."""
-    return {k: jax.tree.map(lambda _: P("stage") if k == "layers" else P(), v) for k, v in params.items()}
+def param_specs(params, expert_parallel: bool = False) -> Any:
+    """``layers/...`` sharded on the leading (layer) axis over ``stage``, routed experts also on
+    their expert axis over ``data`` with ``expert_parallel``; the rest replicated."""
+
+    def spec(path, _):
+        if path[0].key != "layers":
+            return P()
+        return P("stage", "data") if expert_parallel and is_expert_weight(path) else P("stage")
+
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def _local_shape(x, spec: P, mesh_shape: dict) -> tuple:
+    shape = list(x.shape)
+    for i, axis in enumerate(spec):
+        if axis is not None:
+            shape[i] //= mesh_shape[axis]
+    return tuple(shape)
 
 
 class PipelineState(NamedTuple):
@@ -78,16 +94,13 @@ class PipelineState(NamedTuple):
     prev_batch: jax.Array  # [M, B, T+1]: the in-flight batch's tokens (the last stage needs targets)
 
 
-def _local_shape(x, n_stages: int, is_layer: bool):
-    return (x.shape[0] // n_stages,) + tuple(x.shape[1:]) if is_layer else tuple(x.shape)
-
-
 def init_pipeline_state(model_cfg, params, data: int, n_stages: int, microbatches: int,
-                        global_batch: int, seq_len: int) -> PipelineState:
+                        global_batch: int, seq_len: int, expert_parallel: bool = False) -> PipelineState:
     b = global_batch // microbatches // data
     act = jnp.zeros((data, n_stages, b, seq_len, model_cfg.d_model), jnp.float32)
-    partial = {k: jax.tree.map(lambda x, k=k: jnp.zeros((data, n_stages) + _local_shape(x, n_stages, k == "layers"),
-                                                        jnp.float32), v) for k, v in params.items()}
+    mesh_shape = {"data": data, "stage": n_stages}
+    partial = jax.tree.map(lambda x, spec: jnp.zeros((data, n_stages) + _local_shape(x, spec, mesh_shape), jnp.float32),
+                           params, param_specs(params, expert_parallel))
     return PipelineState(
         prev_params=jax.tree.map(jnp.copy, params),
         stash=jnp.zeros((data, n_stages, schedules.stash_slots(n_stages), b, seq_len, model_cfg.d_model),
@@ -97,9 +110,9 @@ def init_pipeline_state(model_cfg, params, data: int, n_stages: int, microbatche
     )
 
 
-def pipeline_state_specs(params) -> PipelineState:
+def pipeline_state_specs(params, expert_parallel: bool = False) -> PipelineState:
     return PipelineState(
-        prev_params=param_specs(params), stash=DEVICE, fwd_buf=DEVICE, bwd_buf=DEVICE,
+        prev_params=param_specs(params, expert_parallel), stash=DEVICE, fwd_buf=DEVICE, bwd_buf=DEVICE,
         grad_partial=jax.tree.map(lambda _: DEVICE, params), prev_batch=BATCH_SPEC)
 
 
@@ -116,7 +129,8 @@ def _vary(tree, axes=("data", "stage")):
     return jax.tree.map(one, tree)
 
 
-def _make_grads_fn(model_cfg, mesh, table: schedules.TickTable, is_async: bool, params_abstract):
+def _make_grads_fn(model_cfg, mesh, table: schedules.TickTable, is_async: bool, params_abstract,
+                   expert_parallel: bool = False):
     """``shard_map``-ped ``(cur, prev, batch, pstate, prev_live) -> (grads, stats, pstate)``."""
     n_stages, M = table.n_stages, table.microbatches
     S = schedules.stash_slots(n_stages)
@@ -194,11 +208,18 @@ def _make_grads_fn(model_cfg, mesh, table: schedules.TickTable, is_async: bool, 
         (stash, fwd_buf, bwd_buf, acc_prev, acc_cur, sums), _ = jax.lax.scan(tick, carry, rows)
 
         done, partial = (acc_prev, acc_cur) if is_async else (acc_cur, jax.tree.map(jnp.zeros_like, acc_cur))
-        grads = {}
-        for k, v in done.items():
-            if k != "layers":  # replicated params: each stage holds only its own uses' gradient
-                v = jax.tree.map(lambda g: jax.lax.psum(g, "stage"), v)
-            grads[k] = jax.tree.map(lambda g: jax.lax.pmean(g, "data"), v)
+        data_size = jax.lax.axis_size("data")
+
+        def finish(path, g):
+            if path[0].key != "layers":  # replicated params: each stage holds only its own uses' gradient
+                g = jax.lax.psum(g, "stage")
+            if expert_parallel and is_expert_weight(path):
+                # This device's experts already got every data shard's tokens (all_to_all's
+                # transpose sums them): divide for the mean, no reduction.
+                return g / data_size
+            return jax.lax.pmean(g, "data")
+
+        grads = jax.tree_util.tree_map_with_path(finish, done)
         sums = {k: jax.lax.psum(v, "stage") for k, v in sums.items()}
         count = jnp.maximum(sums.pop("count"), 1.0)
         stats = {k: jax.lax.pmean(v / count, "data") for k, v in sums.items()}
@@ -207,8 +228,8 @@ def _make_grads_fn(model_cfg, mesh, table: schedules.TickTable, is_async: bool, 
                             grad_partial=jax.tree.map(grow, partial), prev_batch=batch)
         return grads, stats, new
 
-    pspec = param_specs(params_abstract)
-    sspec = pipeline_state_specs(params_abstract)
+    pspec = param_specs(params_abstract, expert_parallel)
+    sspec = pipeline_state_specs(params_abstract, expert_parallel)
     return jax.shard_map(
         local, mesh=mesh,
         in_specs=(pspec, pspec, BATCH_SPEC, sspec, P(), P()),
@@ -217,17 +238,21 @@ def _make_grads_fn(model_cfg, mesh, table: schedules.TickTable, is_async: bool, 
 
 
 def make_pipeline_train_step(model_cfg, optimizer, schedule: optax.Schedule, mesh, params_abstract,
-                             microbatches: int, pipeline_schedule: str, delay_schedule: DelaySchedule | None = None):
+                             microbatches: int, pipeline_schedule: str, delay_schedule: DelaySchedule | None = None,
+                             expert_parallel: bool = False):
     """Jitted ``train_step(state, batch) -> (state, metrics)`` with ``state.runner_state`` a
     :class:`PipelineState`.  ``pipeline_schedule`` is ``sync`` or ``2bw``; under ``2bw`` the
     ``delay_schedule`` (``optim.delay_schedule``) says which updates are synchronous (start,
     cooldown): those run the flushed ``sync`` table and drop what is in flight, as ``delay`` does."""
     n_stages = mesh.shape["stage"]
-    sync_fn = _make_grads_fn(model_cfg, mesh, schedules.sync_table(n_stages, microbatches), False, params_abstract)
+    if expert_parallel:  # experts sharded over ``data``: the MoE layers exchange tokens with all_to_all
+        model_cfg = with_expert_parallel(model_cfg, "data", mesh.shape["data"])
+    ep = expert_parallel
+    sync_fn = _make_grads_fn(model_cfg, mesh, schedules.sync_table(n_stages, microbatches), False, params_abstract, ep)
     async_fn = None
     if pipeline_schedule == "2bw":
         async_fn = _make_grads_fn(model_cfg, mesh, schedules.async_table(n_stages, microbatches), True,
-                                  params_abstract)
+                                  params_abstract, ep)
         delay_schedule = delay_schedule or DelaySchedule(1)
 
     def train_step(state: TrainState, batch):
@@ -251,25 +276,32 @@ def make_pipeline_train_step(model_cfg, optimizer, schedule: optax.Schedule, mes
     return jax.jit(train_step, donate_argnums=0)
 
 
-def state_shardings(state, mesh, params_abstract):
+def state_shardings(state, mesh, params_abstract, expert_parallel: bool = False):
     """NamedShardings for a (possibly abstract) pipeline TrainState: layers and their optimizer
-    moments over ``stage``, the in-flight state per device, the rest replicated."""
+    moments over ``stage`` (experts also over ``data`` with expert parallelism), the in-flight
+    state per device, the rest replicated."""
     shard = functools.partial(NamedSharding, mesh)
+    pspecs = param_specs(params_abstract, expert_parallel)
     n_layers = {x.shape[0] for x in jax.tree.leaves(params_abstract["layers"])}.pop()
+    # Optimizer moments mirror their params' shapes: an expert-shaped moment is sharded like the
+    # experts, a stacked-layer one like the layers.
+    expert_shapes = {tuple(x.shape) for x, sp in zip(jax.tree.leaves(params_abstract), jax.tree.leaves(pspecs))
+                     if len(sp) > 1}
 
     def opt_leaf(x):
-        # Optimizer moments of stacked layer leaves live with their stage, like the params.
+        if tuple(x.shape) in expert_shapes:
+            return shard(P("stage", "data"))
         stacked = len(x.shape) >= 2 and x.shape[0] == n_layers
         return shard(P("stage") if stacked else P())
 
-    return TrainState(step=shard(P()), params=jax.tree.map(shard, param_specs(params_abstract)),
+    return TrainState(step=shard(P()), params=jax.tree.map(shard, pspecs),
                       opt_state=jax.tree.map(opt_leaf, state.opt_state),
-                      runner_state=jax.tree.map(shard, pipeline_state_specs(params_abstract)))
+                      runner_state=jax.tree.map(shard, pipeline_state_specs(params_abstract, expert_parallel)))
 
 
-def place_state(state: TrainState, mesh, params_abstract) -> TrainState:
+def place_state(state: TrainState, mesh, params_abstract, expert_parallel: bool = False) -> TrainState:
     """Put a fresh state on the pipeline mesh (layers over ``stage``)."""
-    return jax.device_put(state, state_shardings(state, mesh, params_abstract))
+    return jax.device_put(state, state_shardings(state, mesh, params_abstract, expert_parallel))
 
 
 def global_batch_sharding(mesh) -> NamedSharding:

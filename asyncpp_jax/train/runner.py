@@ -48,14 +48,14 @@ class Runner:
             if self.pipelined:
                 state = state.replace(runner_state=engine.init_pipeline_state(
                     c.model, state.params, self.data_size, c.pipeline.stages, c.train.microbatches,
-                    c.train.global_batch_size, c.data.seq_len))
+                    c.train.global_batch_size, c.data.seq_len, c.mesh.expert_parallel))
             return state
 
         return init
 
     def state_shardings(self, abstract_state):
         if self.pipelined:
-            return engine.state_shardings(abstract_state, self.mesh, self.shapes)
+            return engine.state_shardings(abstract_state, self.mesh, self.shapes, self.config.mesh.expert_parallel)
         return jax.tree.map(lambda _: step_lib.replicated(self.mesh), abstract_state)
 
     def abstract_state(self, key):
@@ -83,7 +83,7 @@ def build(c, devices) -> Runner:
         versions = None
         train_step = engine.make_pipeline_train_step(
             c.model, optimizer, schedule, mesh, shapes, c.train.microbatches, c.pipeline.schedule,
-            delay_schedule(staleness, c.train.steps))
+            delay_schedule(staleness, c.train.steps), expert_parallel=c.mesh.expert_parallel)
     else:
         versions = weight_versions(staleness, c.train.steps, shapes)
         train_step = step_lib.make_train_step(c.model, optimizer, schedule, mesh,
