@@ -1,0 +1,233 @@
+"""Markdown report with tables and plots from one or more studies' ``results.jsonl``.
+
+    python -m experiments.report runs/studies/optimizers/results.jsonl [...] [--out report_dir]
+
+Per study: a table of final validation loss (nats/byte), mean ± std over seeds, per variant; the
+study's derived quantity (delay gap ``2bw - sync`` per optimizer, per momentum, per depth, per
+setting; the fraction of the gap each mitigation recovers); and plots (loss curves sync vs async,
+gap vs momentum, gap vs depth, recovered fraction).  Then a verdict on each of the paper's claims
+that the given studies can test, stated as measured: a claim that does not hold here is reported
+as not reproduced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import pathlib
+import re
+
+import numpy as np
+
+# Thresholds that turn the paper's words into a test, stated in the report.
+FAR_LARGER = 2.0  # "AdamW's gap is far larger than Muon's": at least this ratio
+LARGE_PART = 0.5  # "EF recovers a large part of the gap": at least this fraction
+
+
+def load(paths) -> dict[str, list[dict]]:
+    studies = collections.defaultdict(list)
+    for path in paths:
+        for line in pathlib.Path(path).read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                studies[row["study"]].append(row)
+    return dict(studies)
+
+
+def by_variant(rows) -> dict[str, np.ndarray]:
+    out = collections.defaultdict(list)
+    for r in rows:
+        if r.get("final_val") is not None:
+            out[r["variant"]].append(r["final_val"])
+    return {k: np.asarray(v, float) for k, v in out.items()}
+
+
+def fmt(values: np.ndarray) -> str:
+    if len(values) > 1:
+        return f"{values.mean():.4f} ± {values.std(ddof=1):.4f}"
+    return f"{values.mean():.4f}"
+
+
+def gap(stats, async_key, sync_key) -> tuple[float, float] | None:
+    """Mean gap and its standard error (independent seeds)."""
+    if async_key not in stats or sync_key not in stats:
+        return None
+    a, s = stats[async_key], stats[sync_key]
+    se = np.sqrt((a.var(ddof=1) / len(a) if len(a) > 1 else 0.0) + (s.var(ddof=1) / len(s) if len(s) > 1 else 0.0))
+    return float(a.mean() - s.mean()), float(se)
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_curves(rows, out: pathlib.Path, title: str) -> str:
+    """Validation curves (mean over seeds) of every variant of one study."""
+    plt = _plt()
+    curves = collections.defaultdict(list)
+    for r in rows:
+        if r["val_curve"]:
+            curves[r["variant"]].append(np.asarray(r["val_curve"], float))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for variant, cs in sorted(curves.items()):
+        n = min(len(c) for c in cs)
+        mean = np.mean([c[:n, 1] for c in cs], axis=0)
+        ax.plot(cs[0][:n, 0], mean, ("--" if "sync" in variant.split("/")[-1] else "-"), label=variant)
+    ax.set(xlabel="update", ylabel="validation loss (nats/byte)", title=title)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out.name
+
+
+def plot_xy(series: dict[str, list[tuple[float, float, float]]], out: pathlib.Path, xlabel: str, ylabel: str,
+            title: str, bars: bool = False) -> str:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, (name, pts) in enumerate(sorted(series.items())):
+        xs, ys, es = zip(*pts)
+        if bars:
+            pos = np.arange(len(xs)) + 0.4 * i
+            ax.bar(pos, ys, 0.4, yerr=es, label=name)
+            ax.set_xticks(np.arange(len(xs)) + 0.2, [str(x) for x in xs], rotation=30, fontsize=8)
+        else:
+            ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=name)
+    ax.axhline(0, color="gray", lw=0.5)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out.name
+
+
+def _table(header, rows) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + \
+        ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+
+
+def _gap_str(g):
+    return "-" if g is None else f"{g[0]:+.4f} ± {g[1]:.4f}"
+
+
+def analyse(name: str, rows: list[dict], out: pathlib.Path, claims: dict) -> list[str]:
+    stats = by_variant(rows)
+    lines = [f"## Study `{name}`", "", f"{len(rows)} runs, seeds {sorted({r['seed'] for r in rows})}.", ""]
+    lines += _table(["variant", "final val loss (nats/byte)", "runs"],
+                    [(v, fmt(x), len(x)) for v, x in sorted(stats.items())]) + [""]
+    lines.append(f"![curves]({plot_curves(rows, out / f'{name}_curves.png', name)})")
+    lines.append("")
+
+    if name in ("optimizers", "sensitivity"):
+        prefixes = sorted({v.rsplit("/", 1)[0] for v in stats})
+        gaps = {p: gap(stats, f"{p}/2bw", f"{p}/sync") for p in prefixes}
+        lines += _table(["setting", "delay gap 2bw - sync"], [(p, _gap_str(g)) for p, g in gaps.items()]) + [""]
+        if name == "optimizers" and gaps.get("adamw") and gaps.get("muon"):
+            a, m = gaps["adamw"][0], gaps["muon"][0]
+            claims["AdamW's delay gap is far larger than Muon's"] = (
+                a > FAR_LARGER * max(m, 1e-9) and a > 0,
+                f"AdamW {a:+.4f} vs Muon {m:+.4f} (test: AdamW > {FAR_LARGER}x Muon)")
+    elif name == "momentum":
+        series = collections.defaultdict(list)
+        for v in stats:
+            m = re.match(r"(\w+)/beta=([\d.]+)/2bw$", v)
+            if m:
+                g = gap(stats, v, v[: -len("2bw")] + "sync")
+                if g:
+                    series[m.group(1)].append((float(m.group(2)), *g))
+        series = {k: sorted(v) for k, v in series.items()}
+        lines += _table(["optimizer", "momentum", "delay gap"],
+                        [(k, x, f"{y:+.4f} ± {e:.4f}") for k, pts in series.items() for x, y, e in pts]) + [""]
+        lines.append(f"![gap vs momentum]({plot_xy(series, out / 'momentum_gap.png', 'b1 / mu', 'delay gap', 'gap vs momentum')})")
+        lines.append("")
+        verdicts = {k: pts[-1][1] < pts[0][1] for k, pts in series.items() if len(pts) > 1}
+        if verdicts:
+            claims["Higher momentum shrinks the delay gap"] = (
+                all(verdicts.values()),
+                "; ".join(f"{k}: gap {series[k][0][1]:+.4f} at {series[k][0][0]} -> {series[k][-1][1]:+.4f} at "
+                          f"{series[k][-1][0]}" for k in verdicts))
+    elif name == "mitigations":
+        series, table = collections.defaultdict(list), []
+        for opt in sorted({v.split("/")[0] for v in stats}):
+            base = gap(stats, f"{opt}/none", f"{opt}/sync")
+            for arm in ("ef", "taylor", "sync_start", "sync_cooldown", "ef+sync_start"):
+                g = gap(stats, f"{opt}/{arm}", f"{opt}/sync")
+                if base and g and base[0] != 0:
+                    frac = 1 - g[0] / base[0]
+                    series[opt].append((arm, frac, g[1] / abs(base[0])))
+                    table.append((opt, arm, _gap_str(g), f"{frac:.0%}"))
+        lines += _table(["optimizer", "mitigation", "gap vs sync", "fraction of the gap recovered"], table) + [""]
+        if series:
+            lines.append(f"![recovered]({plot_xy(series, out / 'mitigations_recovered.png', 'mitigation', 'fraction recovered', 'gap recovered', bars=True)})")
+            lines.append("")
+            ef = {opt: dict((a, f) for a, f, _ in pts).get("ef") for opt, pts in series.items()}
+            ef = {k: v for k, v in ef.items() if v is not None}
+            if ef:
+                claims["Error feedback recovers a large part of the gap"] = (
+                    all(v >= LARGE_PART for v in ef.values()),
+                    ", ".join(f"{k} {v:.0%}" for k, v in ef.items()) + f" (test: >= {LARGE_PART:.0%})")
+    elif name == "schemes":
+        pts = []
+        for v in stats:
+            m = re.search(r"/pipedream/P=(\d+)$", v)
+            if m:
+                g = gap(stats, v, v.split("/")[0] + "/sync")
+                if g:
+                    pts.append((int(m.group(1)), *g))
+        pts.sort()
+        two = gap(stats, "adamw/2bw", "adamw/sync")
+        series = {"pipedream": pts}
+        if two and pts:
+            series["2bw"] = [(p, *two) for p, _, _ in pts]
+        lines += _table(["scheme", "P", "delay gap"], [("pipedream", p, f"{y:+.4f} ± {e:.4f}") for p, y, e in pts]
+                        + ([("2bw", "any", _gap_str(two))] if two else [])) + [""]
+        if pts:
+            lines.append(f"![gap vs depth]({plot_xy(series, out / 'schemes_gap.png', 'pipeline depth P', 'delay gap', 'gap vs depth')})")
+            lines.append("")
+        if two and len(pts) > 1:
+            grows = all(b[1] > a[1] for a, b in zip(pts, pts[1:]))
+            claims["PipeDream degrades with depth while 2BW does not"] = (
+                grows and pts[-1][1] > two[0],
+                f"PipeDream gap {' -> '.join(f'{y:+.4f}' for _, y, _ in pts)} for P = "
+                f"{', '.join(str(p) for p, _, _ in pts)}; 2BW {two[0]:+.4f} (one delay at any depth)")
+    return lines
+
+
+def report(paths, out: pathlib.Path) -> pathlib.Path:
+    out.mkdir(parents=True, exist_ok=True)
+    studies = load(paths)
+    claims: dict[str, tuple[bool, str]] = {}
+    body = []
+    for name in sorted(studies):
+        body += analyse(name, studies[name], out, claims)
+    lines = ["# Async PP study report", "", "Final validation loss in nats/byte; mean ± sample std over seeds; "
+             "a delay gap is async minus sync (± its standard error).", "", "## The paper's claims at this scale", ""]
+    if claims:
+        lines += _table(["claim", "reproduced here?", "measured"],
+                        [(c, "yes" if ok else "**no**", why) for c, (ok, why) in claims.items()])
+    else:
+        lines.append("None of the given studies tests a claim.")
+    lines += [""] + body
+    path = out / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("results", nargs="+")
+    ap.add_argument("--out", default=None, help="directory for report.md and plots (default: next to the first file)")
+    a = ap.parse_args(argv)
+    out = pathlib.Path(a.out) if a.out else pathlib.Path(a.results[0]).parent / "report"
+    print(report(a.results, out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The paper's studies, one module each: ``study(preset) -> experiments.sweep.Study``."""
