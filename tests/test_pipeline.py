@@ -4,7 +4,6 @@ Small model (4 layers, d 16) on fake CPU devices; the simulate runner with ``del
 chain is the reference for ``2bw``, the plain simulate runner for ``sync``.
 """
 
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -44,7 +44,7 @@ from asyncpp_jax.models import dense
 from asyncpp_jax.models.moe import is_expert_weight, with_expert_parallel
 from asyncpp_jax.optim.staleness import DelaySchedule
 from asyncpp_jax.pipeline import schedules
-from asyncpp_jax.train.step import TrainState
+from asyncpp_jax.train.step import TrainState, apply_update
 
 BATCH_SPEC = P(None, "data")  # [microbatch, batch, time + 1]
 DEVICE = P("data", "stage")  # per-device in-flight state: leading [data, stage] axes
@@ -265,13 +265,7 @@ def make_pipeline_train_step(model_cfg, optimizer, schedule: optax.Schedule, mes
             prev_live = delay_schedule.in_force(state.step - 1)
             grads, stats, ps = jax.lax.cond(
                 on, lambda: async_fn(*args, prev_live, state.step), lambda: sync_fn(*args, prev_live, state.step))
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        metrics = dict(stats, grad_norm=optax.global_norm(grads), lr=schedule(state.step))
-        if delay_schedule is not None:
-            metrics.update(delay=delay_schedule.delay_at(state.step),
-                           skipped_batches=delay_schedule.skipped_at(state.step))
-        return TrainState(step=state.step + 1, params=params, opt_state=opt_state, runner_state=ps), metrics
+        return apply_update(state, grads, stats, ps, optimizer, schedule, delay_schedule)
 
     return jax.jit(train_step, donate_argnums=0)
 

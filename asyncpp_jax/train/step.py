@@ -72,6 +72,17 @@ def _accumulate_grads(model_cfg, params, batch):
     return grads, stats
 
 
+def apply_update(state: TrainState, grads, stats: dict, runner_state, optimizer, schedule, delay_schedule=None):
+    """The optimizer step both runners end with: ``(new state, metrics)``.  With a delay schedule
+    the metrics also record the delay in force and the batches a cooldown switch dropped."""
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = dict(stats, grad_norm=optax.global_norm(grads), lr=schedule(state.step))
+    if delay_schedule is not None:
+        metrics.update(delay=delay_schedule.delay_at(state.step), skipped_batches=delay_schedule.skipped_at(state.step))
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state, runner_state=runner_state), metrics
+
+
 def make_train_step(model_cfg, optimizer, schedule: optax.Schedule, mesh, delay_schedule=None,
                     weight_versions=None) -> Callable:
     """Jitted ``train_step(state, batch) -> (state, metrics)``; the state buffer is donated.
@@ -97,14 +108,7 @@ def make_train_step(model_cfg, optimizer, schedule: optax.Schedule, mesh, delay_
             grads, stats = grads_fn(weight_versions.mixed_point(state.params, versions), batch)
             grads = weight_versions.mask_fill(grads, versions)
             versions = weight_versions.push(state.params, versions)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        metrics = dict(stats, grad_norm=optax.global_norm(grads), lr=schedule(state.step))
-        if delay_schedule is not None:
-            metrics.update(delay=delay_schedule.delay_at(state.step),
-                           skipped_batches=delay_schedule.skipped_at(state.step))
-        return TrainState(step=state.step + 1, params=params, opt_state=opt_state,
-                          runner_state=versions), metrics
+        return apply_update(state, grads, stats, versions, optimizer, schedule, delay_schedule)
 
     rep = replicated(mesh)
     return jax.jit(
