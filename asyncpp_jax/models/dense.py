@@ -319,8 +319,7 @@ def loss_fn(cfg, params: dict, batch: Array):
     """Loss on a packed batch ``[B, T+1]``: inputs ``batch[:, :-1]``, targets ``batch[:, 1:]``.
 
     Returns ``(total, stats)``: ``total = ce + z_loss + MoE aux terms`` (:func:`aux_loss`), and
-    ``stats`` the scalars to log: ``ce``, ``z_loss`` and, for an MoE model, the per-layer sums of
-    ``moe_lb_loss``, ``moe_router_z`` and ``moe_dropped``.
+    ``stats`` the scalars to log (:func:`loss_stats`).
     """
     logits, aux = Decoder(cfg).apply({"params": params}, batch[:, :-1], method=Decoder.forward_with_aux)
     total, (ce, z) = cross_entropy(logits, batch[:, 1:], cfg.z_loss)
@@ -328,7 +327,10 @@ def loss_fn(cfg, params: dict, batch: Array):
 
 
 def loss_stats(cfg, ce, z, aux) -> dict:
+    """What to log: ``ce``, ``z_loss``; for MoE the aux losses summed over layers (as they enter the
+    loss) and ``moe_dropped`` as the mean over MoE layers of the dropped fraction of assignments."""
     stats = {"ce": ce, "z_loss": z}
     if uses_moe(cfg):
         stats.update(aux)
+        stats["moe_dropped"] = aux["moe_dropped"] / (cfg.n_layers // cfg.moe.every)
     return stats
