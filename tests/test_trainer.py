@@ -24,11 +24,6 @@ STDLIB = sysconfig.get_paths()["stdlib"]
 SOURCE = f"{STDLIB}/json/*.py,{STDLIB}/email/*.py"  # ~40 real files, ~400 KB
 
 
-@pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("corpora"))
-
-
 def small_config(cache_dir, **train):
     c = configs.base_config()
     c.name = "test"
