@@ -131,7 +131,7 @@ def _vary(tree, axes=("data", "stage")):
 
 def _make_grads_fn(model_cfg, mesh, table: schedules.TickTable, is_async: bool, params_abstract,
                    expert_parallel: bool = False):
-    """``shard_map``-ped ``(cur, prev, batch, pstate, prev_live) -> (grads, stats, pstate)``."""
+    """``shard_map``-ped ``(cur, prev, batch, pstate, prev_live, step) -> (grads, stats, pstate)``."""
     n_stages, M = table.n_stages, table.microbatches
     S = schedules.stash_slots(n_stages)
     fwd_tbl, bwd_tbl = jnp.asarray(table.forward), jnp.asarray(table.backward)
