@@ -156,13 +156,15 @@ def test_2bw_parity_across_sync_start_and_cooldown_four_stages():
     assert [int(m["skipped_batches"]) for m in metrics] == [0] * 8 + [1, 0, 0]
 
 
-def test_moe_model_under_2bw_equals_simulate():
+@pytest.mark.parametrize("schedule", ["sync", "2bw"])
+def test_moe_model_equals_simulate(schedule):
     """MoE (every other layer, 4 experts top-2, capacity 1.25): aux losses included on every stage."""
     cfg = model_cfg()
     cfg.moe.update(num_experts=4, top_k=2, expert_d_ff=8, every=2, capacity_factor=1.25)
     data = batches(6, 2, 4, seed=5)
-    want = run_simulate(cfg, optax.chain(delay(1), make_opt("adamw")), data)
-    got, metrics = run_pipeline(cfg, make_opt("adamw"), data, 2, "2bw")
+    chain = optax.chain(delay(1), make_opt("adamw")) if schedule == "2bw" else make_opt("adamw")
+    want = run_simulate(cfg, chain, data)
+    got, metrics = run_pipeline(cfg, make_opt("adamw"), data, 2, schedule)
     assert_params_close(got.params, want.params)
     assert metrics[-1]["moe_lb_loss"] > 0 and "moe_dropped" in metrics[-1]
 
