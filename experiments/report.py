@@ -75,10 +75,14 @@ def plot_curves(rows, out: pathlib.Path, title: str) -> str:
         if r["val_curve"]:
             curves[r["variant"]].append(np.asarray(r["val_curve"], float))
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    # One colour per setting (the variant without its last part), dashed for the synchronous arm.
+    settings = sorted({v.rsplit("/", 1)[0] for v in curves})
+    colours = {k: plt.get_cmap("tab20" if len(settings) > 10 else "tab10")(i) for i, k in enumerate(settings)}
     for variant, cs in sorted(curves.items()):
         n = min(len(c) for c in cs)
         mean = np.mean([c[:n, 1] for c in cs], axis=0)
-        ax.plot(cs[0][:n, 0], mean, ("--" if "sync" in variant.split("/")[-1] else "-"), label=variant)
+        style = "--" if variant.rsplit("/", 1)[-1] == "sync" else "-"
+        ax.plot(cs[0][:n, 0], mean, style, color=colours[variant.rsplit("/", 1)[0]], label=variant)
     ax.set(xlabel="update", ylabel="validation loss (nats/byte)", title=title)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
