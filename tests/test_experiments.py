@@ -29,6 +29,26 @@ def test_real_studies_expand(preset):
     assert {r.variant.split("/")[1] for r in runs} >= {"sync", "none", "ef", "taylor", "sync_start", "sync_cooldown"}
 
 
+@pytest.mark.parametrize("name", ["optimizers", "momentum", "mitigations", "schemes", "sensitivity"])
+@pytest.mark.parametrize("preset", ["cpu", "paper"])
+def test_every_run_of_every_study_is_a_valid_config(name, preset):
+    import importlib
+
+    from asyncpp_jax import configs
+
+    study = sweep.load_study(name, preset)
+    module = importlib.import_module(study.config.removesuffix(".py").replace("/", "."))
+    for run in sweep.expand(study):
+        c = module.get_config()
+        for key, value in run.overrides.items():
+            section, _, field = key.rpartition(".")
+            target = c
+            for part in filter(None, section.split(".")):
+                target = target[part]
+            target[field] = value
+        configs.validate(c)  # raises with the field named if a preset asks for the impossible
+
+
 def fake_run(loss_of):
     """A runner that writes the files a finished CLI run leaves behind."""
     calls = []

@@ -1,9 +1,10 @@
 """Presets shared by the studies.
 
-``cpu``: the tiny byte-level model, shortened so one run takes about a minute on 2 CPU cores
-(d_model 128, 4 layers, seq 64, batch 16, 150 updates).  ``paper``: SmolLM2-135M shapes on
-FineWeb-Edu through the prepare step, with the SmolLM2 tokenizer; pass its path in
-``ASYNCPP_TOKENIZER`` (a tokenizer.json).
+``cpu``: the tiny byte-level model, shrunk so one run takes 15-25 s on 2 CPU cores (d_model 128,
+4 layers, seq 64, batch 16, 150 updates).  ``paper``: the SmolLM2-360M shape for the headline
+studies (optimizers, mitigations), SmolLM2-135M for the sweeps (momentum, schemes, sensitivity),
+on FineWeb-Edu through the prepare step with the SmolLM2 tokenizer (its tokenizer.json path in
+``ASYNCPP_TOKENIZER``).
 """
 
 from __future__ import annotations
@@ -23,19 +24,23 @@ PAPER = {
     "train.steps": 20000,
 }
 PAPER_SEEDS = (0, 1, 2)
-PAPER_NOTE = ("dense135m, 20k updates of 256 x 2048 tokens (10.5B tokens, ~8.5e18 model FLOPs) per run: "
-              "about 10 GPU-hours per run on one H100 at 40% MFU")
-
+# Model FLOPs per run (asyncpp_jax.models.flops: 6N + attention, 20k updates x 256 x 2048 tokens =
+# 10.5B tokens), and H100-hours at 40% MFU of 989 bf16 TFLOP/s.
+PAPER_MODELS = {
+    "135m": ("configs/dense135m.py", "dense135m, 10.5B tokens per run: 1.29e19 model FLOPs, ~9 H100-hours at 40% MFU"),
+    "360m": ("configs/dense360m.py", "dense360m, 10.5B tokens per run: 3.07e19 model FLOPs, ~22 H100-hours at 40% MFU"),
+}
 LR = {"adamw": 3e-3, "muon": 3e-3, "soap": 3e-3, "adan": 3e-3, "lion": 3e-4, "mars": 3e-3}
 WD = {"lion": 1.0}
 
 
-def preset(name: str) -> tuple[str, dict, tuple, str]:
-    """(config file, base overrides, seeds, note) for ``cpu`` or ``paper``."""
+def preset(name: str, paper_model: str = "135m") -> tuple[str, dict, tuple, str]:
+    """(config file, base overrides, seeds, note) for ``cpu`` or ``paper`` (at ``paper_model``)."""
     if name == "cpu":
-        return "configs/tiny.py", dict(CPU), CPU_SEEDS, "about 1 min per run on 2 CPU cores"
+        return "configs/tiny.py", dict(CPU), CPU_SEEDS, "about 15-25 s per run on 2 CPU cores"
     if name == "paper":
-        return "configs/dense135m.py", dict(PAPER), PAPER_SEEDS, PAPER_NOTE
+        config, note = PAPER_MODELS[paper_model]
+        return config, dict(PAPER), PAPER_SEEDS, note
     raise ValueError(f"unknown preset {name!r}; choose cpu or paper")
 
 

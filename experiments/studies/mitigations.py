@@ -5,7 +5,7 @@ from experiments.sweep import Study
 
 
 def study(name: str) -> Study:
-    config, base, seeds, note = preset(name)
+    config, base, seeds, note = preset(name, paper_model="360m")  # the paper's headline size
     steps = base.get("train.steps", 20000)
     k = max(steps // 10, 1)
     arms = {
