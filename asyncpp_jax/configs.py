@@ -306,7 +306,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
             need(pipe.stages > 1, "config.runner='pipeline' needs config.pipeline.stages > 1.")
         if uses_pipeline(c) and pipe.stages > 1:
             engine_2bw = pipe.schedule == "2bw"
-            units = m.n_layers // m.moe.every if m.moe.num_experts and m.moe.every > 1 else m.n_layers
+            grouped = (m.moe.num_experts and isinstance(m.moe.every, int) and m.moe.every > 1
+                       and isinstance(m.n_layers, int))
+            units = m.n_layers // m.moe.every if grouped else m.n_layers
             if isinstance(units, int):
                 need(units % pipe.stages == 0,
                      f"config.model.n_layers={m.n_layers} is not divisible by config.pipeline.stages={pipe.stages}"

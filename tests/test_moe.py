@@ -168,3 +168,19 @@ def test_expert_parallel_equals_single_device_per_group():
     np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-6)
     for key in params:
         np.testing.assert_allclose(g[key], want_g[key], rtol=1e-4, atol=1e-6, err_msg=key)
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("every", 0, "config.model.moe.every=0 must be a positive integer dividing config.model.n_layers=4"),
+    ("top_k", 9, "config.model.moe.top_k=9 must lie in [1, num_experts=8]"),
+    ("gating", "relu", "config.model.moe.gating='relu' is unknown"),
+])
+def test_bad_moe_settings_name_the_field(field, value, needle):
+    from asyncpp_jax import configs
+
+    c = importlib.import_module("configs.moe_tiny").get_config()
+    c.model.moe[field] = value
+    c.pipeline.stages = 2
+    with pytest.raises(configs.ConfigError) as e:
+        configs.validate(c)
+    assert needle in str(e.value)
