@@ -1,13 +1,22 @@
-"""Pipeline engine: ``2bw`` vs ``sync`` updates/s, and compile time against depth and microbatches.
+"""Pipeline engine benchmark: wasted work, sync vs 2bw step time, the tick table's prediction, compile time.
 
-    python experiments/bench_pipeline.py [--rounds 3] [--steps 4]
+    python experiments/bench_pipeline.py work      # all fake devices on ONE core: work ratio
+    python experiments/bench_pipeline.py overlap   # one core per fake device: sync / 2bw step time
+    python experiments/bench_pipeline.py compile   # compile time at 2x depth and 2x microbatches
 
-On fake CPU devices (``--xla_force_host_platform_device_count``).  For each ``P`` in {2, 4} and
-``M`` in {4, 8, 16} it times both schedules in alternating rounds (absolute times on a shared
-machine are noise; the ratio is measured side by side) and prints the ratio beside the tick-table
-ratio ``(M + 2P - 2) / M`` and each table's share of useful stage-ticks.  Then it compiles the
-``2bw`` step at 1x and 2x layers and 1x and 2x microbatches: the scans over layers and ticks keep
-the program size, so the compile time should stay about flat.
+Absolute times on a shared machine are noise, so every figure is a ratio of two programs timed
+side by side in alternating rounds (median of rounds).
+
+* ``work``: with every fake device pinned to the same core, a pipeline step takes the total work
+  of all stages.  Divided by the single-device ``simulate`` step on the same batch it measures
+  waste: 1.0 is ideal; recomputing each stage's forward costs at most ``1 + F/(F+B)``.
+* ``overlap``: with one core per stage the stages really run at the same time; ``sync / 2bw``
+  is compared with a textbook 1F1B's ceiling ``(M + P - 1)/M`` and with the critical path the
+  tick table predicts from the measured per-slot costs (``Σ_ticks max_stages cost``).
+* ``compile``: the scans over layers and ticks keep the program size flat.
+
+The model is a real-vocabulary decoder (vocab 49152, d_model 256, 8 layers; ``--vocab`` and
+``--layers`` change it), the batch ``M`` microbatches of 2 x 128 tokens.
 """
 
 from __future__ import annotations
@@ -19,46 +28,74 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from asyncpp_jax import host_setup  # noqa: E402  (no JAX import)
+MODES = ("work", "overlap", "compile")
 
-host_setup.add_host_devices(4)
+
+def _setup_host(mode: str, devices: int) -> None:
+    """Before JAX starts: the fake devices, and for ``work`` one core for all of them."""
+    if mode == "work":
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+    from asyncpp_jax import host_setup  # no JAX import
+
+    host_setup.add_host_devices(devices)
+
+
+def _args():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("mode", choices=MODES)
+    ap.add_argument("--vocab", type=int, default=49152)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--d_model", type=int, default=256)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--rows", type=int, default=2, help="sequences per microbatch")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=2, help="updates timed per round")
+    return ap.parse_args()
+
+
+ARGS = _args() if __name__ == "__main__" else None
+if ARGS is not None:
+    _setup_host(ARGS.mode, 4 if ARGS.mode != "overlap" else 2)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
 
 from asyncpp_jax.configs import base_config  # noqa: E402
 from asyncpp_jax.models import dense  # noqa: E402
-from asyncpp_jax.pipeline import engine, schedules  # noqa: E402
+from asyncpp_jax.pipeline import engine, make_mesh, schedules, stage  # noqa: E402
 from asyncpp_jax.train import step as step_lib  # noqa: E402
 
-SEQ, PER_MICROBATCH = 64, 2
+TX = optax.adamw(1e-3)
+LR = optax.constant_schedule(1e-3)
 
 
-def model_cfg(n_layers: int):
+def model_cfg(args, n_layers: int | None = None):
     m = base_config().model
-    m.update(vocab_size=257, d_model=128, n_layers=n_layers, n_heads=4, n_kv_heads=2, d_ff=344)
+    m.update(vocab_size=args.vocab, d_model=args.d_model, n_layers=n_layers or args.layers, n_heads=4,
+             n_kv_heads=2, d_ff=int(args.d_model * 8 / 3) // 8 * 8)
     return m
 
 
-class Setup:
-    """One compiled pipeline train step and its state, ready to time."""
+def tokens(args, M: int):
+    rng = np.random.default_rng(0)
+    return jnp.asarray(rng.integers(0, args.vocab, (M, args.rows, args.seq + 1)), jnp.int32)
 
-    def __init__(self, n_stages: int, microbatches: int, schedule: str, n_layers: int = 8):
-        self.cfg = cfg = model_cfg(n_layers)
-        self.mesh = mesh = engine.make_pipeline_mesh(1, n_stages)
+
+class Pipelined:
+    """One compiled engine train step and its state, ready to time."""
+
+    def __init__(self, args, P: int, M: int, schedule: str, recompute: bool = True, n_layers=None):
+        cfg = model_cfg(args, n_layers)
+        mesh = engine.make_pipeline_mesh(1, P)
         abstract = dense.abstract_params(cfg)
-        tx = optax.adamw(1e-3)
-        B = microbatches * PER_MICROBATCH
-        self.step = engine.make_pipeline_train_step(cfg, tx, optax.constant_schedule(1e-3), mesh, abstract,
-                                                    microbatches, schedule)
-        state = step_lib.init_state(cfg, tx, jax.random.key(0))
-        state = state.replace(runner_state=engine.init_pipeline_state(
-            cfg, state.params, 1, n_stages, microbatches, B, SEQ))
-        self.state = engine.place_state(state, mesh, abstract)
-        tokens = np.random.default_rng(0).integers(0, 257, (microbatches, PER_MICROBATCH, SEQ + 1))
-        self.batch = jax.device_put(jnp.asarray(tokens, jnp.int32), engine.global_batch_sharding(mesh))
+        self.step = engine.make_pipeline_train_step(cfg, TX, LR, mesh, abstract, M, schedule, recompute=recompute)
+        state = step_lib.init_state(cfg, TX, jax.random.key(0))
+        ps = engine.init_pipeline_state(cfg, state.params, mesh, M, M * args.rows, args.seq, schedule, recompute)
+        self.state = engine.place_state(state.replace(runner_state=ps), mesh, abstract)
+        self.batch = jax.device_put(tokens(args, M), engine.global_batch_sharding(mesh))
 
     def compile_seconds(self) -> float:
         t0 = time.perf_counter()
@@ -74,50 +111,132 @@ class Setup:
         return (time.perf_counter() - t0) / steps
 
 
-def throughput_table(rounds: int, steps: int) -> None:
-    print("| P | M | 2bw/sync updates/s (measured) | theory (M+2P-2)/M | useful ticks sync | useful ticks 2bw |")
+class Simulated(Pipelined):
+    """The single-device ``simulate`` step on the same batch: the work a step must do."""
+
+    def __init__(self, args, M: int):
+        cfg = model_cfg(args)
+        mesh = make_mesh(1, jax.devices()[:1])
+        self.step = step_lib.make_train_step(cfg, TX, LR, mesh)
+        self.state = jax.device_put(step_lib.init_state(cfg, TX, jax.random.key(0)), step_lib.replicated(mesh))
+        self.batch = jax.device_put(tokens(args, M), NamedSharding(mesh, step_lib.BATCH_SPEC))
+
+
+def time_side_by_side(runs: dict, rounds: int, steps: int) -> dict:
+    """Median seconds per update of each run, timed in alternating rounds after a warm-up."""
+    for r in runs.values():
+        r.run(1)
+    times = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, r in runs.items():
+            times[name].append(r.run(steps))
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
+# ------------------------------------------------------------------------------------ slot costs
+
+
+def _timed(fn, *args, reps: int = 5) -> float:
+    jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / reps
+
+
+def slot_costs(args, P: int, recompute: bool) -> dict:
+    """Seconds of each slot kind on one device: a stage's block forward ``F``, its backward slot
+    (``F + B`` with recompute, ``B`` without), the last stage's fused slot, the embedding."""
+    cfg = model_cfg(args)
+    params = dense.compute_view(cfg, dense.init_params(cfg, jax.random.key(0)))
+    layers, top = stage.split_params(params)
+    mine = dense.slice_layers(layers, 0, args.layers // P)
+    head = {k: top[k] for k in ("final_norm", "embed")}
+    fns = stage.StageFns(cfg, 1, recompute)
+    toks = tokens(args, 1)[0]
+    x = dense.embed(cfg, top, toks[:, :-1])
+    fwd = jax.jit(lambda lp, h: fns.block(lp, h)[0][0])
+    fb = jax.jit(lambda lp, h: jax.vjp(fns.block, lp, h, has_aux=True)[1]((h, jnp.float32(1.0))))
+    last = jax.jit(lambda lp, tp, h, t: fns.last(lp, tp, h, t)[:3])
+    emb = jax.jit(lambda tp, t: dense.embed(cfg, tp, t[:, :-1]))
+    F, FB = _timed(fwd, mine, x), _timed(fb, mine, x)
+    return {"F": F, "B": max(FB - F, 0.0), "bwd_slot": FB if recompute else max(FB - F, 0.0),
+            "last": _timed(last, mine, head, x, toks), "embed": _timed(emb, top, toks)}
+
+
+def predicted_step_seconds(table: schedules.TickTable, c: dict) -> float:
+    """Critical path of the tick table: the stages wait for each other at every tick's ppermute,
+    so a tick lasts as long as its busiest stage."""
+    P = table.n_stages
+    total = 0.0
+    for k in range(table.ticks):
+        busiest = 0.0
+        for s in range(P):
+            f, b = table.forward[k, s] != schedules.IDLE, table.backward[k, s] != schedules.IDLE
+            if s == P - 1:
+                cost = c["last"] if b else 0.0
+            else:
+                cost = (c["F"] + (c["embed"] if s == 0 else 0.0)) * f + c["bwd_slot"] * b
+            busiest = max(busiest, cost)
+        total += busiest
+    return total
+
+
+# ------------------------------------------------------------------------------------------ modes
+
+
+def work(args) -> None:
+    P, M = 4, 8
+    print(f"work ratio: {jax.device_count()} fake devices on {len(os.sched_getaffinity(0))} core; "
+          f"vocab {args.vocab}, d_model {args.d_model}, {args.layers} layers, P={P}, M={M}, "
+          f"microbatch {args.rows} x {args.seq} tokens\n")
+    print("| schedule | recompute | engine / simulate step | bound |")
+    print("|---|---|---|---|")
+    costs = slot_costs(args, P, True)
+    f_share = costs["F"] / (costs["F"] + costs["B"])
+    for recompute in (False, True):
+        runs = {"simulate": Simulated(args, M), "sync": Pipelined(args, P, M, "sync", recompute),
+                "2bw": Pipelined(args, P, M, "2bw", recompute)}
+        t = time_side_by_side(runs, args.rounds, args.steps)
+        bound = 1.10 if not recompute else 1 + f_share + 0.10
+        for name in ("sync", "2bw"):
+            print(f"| {name} | {recompute} | {t[name] / t['simulate']:.3f} | <= {bound:.2f} |", flush=True)
+    print(f"\nmeasured F/(F+B) of one stage's block = {f_share:.3f} (F {costs['F'] * 1e3:.1f} ms, "
+          f"B {costs['B'] * 1e3:.1f} ms, last stage's fused slot {costs['last'] * 1e3:.1f} ms)")
+
+
+def overlap(args) -> None:
+    P = 2
+    print(f"sync / 2bw step time: {jax.device_count()} fake devices on {len(os.sched_getaffinity(0))} cores; "
+          f"vocab {args.vocab}, d_model {args.d_model}, {args.layers} layers, P={P}\n")
+    print("| P | M | recompute | measured sync/2bw | tick-table critical path | textbook (M+P-1)/M |")
     print("|---|---|---|---|---|---|")
-    for P in (2, 4):
-        for M in (4, 8, 16):
-            sync_t = schedules.sync_table(P, M)
-            theory = sync_t.ticks / M
-            if M < schedules.min_microbatches_2bw(P):
-                print(f"| {P} | {M} | n/a (2bw needs M >= {schedules.min_microbatches_2bw(P)}) | {theory:.2f} "
-                      f"| {sync_t.useful_fraction():.0%} | - |")
-                continue
-            runs = {name: Setup(P, M, name) for name in ("sync", "2bw")}
-            for r in runs.values():
-                r.run(1)  # compile + warm-up
-            times = {name: [] for name in runs}
-            for _ in range(rounds):
-                for name, r in runs.items():
-                    times[name].append(r.run(steps))
-            ratio = np.median(times["sync"]) / np.median(times["2bw"])
-            useful_2bw = schedules.async_table(P, M).useful_fraction()
-            print(f"| {P} | {M} | {ratio:.2f} | {theory:.2f} | {sync_t.useful_fraction():.0%} | {useful_2bw:.0%} |",
+    for recompute in (True, False):
+        costs = slot_costs(args, P, recompute)
+        for M in (2, 4, 8):
+            runs = {"sync": Pipelined(args, P, M, "sync", recompute), "2bw": Pipelined(args, P, M, "2bw", recompute)}
+            t = time_side_by_side(runs, args.rounds, args.steps)
+            pred = (predicted_step_seconds(schedules.sync_table(P, M), costs)
+                    / predicted_step_seconds(schedules.async_table(P, M), costs))
+            print(f"| {P} | {M} | {recompute} | {t['sync'] / t['2bw']:.3f} | {pred:.3f} | {(M + P - 1) / M:.3f} |",
                   flush=True)
+    for P, M in ((4, 8), (8, 16)):
+        c = slot_costs(args, P, True) if P != 2 else costs
+        pred = (predicted_step_seconds(schedules.sync_table(P, M), c)
+                / predicted_step_seconds(schedules.async_table(P, M), c))
+        print(f"| {P} | {M} | True | (predicted only) | {pred:.3f} | {(M + P - 1) / M:.3f} |")
 
 
-def compile_table() -> None:
-    base = Setup(4, 8, "2bw", n_layers=8).compile_seconds()
-    deep = Setup(4, 8, "2bw", n_layers=16).compile_seconds()
-    wide = Setup(4, 16, "2bw", n_layers=8).compile_seconds()
-    print("\n| 2bw step, P=4 | compile time / (8 layers, M=8) |")
+def compile_times(args) -> None:
+    base = Pipelined(args, 4, 8, "2bw", n_layers=8).compile_seconds()
+    deep = Pipelined(args, 4, 8, "2bw", n_layers=16).compile_seconds()
+    wide = Pipelined(args, 4, 16, "2bw", n_layers=8).compile_seconds()
+    print("| 2bw step, P=4 | compile time / (8 layers, M=8) |")
     print("|---|---|")
     print(f"| 16 layers, M=8 | {deep / base:.2f} |")
     print(f"| 8 layers, M=16 | {wide / base:.2f} |")
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=3)
-    args = ap.parse_args()
-    print(f"{jax.device_count()} fake {jax.default_backend()} devices on {os.cpu_count()} cores; "
-          f"model d128 x 8 layers, microbatch {PER_MICROBATCH} x {SEQ} tokens\n")
-    throughput_table(args.rounds, args.steps)
-    compile_table()
-
-
 if __name__ == "__main__":
-    main()
+    {"work": work, "overlap": overlap, "compile": compile_times}[ARGS.mode](ARGS)

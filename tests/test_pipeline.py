@@ -43,12 +43,15 @@ def make_opt(name, ef=False, K=0, C=0, total=None):
 
 
 def run_simulate(cfg, tx, data, data_size=1):
+    """``(final state, per-update metrics)`` of the simulate runner."""
     mesh = make_mesh(data_size, jax.devices()[:data_size])
     step = step_lib.make_train_step(cfg, tx, SCHED, mesh)
     state = jax.device_put(step_lib.init_state(cfg, tx, jax.random.key(0)), step_lib.replicated(mesh))
+    metrics = []
     for b in data:
-        state, _ = step(state, jax.device_put(b, NamedSharding(mesh, step_lib.BATCH_SPEC)))
-    return state
+        state, m = step(state, jax.device_put(b, NamedSharding(mesh, step_lib.BATCH_SPEC)))
+        metrics.append(jax.device_get(m))
+    return state, metrics
 
 
 def init_pipeline(cfg, tx, mesh, M, B, schedule, poison=False, ep=False, recompute=True):
@@ -112,7 +115,7 @@ def test_2bw_needs_enough_microbatches():
 @pytest.mark.parametrize("P, M", [(2, 2), (2, 4), (4, 4), (4, 8)])
 def test_sync_schedule_equals_simulate(P, M):
     cfg, data = model_cfg(), batches(2, M, 2 * M)
-    want = run_simulate(cfg, make_opt("adamw"), data)
+    want, _ = run_simulate(cfg, make_opt("adamw"), data)
     got, metrics = run_pipeline(cfg, make_opt("adamw"), data, P, "sync")
     assert_params_close(got.params, want.params)
     assert np.isfinite(metrics[-1]["loss"])
@@ -120,7 +123,7 @@ def test_sync_schedule_equals_simulate(P, M):
 
 def test_sync_schedule_with_data_parallel_equals_one_device():
     cfg, data = model_cfg(), batches(2, 2, 8)
-    want = run_simulate(cfg, make_opt("adamw"), data, data_size=1)
+    want, _ = run_simulate(cfg, make_opt("adamw"), data, data_size=1)
     got, _ = run_pipeline(cfg, make_opt("adamw"), data, 2, "sync", data_size=2)
     assert_params_close(got.params, want.params)
 
@@ -128,18 +131,18 @@ def test_sync_schedule_with_data_parallel_equals_one_device():
 @pytest.mark.parametrize("opt, ef", [("adamw", False), ("adamw", True), ("muon", False), ("muon", True)])
 def test_2bw_equals_simulate_with_delay_one(opt, ef):
     cfg, data = model_cfg(), batches(10, 2, 4, seed=1)
-    want = run_simulate(cfg, optax.chain(delay(1), make_opt(opt, ef)), data)
+    want, _ = run_simulate(cfg, optax.chain(delay(1), make_opt(opt, ef)), data)
     got, metrics = run_pipeline(cfg, make_opt(opt, ef), data, 2, "2bw")
     assert_params_close(got.params, want.params)
     assert [m["delay"] for m in metrics] == [1] * 10
     # Not vacuous: the delay matters at this learning rate.
-    sync = run_simulate(cfg, make_opt(opt, ef), data)
+    sync, _ = run_simulate(cfg, make_opt(opt, ef), data)
     assert np.max(np.abs(np.asarray(got.params["embed"]["embedding"]) - np.asarray(sync.params["embed"]["embedding"]))) > 1e-3
 
 
 def test_2bw_with_data_parallel_equals_simulate():
     cfg, data = model_cfg(), batches(4, 2, 8, seed=4)
-    want = run_simulate(cfg, optax.chain(delay(1), make_opt("adamw")), data, data_size=2)
+    want, _ = run_simulate(cfg, optax.chain(delay(1), make_opt("adamw")), data, data_size=2)
     got, _ = run_pipeline(cfg, make_opt("adamw"), data, 2, "2bw", data_size=2)
     assert_params_close(got.params, want.params)
 
@@ -149,7 +152,7 @@ def test_2bw_parity_across_sync_start_and_cooldown_four_stages():
     cfg, data = model_cfg(), batches(n, 6, 6, seed=2)
     dsched = DelaySchedule(1, K, C, n)
     chain_kw = dict(sync_start_steps=K, sync_cooldown_steps=C, total_steps=n)
-    want = run_simulate(cfg, optax.chain(delay(1, **chain_kw), make_opt("muon", True, K, C, n)), data)
+    want, _ = run_simulate(cfg, optax.chain(delay(1, **chain_kw), make_opt("muon", True, K, C, n)), data)
     got, metrics = run_pipeline(cfg, make_opt("muon", True, K, C, n), data, 4, "2bw", dsched=dsched)
     assert_params_close(got.params, want.params)
     assert [int(m["delay"]) for m in metrics] == [0, 0] + [1] * 6 + [0] * 3
@@ -163,7 +166,7 @@ def test_moe_model_equals_simulate(schedule):
     cfg.moe.update(num_experts=4, top_k=2, expert_d_ff=8, every=2, capacity_factor=1.25)
     data = batches(6, 2, 4, seed=5)
     chain = optax.chain(delay(1), make_opt("adamw")) if schedule == "2bw" else make_opt("adamw")
-    want = run_simulate(cfg, chain, data)
+    want, _ = run_simulate(cfg, chain, data)
     got, metrics = run_pipeline(cfg, make_opt("adamw"), data, 2, schedule)
     assert_params_close(got.params, want.params)
     assert metrics[-1]["moe_lb_loss"] > 0 and "moe_dropped" in metrics[-1]
@@ -175,7 +178,7 @@ def test_moe_expert_parallel_in_the_engine_equals_simulate():
     cfg = model_cfg()
     cfg.moe.update(num_experts=4, top_k=2, expert_d_ff=8, every=2, capacity_factor=1.0)
     data = batches(4, 2, 8, seed=6)
-    want = run_simulate(cfg, optax.chain(delay(1), make_opt("adamw")), data, data_size=2)
+    want, _ = run_simulate(cfg, optax.chain(delay(1), make_opt("adamw")), data, data_size=2)
     got, metrics = run_pipeline(cfg, make_opt("adamw"), data, 2, "2bw", data_size=2, ep=True)
     assert metrics[-1]["moe_dropped"] > 0
     assert got.params["layers"]["block_1"]["moe"]["gate"].sharding.spec == jax.sharding.PartitionSpec("stage", "data")
@@ -192,3 +195,102 @@ def test_bubbles_filled_with_nan_leak_nothing(schedule):
     assert all(np.isfinite(m["loss"]) for m in metrics if m["loss_microbatches"] > 0)
     for x, y in zip(jax.tree.leaves(clean.params), jax.tree.leaves(poisoned.params)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+# ------------------------------------------------------------- real-shape schedule, residuals, bf16
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_2bw_four_stages_eight_microbatches_equals_simulate(recompute):
+    """P = 4, M = 8 > 2(P-1): the preset shape, where a step's window holds only part of a batch's
+    tail.  Also the honest loss: update t logs batch t-1's loss at w[t-1], which is exactly what
+    the simulate runner logged at update t-1."""
+    cfg, data = model_cfg(), batches(4, 8, 8, seed=7)
+    want, want_m = run_simulate(cfg, optax.chain(delay(1), make_opt("adamw")), data)
+    got, got_m = run_pipeline(cfg, make_opt("adamw"), data, 4, "2bw", recompute=recompute)
+    assert_params_close(got.params, want.params)
+    assert got_m[0]["loss_microbatches"] == 0 and all(m["loss_microbatches"] == 8 for m in got_m[1:])
+    np.testing.assert_allclose([m["loss"] for m in got_m[1:]], [m["loss"] for m in want_m[:-1]], rtol=1e-6)
+
+
+def test_moe_2bw_with_kept_residuals_equals_simulate():
+    cfg = model_cfg()
+    cfg.moe.update(num_experts=4, top_k=2, expert_d_ff=8, every=2, capacity_factor=1.25)
+    data = batches(4, 4, 4, seed=8)
+    want, _ = run_simulate(cfg, optax.chain(delay(1), make_opt("adamw")), data)
+    got, metrics = run_pipeline(cfg, make_opt("adamw"), data, 2, "2bw", recompute=False)
+    assert_params_close(got.params, want.params)
+    assert metrics[-1]["moe_lb_loss"] > 0
+
+
+def test_sync_schedule_with_kept_residuals_equals_simulate():
+    cfg, data = model_cfg(), batches(2, 4, 4, seed=9)
+    want, _ = run_simulate(cfg, make_opt("adamw"), data)
+    got, _ = run_pipeline(cfg, make_opt("adamw"), data, 4, "sync", recompute=False)
+    assert_params_close(got.params, want.params)
+
+
+# bf16 tolerance.  The engine runs the same bf16 ops as the simulate runner, but its fp32 gradient
+# sums are ordered differently and the embedding's row scatter adds bf16 cotangents in fp32 where
+# the unsplit model adds them in bf16.  Each update's gradient may then differ by a few bf16
+# roundings (unit roundoff u = 2^-8) of its entries; with SGD (lr 0.5, 3 updates) a parameter
+# differs by at most lr * steps * k u max|g| with k = 8 roundings: 0.5 * 3 * 8 * 2^-8 * max|g|.
+BF16_U = 2.0 ** -8
+
+
+@pytest.mark.parametrize("schedule", ["sync", "2bw"])
+def test_bf16_transport_equals_simulate(schedule):
+    cfg, data = model_cfg(), batches(3, 4, 8, seed=10)
+    cfg.compute_dtype = "bfloat16"
+    lr, steps = 0.5, len(data)
+    tx = optax.sgd(lr)
+    want, want_m = run_simulate(cfg, optax.chain(delay(1), tx) if schedule == "2bw" else tx, data)
+    got, _ = run_pipeline(cfg, tx, data, 2, schedule)
+    if schedule == "2bw":
+        state = got.runner_state
+        assert state.fwd_buf.dtype == state.bwd_buf.dtype == state.stash[0].dtype == jnp.bfloat16
+    max_g = max(float(m["grad_norm"]) for m in want_m)  # bounds max|g|
+    tol = lr * steps * 8 * BF16_U * max_g
+    assert_params_close(got.params, want.params, rtol=0, atol=tol)
+    # Not vacuous: bf16 rounding is far above the fp32 tolerance here.
+    fp32, _ = run_simulate(model_cfg(), optax.chain(delay(1), tx) if schedule == "2bw" else tx, data)
+    assert max(np.max(np.abs(np.asarray(a) - np.asarray(b))) for a, b in
+               zip(jax.tree.leaves(fp32.params), jax.tree.leaves(want.params))) > 2e-5
+
+
+def test_in_flight_state_holds_each_tensor_once():
+    """The weight version is laid out like the params, the partial gradient like the update (no
+    leading [data, stage] copies of the replicated embedding and norms; split over stage where an
+    axis divides); only activations are per device.  The optimizer state of the replicated leaves
+    is split over stage too, so their update runs once over the mesh."""
+    cfg, data = model_cfg(), batches(2, 4, 8, seed=11)
+    got, _ = run_pipeline(cfg, make_opt("adamw"), data, 2, "2bw", data_size=2)
+    ps = got.runner_state
+    for g, p in zip(jax.tree.leaves(ps.prev_params), jax.tree.leaves(got.params)):
+        assert g.shape == p.shape and g.sharding.spec == p.sharding.spec
+    for g, p in zip(jax.tree.leaves(ps.grad_partial), jax.tree.leaves(got.params)):
+        assert g.shape == p.shape
+    embed_partial = ps.grad_partial["embed"]["embedding"]
+    assert not embed_partial.sharding.is_fully_replicated  # [31, 16]: split over stage on d
+    assert got.params["embed"]["embedding"].sharding.is_fully_replicated  # both end stages read it
+    mu = got.opt_state[0].mu["embed"]["embedding"]
+    assert mu.sharding.spec == jax.sharding.PartitionSpec(None, "stage")
+    sync, _ = run_pipeline(cfg, make_opt("adamw"), data, 2, "sync", data_size=2)
+    assert sync.runner_state is None  # a flushed schedule carries nothing across steps
+
+
+def test_eval_on_the_pipeline_mesh_equals_simulate_and_gathers_nothing():
+    cfg = model_cfg()
+    params = dense.init_params(cfg, jax.random.key(3))
+    batch = jnp.asarray(np.random.default_rng(12).integers(0, 31, (8, T + 1)), jnp.int32)
+    mesh1 = make_mesh(1, jax.devices()[:1])
+    want = step_lib.make_eval_step(cfg, mesh1)(params, jax.device_put(batch, step_lib.eval_sharding(mesh1)))
+    mesh = engine.make_pipeline_mesh(2, 2)
+    abstract = dense.abstract_params(cfg)
+    sharded = jax.device_put(params, jax.tree.map(lambda sp: NamedSharding(mesh, sp), engine.param_specs(abstract)))
+    fn = engine.make_pipeline_eval_step(cfg, mesh, abstract, microbatch_rows=2)
+    glob = jax.device_put(batch, NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+    got = fn(sharded, glob)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5)
+    assert float(got[1]) == 8 * T
+    assert "all-gather" not in fn.lower(sharded, glob).compile().as_text()

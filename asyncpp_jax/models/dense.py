@@ -320,6 +320,30 @@ def embed_transpose_add(acc: Array, tokens: Array, ct: Array, lead: tuple = ()) 
     return acc.at[lead + (tokens,)].add(ct.astype(acc.dtype))
 
 
+def head_params(cfg, params: dict) -> dict:
+    """What the output side reads: ``{'final_norm': ..., 'w': [D, V]}``, with ``w`` the head as a
+    ``[D, V]`` matrix (the transposed embedding when tied).  A caller that applies the head to
+    many microbatches transposes the embedding once here, not once per call."""
+    w = params["embed"]["embedding"].T if cfg.tie_embeddings else params["lm_head"]["kernel"]
+    return {"final_norm": params["final_norm"], "w": w}
+
+
+def grads_from_head(cfg, g_head: dict) -> dict:
+    """The gradient of :func:`head_params`' output as a gradient of the params it was read from."""
+    if cfg.tie_embeddings:
+        return {"final_norm": g_head["final_norm"], "embed": {"embedding": g_head["w"].T}}
+    return {"final_norm": g_head["final_norm"], "lm_head": {"kernel": g_head["w"]}}
+
+
+def logits_from_head(cfg, head: dict, h: Array) -> Array:
+    """:meth:`Decoder.logits` from :func:`head_params`: final norm, then ``h @ w`` in
+    ``compute_dtype``, logits in fp32."""
+    dtype = dtype_of(cfg.compute_dtype)
+    norm = RMSNorm(cfg.norm_eps, dtype, dtype_of(cfg.param_dtype))
+    h = norm.apply({"params": head["final_norm"]}, h)
+    return jnp.dot(h.astype(dtype), head["w"].astype(dtype)).astype(jnp.float32)
+
+
 def slice_layers(layer_params: dict, start: int, stop: int) -> dict:
     """Layers ``[start, stop)`` of a stacked layer tree: a stage's share of the model."""
     return jax.tree.map(lambda x: x[start:stop], layer_params)

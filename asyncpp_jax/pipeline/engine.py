@@ -73,6 +73,25 @@ def param_specs(params, expert_parallel: bool = False) -> Any:
     return jax.tree_util.tree_map_with_path(spec, params)
 
 
+def update_specs(params, n_stages: int, expert_parallel: bool = False) -> Any:
+    """Where each leaf's gradient, optimizer state and update live: as :func:`param_specs`, except
+    that each replicated leaf (embedding, head, final norm) is split over ``stage`` along its first
+    axis divisible by ``P``.  Its gradient then arrives reduce-scattered and the optimizer updates
+    it once over the mesh, not once per device (ZeRO-1 for the leaves every stage holds); only the
+    new weights are gathered.  A leaf with no divisible axis stays replicated."""
+    layer_specs = param_specs(params, expert_parallel)
+
+    def spec(path, x, layer_spec):
+        if path[0].key == "layers":
+            return layer_spec
+        for axis, n in enumerate(x.shape):
+            if n % n_stages == 0:
+                return P(*([None] * axis + ["stage"]))
+        return P()
+
+    return jax.tree_util.tree_map_with_path(spec, params, layer_specs)
+
+
 def _local_shape(x, spec: P, mesh_shape: dict) -> tuple:
     shape = list(x.shape)
     for i, axis in enumerate(spec):
@@ -173,10 +192,11 @@ def init_pipeline_state(model_cfg, params, mesh, microbatches: int, global_batch
 def pipeline_state_specs(params, pstate: PipelineState | None, expert_parallel: bool = False):
     if pstate is None:
         return None
-    pspecs = param_specs(params, expert_parallel)
+    n_stages = pstate.fwd_buf.shape[1]
     return PipelineState(
-        prev_params=pspecs, stash=[DEVICE] * len(pstate.stash), fwd_buf=DEVICE, bwd_buf=DEVICE,
-        grad_partial=pspecs, stats_partial={k: P() for k in pstate.stats_partial}, prev_batch=BATCH_SPEC)
+        prev_params=param_specs(params, expert_parallel), stash=[DEVICE] * len(pstate.stash), fwd_buf=DEVICE,
+        bwd_buf=DEVICE, grad_partial=update_specs(params, n_stages, expert_parallel),
+        stats_partial={k: P() for k in pstate.stats_partial}, prev_batch=BATCH_SPEC)
 
 
 def _select(pred, a, b):
@@ -197,17 +217,26 @@ def _add_at(acc, i, tree):
     return jax.tree.map(lambda a, g: a.at[i].add(g.astype(a.dtype)), acc, tree)
 
 
-def _head_keys(model_cfg) -> tuple:
-    return ("final_norm", "embed") if model_cfg.tie_embeddings else ("final_norm", "lm_head")
+def _head_on_last(model_cfg, top, is_last):
+    """:func:`dense.head_params` (the tied embedding transposed once per step), on the last stage
+    only; zeros elsewhere, where nothing reads it."""
+    def zeros():
+        shapes = jax.eval_shape(lambda t: dense.head_params(model_cfg, t), top)
+        return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+    return jax.lax.cond(is_last, lambda: dense.head_params(model_cfg, top), lambda: _vary(zeros()))
 
 
-def _reduce_grads(grads, expert_parallel: bool):
-    """A device's gradient sums -> the update's gradient: sum the replicated leaves' per-stage
-    uses over ``stage`` (with tied embeddings both uses add up), average over ``data``."""
+def _reduce_grads(grads, specs, expert_parallel: bool):
+    """A device's gradient sums -> the update's gradient (laid out as ``specs``,
+    :func:`update_specs`): sum the replicated leaves' per-stage uses over ``stage`` (with tied
+    embeddings both uses add up), scattered over ``stage`` where the spec splits the leaf, and
+    average over ``data``."""
     data_size = jax.lax.axis_size("data")
 
-    def one(path, g):
-        if path[0].key != "layers":
+    def one(path, g, spec):
+        if path[0].key != "layers" and "stage" in spec:
+            g = jax.lax.psum_scatter(g, "stage", scatter_dimension=list(spec).index("stage"), tiled=True)
+        elif path[0].key != "layers":
             g = jax.lax.psum(g, "stage")
         if expert_parallel and is_expert_weight(path):
             # This device's experts already got every data shard's tokens (all_to_all's
@@ -215,7 +244,7 @@ def _reduce_grads(grads, expert_parallel: bool):
             return g / data_size
         return jax.lax.pmean(g, "data")
 
-    return jax.tree_util.tree_map_with_path(one, grads)
+    return jax.tree_util.tree_map_with_path(one, grads, specs)
 
 
 def _make_grads_fn(model_cfg, mesh, table: schedules.TickTable, is_async: bool, carries_state: bool,
@@ -227,7 +256,8 @@ def _make_grads_fn(model_cfg, mesh, table: schedules.TickTable, is_async: bool, 
     fwd_perm = [(i, i + 1) for i in range(n_stages - 1)]
     bwd_perm = [(i + 1, i) for i in range(n_stages - 1)]
     act_dtype = dense.dtype_of(model_cfg.compute_dtype)
-    head_keys = _head_keys(model_cfg)
+    pspec = param_specs(params_abstract, expert_parallel)
+    uspec = update_specs(params_abstract, n_stages, expert_parallel)
 
     def local(cur, prev, batch, pstate, prev_live, step):
         s = jax.lax.axis_index("stage")
@@ -235,6 +265,7 @@ def _make_grads_fn(model_cfg, mesh, table: schedules.TickTable, is_async: bool, 
         delay = OneStepDelay(is_async, prev_live)
         cur_l, cur_t = split_params(_vary(dense.compute_view(model_cfg, cur)))
         prev_l, prev_t = split_params(_vary(dense.compute_view(model_cfg, prev)))
+        cur_h, prev_h = _head_on_last(model_cfg, cur_t, is_last), _head_on_last(model_cfg, prev_t, is_last)
         strip = lambda x: x[0, 0]  # noqa: E731
         b, T = batch.shape[1], batch.shape[2] - 1
         if carries_state:
@@ -285,9 +316,9 @@ def _make_grads_fn(model_cfg, mesh, table: schedules.TickTable, is_async: bool, 
 
             def last(acc_l, acc_t, sums):
                 i = delay.accumulator(jb)
-                top = {k: v for k, v in delay.weights(jb, cur_t, prev_t).items() if k in head_keys}
-                g_l, g_t, g_x, stats = fns.last(delay.weights(jb, cur_l, prev_l), top, fwd_buf, tokens_of(jb))
-                acc_t = {**acc_t, **_add_at({k: acc_t[k] for k in head_keys}, i, g_t)}
+                head = delay.weights(jb, cur_h, prev_h)
+                g_l, g_h, g_x, stats = fns.last(delay.weights(jb, cur_l, prev_l), head, fwd_buf, tokens_of(jb))
+                acc_t = {**acc_t, "head": _add_at(acc_t["head"], i, g_h)}
                 return _add_at(acc_l, i, g_l), acc_t, _add_at(sums, i, stats), g_x.astype(act_dtype)
 
             def no_backward(acc_l, acc_t, sums):
@@ -304,12 +335,17 @@ def _make_grads_fn(model_cfg, mesh, table: schedules.TickTable, is_async: bool, 
         sums0 = _vary({k: jnp.zeros((n_acc,), jnp.float32) for k in stat_names(model_cfg)})
         rows = jnp.stack([jnp.take(jnp.asarray(table.forward), s, axis=1),
                           jnp.take(jnp.asarray(table.backward), s, axis=1)], axis=1)
-        carry = (stash, fwd_buf, bwd_buf, zeros(cur_l), zeros(cur_t), sums0)
+        # The embedding's lookup gradient (stage 0) and the head's (stage P-1, as [D, V]).
+        carry = (stash, fwd_buf, bwd_buf, zeros(cur_l), zeros({"embed": cur_t["embed"], "head": cur_h}), sums0)
         (stash, fwd_buf, bwd_buf, acc_l, acc_t, sums), _ = jax.lax.scan(tick, carry, rows)
 
         def reduce(k):  # accumulator k -> (gradient, loss sums) of its batch, over the whole mesh
-            grads = _reduce_grads(join_params(jax.tree.map(lambda a: a[k], acc_l),
-                                              jax.tree.map(lambda a: a[k], acc_t)), expert_parallel)
+            top = dense.grads_from_head(model_cfg, jax.tree.map(lambda a: a[k], acc_t["head"]))
+            if model_cfg.tie_embeddings:  # both uses of the tied table add up
+                top["embed"]["embedding"] = top["embed"]["embedding"] + acc_t["embed"]["embedding"][k]
+            else:
+                top["embed"] = {"embedding": acc_t["embed"]["embedding"][k]}
+            grads = _reduce_grads(join_params(jax.tree.map(lambda a: a[k], acc_l), top), uspec, expert_parallel)
             return grads, {n: jax.lax.pmean(jax.lax.psum(v[k], "stage"), "data") for n, v in sums.items()}
 
         grads, totals = reduce(0)
@@ -332,12 +368,10 @@ def _make_grads_fn(model_cfg, mesh, table: schedules.TickTable, is_async: bool, 
         stats["loss_microbatches"] = count
         return grads, stats, new
 
-    pspec = param_specs(params_abstract, expert_parallel)
-
     def grads_fn(cur, prev, batch, pstate, prev_live, step):
         sspec = pipeline_state_specs(params_abstract, pstate, expert_parallel)
         fn = jax.shard_map(local, mesh=mesh, in_specs=(pspec, pspec, BATCH_SPEC, sspec, P(), P()),
-                           out_specs=(pspec, P(), sspec))
+                           out_specs=(uspec, P(), sspec))
         return fn(cur, prev, batch, pstate, prev_live, step)
 
     return grads_fn
@@ -374,7 +408,11 @@ def make_pipeline_train_step(model_cfg, optimizer, schedule: optax.Schedule, mes
             prev_live = delay_schedule.in_force(state.step - 1)
             grads, stats, ps = jax.lax.cond(
                 on, lambda: async_fn(*args, prev_live, state.step), lambda: sync_fn(*args, prev_live, state.step))
-        return apply_update(state, grads, stats, ps, optimizer, schedule, delay_schedule)
+        state, metrics = apply_update(state, grads, stats, ps, optimizer, schedule, delay_schedule)
+        # Keep the layout fixed across steps: weights where the stages read them, the optimizer
+        # state of the replicated leaves split over ``stage`` (:func:`update_specs`).
+        return jax.lax.with_sharding_constraint(state, state_shardings(state, mesh, params_abstract,
+                                                                       expert_parallel)), metrics
 
     return jax.jit(train_step, donate_argnums=0)
 
@@ -387,13 +425,18 @@ def state_shardings(state, mesh, params_abstract, expert_parallel: bool = False)
     pspecs = param_specs(params_abstract, expert_parallel)
     n_layers = {x.shape[0] for x in jax.tree.leaves(params_abstract["layers"])}.pop()
     # Optimizer moments mirror their params' shapes: an expert-shaped moment is sharded like the
-    # experts, a stacked-layer one like the layers.
+    # experts, a replicated leaf's like its update (split over stage), a stacked-layer one like the layers.
     expert_shapes = {tuple(x.shape) for x, sp in zip(jax.tree.leaves(params_abstract), jax.tree.leaves(pspecs))
                      if len(sp) > 1}
+    _, top = split_params(params_abstract)
+    top_specs = split_params(update_specs(params_abstract, mesh.shape["stage"], expert_parallel))[1]
+    top_shapes = {tuple(x.shape): sp for x, sp in zip(jax.tree.leaves(top), jax.tree.leaves(top_specs))}
 
     def opt_leaf(x):
         if tuple(x.shape) in expert_shapes:
             return shard(P("stage", "data"))
+        if tuple(x.shape) in top_shapes:
+            return shard(top_shapes[tuple(x.shape)])
         stacked = len(x.shape) >= 2 and x.shape[0] == n_layers
         return shard(P("stage") if stacked else P())
 
@@ -428,13 +471,12 @@ def make_pipeline_eval_step(model_cfg, mesh, params_abstract, microbatch_rows: i
         model_cfg = with_expert_parallel(model_cfg, "data", mesh.shape["data"])
     fwd_perm = [(i, i + 1) for i in range(n_stages - 1)]
     act_dtype = dense.dtype_of(model_cfg.compute_dtype)
-    head_keys = _head_keys(model_cfg)
 
     def local(params, batch):
         s = jax.lax.axis_index("stage")
         is_first, is_last = s == 0, s == n_stages - 1
         layers, top = split_params(_vary(dense.compute_view(model_cfg, params)))
-        head = {k: top[k] for k in head_keys}
+        head = _head_on_last(model_cfg, top, is_last)
         rows, width = batch.shape
         b = min(microbatch_rows, rows)
         mbs = batch.reshape(rows // b, b, width)
@@ -451,10 +493,10 @@ def make_pipeline_eval_step(model_cfg, mesh, params_abstract, microbatch_rows: i
                 h = dense.apply_layers(model_cfg, layers, x).astype(act_dtype)
 
                 def loss_sum():
-                    logits = dense.logits_from_hidden(model_cfg, head, h)
+                    logits = dense.logits_from_head(model_cfg, head, h)
                     lse = jax.nn.logsumexp(logits, axis=-1)
                     tgt = jnp.take_along_axis(logits, tokens[:, 1:, None], axis=-1)[..., 0]
-                    return jnp.zeros_like(h), jnp.sum(lse - tgt), jnp.float32(tgt.size)
+                    return jnp.zeros_like(h), _vary(jnp.sum(lse - tgt)), _vary(jnp.float32(tgt.size))
 
                 zero = _vary(jnp.zeros((), jnp.float32))
                 return jax.lax.cond(is_last, loss_sum, lambda: (h, zero, zero))

@@ -62,10 +62,11 @@ class StageFns:
         # Varying like h even for a dense block (aux loss 0), so its cotangent has one known type.
         return (h, _varying_like(dense.aux_loss(self.cfg, aux), h)), block_stats(self.cfg, aux)
 
-    def last_loss(self, layers, top, x, tokens):
-        """``(loss, stats)``: block, final norm, head and next-token loss of one microbatch."""
+    def last_loss(self, layers, head, x, tokens):
+        """``(loss, stats)``: block, final norm, head (:func:`dense.head_params`) and next-token
+        loss of one microbatch."""
         h, aux = dense.apply_layers_with_aux(self.cfg, layers, x)
-        logits = dense.logits_from_hidden(self.cfg, top, h)
+        logits = dense.logits_from_head(self.cfg, head, h)
         lm, (ce, z) = dense.cross_entropy(logits, tokens[:, 1:], self.cfg.z_loss)
         stats = block_stats(self.cfg, aux)
         stats.update(loss=stats["loss"] + lm, ce=ce, z_loss=z, count=jnp.ones((), jnp.float32))
@@ -97,10 +98,10 @@ class StageFns:
             vjp_fn = template.rebuild(entry, layers_c)
         return vjp_fn((ct, self._loss_ct(ct)))
 
-    def last(self, layers_c, top_c, x, tokens):
-        """``(grad of layers, grad of top, cotangent of x, stats)`` of one microbatch."""
-        fn = lambda lp, tp, h: self.last_loss(lp, tp, h, tokens)  # noqa: E731
-        _, vjp_fn, stats = jax.vjp(fn, layers_c, top_c, x, has_aux=True)
+    def last(self, layers_c, head_c, x, tokens):
+        """``(grad of layers, grad of head, cotangent of x, stats)`` of one microbatch."""
+        fn = lambda lp, hp, h: self.last_loss(lp, hp, h, tokens)  # noqa: E731
+        _, vjp_fn, stats = jax.vjp(fn, layers_c, head_c, x, has_aux=True)
         g_l, g_t, g_x = vjp_fn(self._loss_ct(x))
         return g_l, g_t, g_x, stats
 

@@ -64,6 +64,20 @@ class Runner:
         shardings = self.state_shardings(abstract)
         return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
 
+    def eval_step(self) -> Callable:
+        """Jitted ``eval_step(params, batch[B, T+1]) -> (loss sum, token count)``: under the
+        pipeline engine forward-only through the stages, so the model is never gathered."""
+        c = self.config
+        if self.pipelined:
+            rows = c.train.global_batch_size // c.train.microbatches // self.data_size
+            return engine.make_pipeline_eval_step(c.model, self.mesh, self.shapes, rows, c.mesh.expert_parallel)
+        return step_lib.make_eval_step(c.model, self.mesh)
+
+    def eval_group(self) -> int:
+        """How many eval batches (of one training microbatch each) one eval call takes: the
+        pipeline streams ``M`` microbatches through its stages at once, as in training."""
+        return self.config.train.microbatches if self.pipelined else 1
+
     def batch_sharding(self):
         return jax.sharding.NamedSharding(self.mesh, step_lib.BATCH_SPEC)
 

@@ -21,6 +21,7 @@ import threading
 import time
 
 import jax
+import numpy as np
 from tqdm import tqdm
 
 from asyncpp_jax import configs
@@ -107,10 +108,12 @@ class Trainer:
         self.flops_per_token = flops_per_token(c.model, c.data.seq_len)
         if r.pipelined:
             log.info("pipeline engine, %s schedule:\n%s", c.pipeline.schedule, r.tick_table().render())
-        self.eval_step = step_lib.make_eval_step(c.model, self.mesh)
-        self.eval_batches = make_eval_batches(
+        self.eval_step = r.eval_step()
+        batches = make_eval_batches(
             self.corpus, d.seq_len, c.train.global_batch_size // c.train.microbatches, c.train.eval_batches
         )
+        group = r.eval_group()
+        self.eval_batches = [np.concatenate(batches[i:i + group]) for i in range(0, len(batches), group)]
         self.checkpointer = Checkpointer(self.workdir / "checkpoints", c.train.keep_checkpoints,
                                          c.train.async_checkpoint)
         self._write_config()
