@@ -22,6 +22,7 @@ _EXPORTS = {
     "load_corpus": "corpus",
     "prepare_corpus": "corpus",
     "PackedWindows": "pipeline",
+    "ShardedStream": "stream",
     "make_eval_batches": "pipeline",
     "make_train_dataset": "pipeline",
     "make_train_iterator": "pipeline",
