@@ -26,6 +26,7 @@ _EXPORTS = {
     "make_eval_batches": "pipeline",
     "make_train_dataset": "pipeline",
     "make_train_iterator": "pipeline",
+    "batch_rows": "pipeline",
 }
 
 __all__ = sorted(_EXPORTS)
