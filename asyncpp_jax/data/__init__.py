@@ -21,6 +21,7 @@ _EXPORTS = {
     "list_stdlib_files": "corpus",
     "load_corpus": "corpus",
     "prepare_corpus": "corpus",
+    "prepare_corpus_for": "corpus",
     "PackedWindows": "pipeline",
     "ShardedStream": "stream",
     "make_eval_batches": "pipeline",

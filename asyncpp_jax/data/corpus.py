@@ -482,6 +482,18 @@ def prepare_corpus(source: str, tokenizer: str = "byte", cache_dir: str | None =
     return out
 
 
+def prepare_corpus_for(data_config, log: Callable[[str], None] = print) -> str:
+    """:func:`prepare_corpus` with the settings of a config's ``data`` section: the one call the
+    trainer and the sweep runner (which prepares a study's corpus before its jobs) both make, so
+    they agree on the corpus key."""
+    d = data_config
+    return prepare_corpus(
+        d.source, tokenizer=d.tokenizer, cache_dir=d.cache_dir or None, val_fraction=d.val_fraction,
+        split_seed=d.split_seed, eos_token=d.eos_token or None, hf_split=d.hf_split,
+        hf_text_field=d.hf_text_field, hf_max_docs=d.hf_max_docs, log=log,
+    )
+
+
 # ----------------------------------------------------------------------------------------------
 # Load
 

@@ -22,7 +22,7 @@ import jax
 from tqdm import tqdm
 
 from asyncpp_jax import configs
-from asyncpp_jax.data import load_corpus, make_eval_batches, make_train_iterator, prepare_corpus
+from asyncpp_jax.data import load_corpus, make_eval_batches, make_train_iterator, prepare_corpus_for
 from asyncpp_jax.models import count_params
 from asyncpp_jax.models.flops import flops_per_token
 from asyncpp_jax.optim import describe_routing
@@ -59,11 +59,7 @@ class Trainer:
         c = config
 
         d = c.data
-        corpus_dir = prepare_corpus(
-            d.source, tokenizer=d.tokenizer, cache_dir=d.cache_dir or None, val_fraction=d.val_fraction,
-            split_seed=d.split_seed, eos_token=d.eos_token or None, hf_split=d.hf_split,
-            hf_text_field=d.hf_text_field, hf_max_docs=d.hf_max_docs, log=log.info,
-        )
+        corpus_dir = prepare_corpus_for(d, log=log.info)
         self.corpus = load_corpus(corpus_dir, verify=d.verify_checksums)
         configs.check_against_tokenizer(c, self.corpus.vocab_size)
 
