@@ -617,3 +617,12 @@ def test_eval_batches_are_fixed_and_in_stream_order(corpus):
     train_eval = make_eval_batches(corpus, SEQ_LEN, 4, 1, split="train")
     np.testing.assert_array_equal(train_eval[0][0], PackedWindows(corpus.tokens("train"),
                                                                   SEQ_LEN)[0])
+
+
+def test_rows_of_a_process_are_its_rows_of_the_global_batch(corpus):
+    whole = make_train_dataset(corpus, SEQ_LEN, 8, seed=5)
+    replica = make_train_dataset(corpus, SEQ_LEN, 8, seed=5, rows=[2, 3, 6, 7])
+    for step in range(3):
+        np.testing.assert_array_equal(replica[step], whole[step][[2, 3, 6, 7]])
+    with pytest.raises(ValueError, match="rows must be distinct sorted offsets"):
+        make_train_dataset(corpus, SEQ_LEN, 8, seed=5, rows=[3, 2])
