@@ -2,7 +2,8 @@
 
 Guarantees (each is tested):
 - resume is exact: a run interrupted at a checkpoint and restarted ends with bit-identical params;
-- SIGTERM (preemption) saves a checkpoint at the current step and returns cleanly;
+- SIGTERM (preemption) saves a checkpoint at the current step and returns cleanly; with several
+  processes, SIGTERM to any one stops every process at the same saved step (``train.preemption``);
 - a non-finite loss stops the run with :class:`TrainingDiverged` before anything is saved, so the
   last good checkpoint is what remains;
 - an exception waits for in-flight checkpoint writes, so no saved work is lost.
