@@ -70,19 +70,19 @@ def _relay(i: int, proc: subprocess.Popen, out) -> None:
         out.flush()
 
 
-def wait_all(procs: list[subprocess.Popen], out=sys.stdout) -> int:
+def wait_all(procs: list[subprocess.Popen], out=sys.stdout, grace_s: float = _FAILED_GRACE_S) -> int:
     """Relay every process's output until all exit; 0 if all exit 0, else the first failure's code."""
     relays = [threading.Thread(target=_relay, args=(i, p, out), daemon=True) for i, p in enumerate(procs)]
     for t in relays:
         t.start()
     failed_at = None
     code = 0
-    while any(p.poll() is None for p in procs):
+    while [p.poll() for p in procs].count(None):  # poll every process (any() would stop at the first)
         bad = [p.returncode for p in procs if p.returncode not in (None, 0)]
         if bad and failed_at is None:
             code, failed_at = bad[0], time.monotonic()
             out.write(f"launch: a process exited with code {code}; stopping the others\n")
-        if failed_at is not None and time.monotonic() - failed_at > _FAILED_GRACE_S:
+        if failed_at is not None and time.monotonic() - failed_at > grace_s:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
