@@ -104,7 +104,7 @@ def _wait_for_steps(metrics: pathlib.Path, proc, n: int, timeout: float = 300) -
 
 @pytest.mark.slow
 def test_sigterm_to_one_process_saves_the_same_step_everywhere_and_resumes_exactly(cache_dir, tmp_path):
-    steps = 400
+    steps = 600  # long enough that the signal lands mid-run on an idle machine (a few ms a step)
     overrides = {"mesh.data": 4, "train.global_batch_size": 8, "train.microbatches": 1, "train.steps": steps}
     args = _args(cache_dir, tmp_path / "preempted", **overrides)
     proc = subprocess.Popen(_launch_cmd(2, 2, args), cwd=configs.REPO_ROOT, stdout=subprocess.PIPE,
