@@ -151,6 +151,10 @@ def base_config() -> ml_collections.ConfigDict:
         dict(
             stages=1,  # > 1: the pipeline engine, layers split into this many contiguous stages
             schedule="sync",  # sync (1F1B, flush every step) | 2bw (no flush, one-step delay)
+            # True: a stage's backward recomputes its forward from the stashed stage input (one
+            # activation per in-flight microbatch); False: the forward keeps its autodiff residuals
+            # for the backward (no recompute, every intermediate of the block per microbatch)
+            recompute=True,
         )
     )
     c.mesh = ml_collections.ConfigDict(
@@ -300,6 +304,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
          f"config.pipeline.stages={pipe.stages!r} must be a positive integer.")
     need(pipe.schedule in PIPELINE_SCHEDULES,
          f"config.pipeline.schedule={pipe.schedule!r} is unknown; choose one of {PIPELINE_SCHEDULES}.")
+    need(isinstance(pipe.recompute, bool),
+         f"config.pipeline.recompute={pipe.recompute!r} must be True (recompute each stage's forward in its "
+         "backward) or False (keep the forward's residuals).")
     engine_2bw = False
     if isinstance(pipe.stages, int) and pipe.stages >= 1 and pipe.schedule in PIPELINE_SCHEDULES:
         if c.runner == "pipeline":

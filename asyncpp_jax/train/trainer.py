@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from asyncpp_jax import configs
 from asyncpp_jax.data import load_corpus, make_eval_batches, make_train_iterator, prepare_corpus_for
-from asyncpp_jax.models import count_params
+from asyncpp_jax.models import count_params, dense
 from asyncpp_jax.models.flops import flops_per_token
 from asyncpp_jax.optim import describe_routing
 from asyncpp_jax.train import preemption
@@ -48,6 +48,15 @@ class Result:
     val_loss: float | None = None  # nats per token
     val_loss_per_byte: float | None = None  # nats per byte
     unigram: dict | None = None  # baselines in nats per byte
+
+
+def _without_fill_loss(metrics: dict) -> dict:
+    """The pipeline engine's ``2bw`` logs the loss of the batch whose gradient an update applies;
+    at a fill update (the first delayed one) none is applied, so there is no loss to log."""
+    if metrics.get("loss_microbatches", 1) > 0:
+        return metrics
+    dropped = ("loss", "ce", "z_loss", *dense.MOE_METRICS)
+    return {k: v for k, v in metrics.items() if k not in dropped}
 
 
 class Trainer:
@@ -177,7 +186,8 @@ class Trainer:
                     if c.train.peak_tflops_per_device:
                         metrics["mfu"] = metrics["model_tflops_per_sec"] / (
                             c.train.peak_tflops_per_device * self.mesh.devices.size)
-                    if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
+                    metrics = _without_fill_loss(metrics)
+                    if not (math.isfinite(metrics.get("loss", 0.0)) and math.isfinite(metrics["grad_norm"])):
                         raise TrainingDiverged(
                             f"non-finite loss ({metrics['loss']}) or grad norm ({metrics['grad_norm']}) at step "
                             f"{step}; stopped without saving. The last good checkpoint is step "
@@ -191,7 +201,7 @@ class Trainer:
                     if evaluated or step % c.train.log_every == 0:
                         writer.write(step, metrics)
                     bar.update(1)
-                    bar.set_postfix(loss=f"{metrics['loss']:.3f}", **({"val": f"{val['val_loss']:.3f}"} if val else {}))
+                    bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.3f}", **({"val": f"{val['val_loss']:.3f}"} if val else {}))
                     preempted = preemption_watch.reached(step)  # every process, every step
                     stopping = step < c.train.steps and (preempted or step == stop_at)
                     if stopping or step % c.train.checkpoint_every == 0 or step == c.train.steps:
