@@ -131,3 +131,15 @@ def test_sigterm_to_one_process_saves_the_same_step_everywhere_and_resumes_exact
     _launch(2, 2, _args(cache_dir, tmp_path / "uninterrupted", **overrides))
     a, b = _params(tmp_path / "uninterrupted", steps), _params(tmp_path / "preempted", steps)
     assert all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.slow
+def test_a_mesh_that_leaves_a_process_out_stops_every_process_with_a_clear_error(cache_dir, tmp_path):
+    # data 2 on 2 processes x 2 devices: the mesh is process 0's two devices; process 1 holds none.
+    args = _args(cache_dir, tmp_path / "run", **{"mesh.data": 2, "train.global_batch_size": 8})
+    out = subprocess.run(_launch_cmd(2, 2, args), cwd=configs.REPO_ROOT, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 2, out.stdout[-3000:]
+    for i in (0, 1):
+        assert f"[{i}] error: processes [1] hold none of the mesh's 2 devices" in out.stdout
+    assert "config.mesh.data=-1" in out.stdout and "Traceback" not in out.stdout
