@@ -3,9 +3,15 @@
 JAX's ``initialize()`` with no arguments detects the coordinator, process count and process id
 itself for SLURM (``srun``), Open MPI (``mpirun``) and Cloud TPU pod slices; this module only
 decides *whether* the job spans several processes, so a single-host run never waits for a
-coordinator.  After it, ``jax.devices()`` lists every host's devices; data loading reads
-``jax.process_index()/process_count()`` (each process loads its own rows of every batch), and
-orbax writes checkpoints from all processes.
+coordinator.  After it, ``jax.devices()`` lists every host's devices; each process loads the rows
+of the data replicas its devices hold (``train.batch_layout``, computed from the mesh), orbax writes
+checkpoints from all processes, and SIGTERM to one process stops all at one step
+(``train.preemption``).
+
+On one CPU machine, ``python -m asyncpp_jax.launch`` sets the ``explicit`` variables for N local
+processes, plus ``JAX_NUM_CPU_DEVICES`` and ``JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo``, which JAX
+reads as the ``jax_num_cpu_devices`` / ``jax_cpu_collectives_implementation`` options when it is
+imported, i.e. before the backend starts.
 """
 
 from __future__ import annotations

@@ -7,8 +7,11 @@ dict of ``--config`` overrides) x a cartesian grid of overrides x seeds.  Each r
 ``python -m asyncpp_jax.main --config=FILE --workdir=OUT/STUDY/RUN_ID --config.k=v ...``, in its own
 process (so each gets its own fake devices, SOAP's one-core pin, a clean JAX).  A run whose
 ``status.json`` says ``finished`` is skipped, and an unfinished one resumes from its last
-checkpoint, so an interrupted study picks up where it stopped.  ``--jobs N`` runs N at once (give
-each its own accelerator with e.g. ``CUDA_VISIBLE_DEVICES``; on a 2-core CPU keep 1).
+checkpoint, so an interrupted study picks up where it stopped.  ``--jobs N`` runs N at once, each
+on its own accelerators (:func:`job_envs`: ``CUDA_VISIBLE_DEVICES`` on GPUs, ``TPU_VISIBLE_CHIPS``
+and a process of its own on a TPU VM; on a CPU host the jobs share the cores, so keep 1 on 2 cores).
+Before any job starts, each distinct corpus of the study is prepared once (:func:`prepare_corpora`),
+so N jobs do not all tokenize the same data.
 
 Results: ``OUT/STUDY/results.jsonl``, one line per run: study, run id, variant, grid point, seed,
 overrides, final and best validation loss (nats/byte), the validation and training loss curves,
@@ -21,10 +24,13 @@ import argparse
 import concurrent.futures
 import dataclasses
 import importlib
+import glob
 import itertools
 import json
 import os
 import pathlib
+import queue
+import shutil
 import subprocess
 import sys
 import time
@@ -105,32 +111,131 @@ def collect(study: Study, run: Run, workdir: pathlib.Path, seconds: float | None
     }
 
 
-def execute(study: Study, out: pathlib.Path, jobs: int = 1, runner=None, log=print) -> pathlib.Path:
+def accelerators(environ=os.environ) -> tuple[str, list[str]]:
+    """``('gpu', ids)``, ``('tpu', chip ids)`` or ``('cpu', [])``: what this host offers the jobs.
+
+    GPUs: ``CUDA_VISIBLE_DEVICES`` if set, else one id per line of ``nvidia-smi -L``.  TPU chips:
+    the ``/dev/accel*`` (v2-v5e) or ``/dev/vfio/<n>`` (v5p, v6e) device files.  JAX is not imported
+    here: on a GPU it would take the parent's share of every accelerator's memory.
+    """
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:  # an empty list hides every GPU: the jobs run on the CPU
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        return ("gpu", ids) if ids else ("cpu", [])
+    if shutil.which("nvidia-smi"):
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+        gpus = [line for line in listing.stdout.splitlines() if line.startswith("GPU ")]
+        if listing.returncode == 0 and gpus:
+            return "gpu", [str(i) for i in range(len(gpus))]
+    chips = glob.glob("/dev/accel[0-9]*") or [p for p in glob.glob("/dev/vfio/*") if p.rsplit("/", 1)[-1].isdigit()]
+    if chips:
+        return "tpu", [str(i) for i in range(len(chips))]
+    return "cpu", []
+
+
+_TPU_CHIP_BOUNDS = {1: "1,1,1", 2: "1,2,1", 4: "2,2,1", 8: "2,4,1"}
+
+
+def job_envs(kind: str, ids: list[str], jobs: int, base_port: int = 8476) -> list[dict]:
+    """One environment per job slot: slot ``k`` sees only accelerators ``ids[k*g : (k+1)*g]``,
+    ``g = len(ids) // jobs``.  A TPU job also gets its own process bounds and mesh-controller port,
+    so several single-host TPU programs run side by side.  CPU: no visibility to set."""
+    if kind == "cpu":
+        return [{} for _ in range(max(jobs, 1))]
+    if len(ids) < jobs:
+        raise ValueError(f"--jobs {jobs} needs at least {jobs} accelerators ({kind}), found {len(ids)}: "
+                         f"{ids}; lower --jobs.")
+    per = len(ids) // jobs
+    envs = []
+    for k in range(jobs):
+        mine = ",".join(ids[k * per:(k + 1) * per])
+        if kind == "gpu":
+            envs.append({"CUDA_VISIBLE_DEVICES": mine})
+            continue
+        if per not in _TPU_CHIP_BOUNDS:
+            raise ValueError(f"--jobs {jobs} gives each job {per} of {len(ids)} TPU chips; a TPU job takes "
+                             f"{sorted(_TPU_CHIP_BOUNDS)} chips, so choose --jobs accordingly.")
+        port = str(base_port + k)
+        envs.append({"TPU_VISIBLE_CHIPS": mine, "TPU_CHIPS_PER_PROCESS_BOUNDS": _TPU_CHIP_BOUNDS[per],
+                     "TPU_PROCESS_BOUNDS": "1,1,1", "TPU_MESH_CONTROLLER_ADDRESS": f"localhost:{port}",
+                     "TPU_MESH_CONTROLLER_PORT": port})
+    return envs
+
+
+def run_config(study: Study, run: Run):
+    """The resolved config ``run`` trains with (the config file plus its overrides)."""
+    from asyncpp_jax import configs
+
+    module = importlib.import_module(study.config.removesuffix(".py").replace("/", "."))
+    c = module.get_config()
+    for key, value in run.overrides.items():
+        section, _, field = key.rpartition(".")
+        target = c
+        for part in filter(None, section.split(".")):
+            target = target[part]
+        target[field] = value
+    return configs.resolve(c)
+
+
+def prepare_corpora(study: Study, log=print) -> list[str]:
+    """Prepare every distinct corpus the study's runs read, once, before any job starts."""
+    from asyncpp_jax.data import prepare_corpus_for
+
+    seen, paths = set(), []
+    for run in expand(study):
+        d = run_config(study, run).data
+        # What the corpus depends on (seq_len, say, does not): the arguments of prepare_corpus_for.
+        key = tuple(str(d[f]) for f in ("source", "tokenizer", "cache_dir", "val_fraction", "split_seed",
+                                         "eos_token", "hf_split", "hf_text_field", "hf_max_docs"))
+        if key not in seen:
+            seen.add(key)
+            paths.append(prepare_corpus_for(d, log=log))
+    return paths
+
+
+def _subprocess_runner(cmd, workdir, env) -> int:
+    return subprocess.run(cmd, cwd=REPO_ROOT, env={**os.environ, **env}).returncode
+
+
+def execute(study: Study, out: pathlib.Path, jobs: int = 1, runner=None, log=print, prepare=prepare_corpora,
+            envs: list[dict] | None = None) -> pathlib.Path:
     """Run every unfinished run of ``study`` and write ``out/<study>/results.jsonl``; returns its path.
 
-    ``runner(cmd, workdir) -> returncode`` runs one command (default: a subprocess); tests inject one.
+    ``prepare(study, log)`` readies the corpora first; ``envs`` (default :func:`job_envs` for this
+    host) are the job slots' environment settings, each held by one running job at a time.
+    ``runner(cmd, workdir, env) -> returncode`` runs one command (default: a subprocess); tests inject one.
     """
     root = out / study.name
     root.mkdir(parents=True, exist_ok=True)
     runs = expand(study)
-    runner = runner or (lambda cmd, workdir: subprocess.run(cmd, cwd=REPO_ROOT).returncode)
+    runner = runner or _subprocess_runner
+    envs = envs if envs is not None else job_envs(*accelerators(), max(jobs, 1))
+    slots: queue.Queue = queue.Queue()
+    for env in envs:
+        slots.put(env)
     seconds: dict[str, float] = {}
+    if any(not is_finished(root / r.run_id) for r in runs):
+        prepare(study, log)
 
     def one(run: Run):
         workdir = root / run.run_id
         if is_finished(workdir):
             log(f"[{study.name}] {run.run_id}: finished before, skipped")
             return run, None
-        log(f"[{study.name}] {run.run_id}: running")
-        t0 = time.time()
-        code = runner(command(study, run, workdir), workdir)
+        env = slots.get()
+        try:
+            log(f"[{study.name}] {run.run_id}: running" + (f" with {env}" if env else ""))
+            t0 = time.time()
+            code = runner(command(study, run, workdir), workdir, env)
+        finally:
+            slots.put(env)
         if code != 0:
             raise RuntimeError(f"run {run.run_id} of study {study.name} failed with exit code {code}; "
                                f"its log is in {workdir}; rerun the study to resume")
         seconds[run.run_id] = time.time() - t0
         return run, seconds[run.run_id]
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(jobs, 1)) as pool:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(envs)) as pool:
         done = list(pool.map(one, runs))
     results = root / "results.jsonl"
     with open(results, "w") as f:
@@ -159,8 +264,12 @@ def main(argv=None):
         for run in expand(study):
             print(" ".join(command(study, run, pathlib.Path(a.out) / study.name / run.run_id)[2:]))
         return
+    try:
+        envs = job_envs(*accelerators(), max(a.jobs, 1))
+    except ValueError as e:
+        ap.error(str(e))
     t0 = time.time()
-    results = execute(study, pathlib.Path(a.out), a.jobs)
+    results = execute(study, pathlib.Path(a.out), a.jobs, envs=envs)
     print(f"done in {(time.time() - t0) / 60:.1f} min; report: python -m experiments.report {results}")
 
 

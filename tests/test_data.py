@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from asyncpp_jax.data import corpus as corpus_lib
+from asyncpp_jax.data.stream import ShardedStream
 from asyncpp_jax.data import (
     ByteTokenizer,
     CorpusError,
@@ -430,7 +431,9 @@ def test_missing_corpus_path(tmp_path):
     assert str(tmp_path / "nope") in str(info.value)
 
 
-def test_multiple_shards_concatenate(tmp_path, text_dir):
+def test_multiple_shards_are_read_in_place(tmp_path, text_dir):
+    """A many-shard split is its shards' memmaps end to end: windows inside a shard are views of
+    that shard's memmap, nothing holds a concatenated copy, and the batches equal a one-shard corpus's."""
     one = load_corpus(prepare_corpus(str(text_dir), cache_dir=str(tmp_path / "a"),
                                      log=lambda m: None))
     many = load_corpus(prepare_corpus(str(text_dir), cache_dir=str(tmp_path / "b"),
@@ -438,8 +441,26 @@ def test_multiple_shards_concatenate(tmp_path, text_dir):
     shards = many.meta["splits"]["train"]["shards"]
     assert len(shards) > 3 and all(s["num_tokens"] == 1000 for s in shards[:-1])
     assert os.path.isfile(os.path.join(many.path, "train-00003.bin"))
-    np.testing.assert_array_equal(many.tokens("train"), one.tokens("train"))
-    assert not many.tokens("train").flags.writeable
+    stream = many.tokens("train")
+    assert isinstance(stream, ShardedStream) and len(stream.shards) == len(shards)
+    assert all(isinstance(s, np.memmap) and not s.flags.writeable for s in stream.shards)
+    # Nothing but the memmaps holds tokens: no attribute is an array as long as the stream.
+    assert not [k for k, v in vars(stream).items() if isinstance(v, np.ndarray) and len(v) >= len(stream)]
+    np.testing.assert_array_equal(np.asarray(stream), one.tokens("train"))
+    L = 64
+    for start in range(0, len(stream) - L - 1, L):
+        window = stream[start:start + L + 1]
+        np.testing.assert_array_equal(window, one.tokens("train")[start:start + L + 1])
+        k = start // 1000
+        inside = start // 1000 == (start + L) // 1000
+        assert np.shares_memory(window, stream.shards[k]) == inside  # a view unless it crosses a boundary
+    assert stream[2500] == one.tokens("train")[2500] and stream[-1] == one.tokens("train")[-1]
+    np.testing.assert_array_equal(stream.bincount(257), np.bincount(one.tokens("train"), minlength=257))
+    a = make_train_dataset(one, L, 8, seed=3)
+    b = make_train_dataset(many, L, 8, seed=3)
+    for step in range(5):
+        np.testing.assert_array_equal(a[step], b[step])
+    assert many.unigram_entropy_nats_per_byte() == one.unigram_entropy_nats_per_byte()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -596,3 +617,12 @@ def test_eval_batches_are_fixed_and_in_stream_order(corpus):
     train_eval = make_eval_batches(corpus, SEQ_LEN, 4, 1, split="train")
     np.testing.assert_array_equal(train_eval[0][0], PackedWindows(corpus.tokens("train"),
                                                                   SEQ_LEN)[0])
+
+
+def test_rows_of_a_process_are_its_rows_of_the_global_batch(corpus):
+    whole = make_train_dataset(corpus, SEQ_LEN, 8, seed=5)
+    replica = make_train_dataset(corpus, SEQ_LEN, 8, seed=5, rows=[2, 3, 6, 7])
+    for step in range(3):
+        np.testing.assert_array_equal(replica[step], whole[step][[2, 3, 6, 7]])
+    with pytest.raises(ValueError, match="rows must be distinct sorted offsets"):
+        make_train_dataset(corpus, SEQ_LEN, 8, seed=5, rows=[3, 2])

@@ -49,11 +49,15 @@ def test_every_run_of_every_study_is_a_valid_config(name, preset):
         configs.validate(c)  # raises with the field named if a preset asks for the impossible
 
 
+def NO_PREPARE(study, log):  # these tests never read a corpus
+    return []
+
+
 def fake_run(loss_of):
     """A runner that writes the files a finished CLI run leaves behind."""
     calls = []
 
-    def run(cmd, workdir):
+    def run(cmd, workdir, env):
         calls.append(workdir.name)
         workdir.mkdir(parents=True, exist_ok=True)
         loss = loss_of(workdir.name)
@@ -71,7 +75,7 @@ def fake_run(loss_of):
 def test_execute_collects_and_resumes(tmp_path):
     study = sweep.Study("s", "configs/tiny.py", {"a": {}, "b": {}}, seeds=(0, 1))
     runner = fake_run(lambda name: 1.0 if name.startswith("a") else 2.0)
-    results = sweep.execute(study, tmp_path, runner=runner, log=lambda *_: None)
+    results = sweep.execute(study, tmp_path, runner=runner, log=lambda *_: None, prepare=NO_PREPARE)
     rows = [json.loads(x) for x in results.read_text().splitlines()]
     assert len(rows) == 4 and len(runner.calls) == 4
     assert {r["variant"]: r["final_val"] for r in rows} == {"a": 1.0, "b": 2.0}
@@ -79,14 +83,14 @@ def test_execute_collects_and_resumes(tmp_path):
     # Interrupted study: one run unfinished; only it runs again.
     (tmp_path / "s" / "b__seed=1" / "status.json").write_text(json.dumps({"status": "preempted"}))
     again = fake_run(lambda name: 2.0)
-    sweep.execute(study, tmp_path, runner=again, log=lambda *_: None)
+    sweep.execute(study, tmp_path, runner=again, log=lambda *_: None, prepare=NO_PREPARE)
     assert again.calls == ["b__seed=1"]
 
 
 def test_failed_run_stops_the_study_with_its_name(tmp_path):
     study = sweep.Study("s", "configs/tiny.py", {"a": {}})
     with pytest.raises(RuntimeError, match="run a__seed=0 of study s failed with exit code 3"):
-        sweep.execute(study, tmp_path, runner=lambda cmd, w: 3, log=lambda *_: None)
+        sweep.execute(study, tmp_path, runner=lambda cmd, w, env: 3, log=lambda *_: None, prepare=NO_PREPARE)
 
 
 def rows(study, finals):
@@ -121,3 +125,67 @@ def test_report_tables_claims_and_plots(tmp_path):
     assert "| Higher momentum shrinks the delay gap | **no** |" in md  # 0.5 -> 0.6: grew
     for png in ("optimizers_curves.png", "mitigations_recovered.png", "schemes_gap.png", "momentum_gap.png"):
         assert (tmp_path / "rep" / png).stat().st_size > 1000
+
+
+def test_job_envs_give_each_job_its_own_accelerators():
+    assert sweep.job_envs("gpu", [str(i) for i in range(8)], 8)[3] == {"CUDA_VISIBLE_DEVICES": "3"}
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in sweep.job_envs("gpu", ["4", "5", "6", "7"], 2)] == ["4,5", "6,7"]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in sweep.job_envs("gpu", list("0123456"), 3)] == ["0,1", "2,3", "4,5"]
+    tpu = sweep.job_envs("tpu", ["0", "1", "2", "3"], 4)
+    assert [e["TPU_VISIBLE_CHIPS"] for e in tpu] == ["0", "1", "2", "3"]
+    assert {e["TPU_CHIPS_PER_PROCESS_BOUNDS"] for e in tpu} == {"1,1,1"}
+    assert len({e["TPU_MESH_CONTROLLER_PORT"] for e in tpu}) == 4  # each job its own TPU process
+    assert sweep.job_envs("tpu", ["0", "1", "2", "3"], 2)[1]["TPU_CHIPS_PER_PROCESS_BOUNDS"] == "1,2,1"
+    assert sweep.job_envs("cpu", [], 3) == [{}, {}, {}]
+    with pytest.raises(ValueError, match="--jobs 8 needs at least 8 accelerators"):
+        sweep.job_envs("gpu", ["0", "1"], 8)
+    with pytest.raises(ValueError, match="choose --jobs"):
+        sweep.job_envs("tpu", list("012345"), 2)  # 3 chips each: no TPU process shape
+
+
+def test_accelerators_follow_cuda_visible_devices(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5")
+    assert sweep.accelerators() == ("gpu", ["2", "5"])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert sweep.accelerators() == ("cpu", [])
+
+
+def test_running_jobs_never_share_accelerators_and_the_corpus_is_prepared_first(tmp_path):
+    import threading
+    import time
+
+    study = sweep.Study("s", "configs/tiny.py", {"a": {}, "b": {}, "c": {}}, seeds=(0, 1))
+    envs = sweep.job_envs("gpu", ["0", "1", "2", "3"], 2)
+    events, active, lock = [], set(), threading.Lock()
+    finish = fake_run(lambda name: 1.0)
+
+    def runner(cmd, workdir, env):
+        with lock:
+            assert env["CUDA_VISIBLE_DEVICES"] not in active  # a slot is held by one job at a time
+            active.add(env["CUDA_VISIBLE_DEVICES"])
+            events.append(("run", env["CUDA_VISIBLE_DEVICES"]))
+        time.sleep(0.05)
+        with lock:
+            active.remove(env["CUDA_VISIBLE_DEVICES"])
+        return finish(cmd, workdir, env)
+
+    def prepare(study, log):
+        events.append(("prepare", None))
+
+    sweep.execute(study, tmp_path, jobs=2, runner=runner, log=lambda *_: None, prepare=prepare, envs=envs)
+    assert events[0] == ("prepare", None) and events.count(("prepare", None)) == 1
+    assert {e for kind, e in events if kind == "run"} == {"0,1", "2,3"} and len(events) == 7
+
+
+def test_prepare_corpora_prepares_each_distinct_corpus_once(tmp_path):
+    import sysconfig
+
+    json_dir = sysconfig.get_paths()["stdlib"] + "/json/*.py"
+    base = {"data.source": json_dir, "data.cache_dir": str(tmp_path / "corpora"), "data.val_fraction": 0.3}
+    study = sweep.Study("s", "configs/tiny.py", {"a": {}, "b": {"data.seq_len": 64},
+                                                  "c": {"data.val_fraction": 0.5}}, seeds=(0, 1), base=base)
+    logs = []
+    paths = sweep.prepare_corpora(study, log=logs.append)
+    assert len(paths) == 2 and len(set(paths)) == 2  # a and b share one corpus; c splits differently
+    assert sum("tokenizing" in m for m in logs) == 2
+    assert sorted(p.name for p in (tmp_path / "corpora").iterdir()) == sorted(p.rsplit("/", 1)[1] for p in paths)

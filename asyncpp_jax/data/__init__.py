@@ -21,10 +21,13 @@ _EXPORTS = {
     "list_stdlib_files": "corpus",
     "load_corpus": "corpus",
     "prepare_corpus": "corpus",
+    "prepare_corpus_for": "corpus",
     "PackedWindows": "pipeline",
+    "ShardedStream": "stream",
     "make_eval_batches": "pipeline",
     "make_train_dataset": "pipeline",
     "make_train_iterator": "pipeline",
+    "batch_rows": "pipeline",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -43,6 +43,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
+from asyncpp_jax.data.stream import ShardedStream
 from asyncpp_jax.data.tokenizers import get_tokenizer
 
 FORMAT_VERSION = 1
@@ -481,6 +482,18 @@ def prepare_corpus(source: str, tokenizer: str = "byte", cache_dir: str | None =
     return out
 
 
+def prepare_corpus_for(data_config, log: Callable[[str], None] = print) -> str:
+    """:func:`prepare_corpus` with the settings of a config's ``data`` section: the one call the
+    trainer and the sweep runner (which prepares a study's corpus before its jobs) both make, so
+    they agree on the corpus key."""
+    d = data_config
+    return prepare_corpus(
+        d.source, tokenizer=d.tokenizer, cache_dir=d.cache_dir or None, val_fraction=d.val_fraction,
+        split_seed=d.split_seed, eos_token=d.eos_token or None, hf_split=d.hf_split,
+        hf_text_field=d.hf_text_field, hf_max_docs=d.hf_max_docs, log=log,
+    )
+
+
 # ----------------------------------------------------------------------------------------------
 # Load
 
@@ -503,20 +516,16 @@ class Corpus:
             )
         return self.meta["splits"][split]
 
-    def tokens(self, split: str) -> np.ndarray:
-        """The split's whole token stream (documents each followed by eos), read-only."""
+    def tokens(self, split: str) -> np.ndarray | ShardedStream:
+        """The split's whole token stream (documents each followed by eos), read-only and read in
+        place: one shard's memmap, or a :class:`ShardedStream` over several (never concatenated)."""
         if split not in self._tokens:
             arrays = [
                 np.memmap(os.path.join(self.path, s["name"]), dtype=self.dtype, mode="r",
                           shape=(int(s["num_tokens"]),))
                 for s in self._split(split)["shards"]
             ]
-            if len(arrays) == 1:
-                stream = arrays[0]
-            else:
-                stream = np.concatenate(arrays)
-                stream.flags.writeable = False
-            self._tokens[split] = stream
+            self._tokens[split] = arrays[0] if len(arrays) == 1 else ShardedStream(arrays)
         return self._tokens[split]
 
     def num_tokens(self, split: str) -> int:
@@ -547,7 +556,9 @@ class Corpus:
         p = counts[counts > 0] / n_train
         entropy_per_token = float(-(p * np.log(p)).sum())
         log_q = np.log((counts + 1.0) / (n_train + self.vocab_size))
-        val_counts = np.bincount(self.tokens("val"), minlength=self.vocab_size).astype(np.float64)
+        val = self.tokens("val")
+        val_counts = (val.bincount(self.vocab_size) if isinstance(val, ShardedStream)
+                      else np.bincount(val, minlength=self.vocab_size)).astype(np.float64)
         val_nats = float(-(val_counts * log_q).sum())
         return {
             "train_entropy": entropy_per_token * self.num_tokens("train") / self.num_bytes("train"),

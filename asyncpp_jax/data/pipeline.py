@@ -10,16 +10,18 @@ last `(len - 1) % L` tokens, less than one window, are never used).
 The train pipeline is a `grain.MapDataset` (random access, so its iterator state is just a
 position and checkpoints are tiny and exact):
 
-    source(windows) -> shuffle(seed) -> repeat() -> [process_index::process_count] -> batch
+    source(windows) -> shuffle(seed) -> repeat() -> global batch s = samples[s*B : s*B + B]
+                                                  -> this process's rows of it
 
 Grain's `ShuffleMapDataset` maps index `e * n + k` to epoch `e`'s permutation drawn with seed
 `seed + e`, so shuffling before an infinite `repeat()` gives every epoch a fresh order. Each process
-takes an interleaved slice of the global sample order, so the union of the processes' batches at a
-step is exactly the global batch a single process would have drawn.
+reads only the rows of the global batch that its devices hold (computed from the mesh by
+`train.batch_layout`), so the global batch is the same array whatever the number of processes.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import grain
@@ -64,9 +66,21 @@ def _shuffle_seed(seed: int) -> int:
     return int.from_bytes(digest[:4], "little")
 
 
-def _check_sharding(global_batch_size: int, process_index: int, process_count: int) -> int:
+def batch_rows(global_batch_size: int, process_index: int = 0, process_count: int = 1,
+               rows=None) -> np.ndarray:
+    """The sorted row offsets, in ``[0, global_batch_size)``, of every global batch this process loads.
+
+    ``rows`` as given (the trainer computes them from the mesh: ``train.batch_layout``), else the
+    ``process_index``-th of ``process_count`` equal contiguous blocks.
+    """
     if global_batch_size < 1:
         raise ValueError(f"config.train.global_batch_size={global_batch_size} must be positive.")
+    if rows is not None:
+        rows = np.asarray(rows, dtype=np.int64)
+        if rows.ndim != 1 or not len(rows) or np.any(np.diff(rows) <= 0) or rows[0] < 0 \
+                or rows[-1] >= global_batch_size:
+            raise ValueError(f"rows must be distinct sorted offsets in [0, {global_batch_size}), got {rows}.")
+        return rows
     if process_count < 1 or not 0 <= process_index < process_count:
         raise ValueError(
             f"process_index={process_index} must be in [0, process_count={process_count})."
@@ -76,18 +90,25 @@ def _check_sharding(global_batch_size: int, process_index: int, process_count: i
             f"config.train.global_batch_size={global_batch_size} must be divisible by the number "
             f"of processes ({process_count}) so every process loads the same number of sequences."
         )
-    return global_batch_size // process_count
+    n = global_batch_size // process_count
+    return np.arange(process_index * n, (process_index + 1) * n)
+
+
+def _gather_rows(samples: grain.MapDataset, global_batch_size: int, rows: np.ndarray, step: int) -> np.ndarray:
+    return np.stack([samples[int(step) * global_batch_size + int(r)] for r in rows])
 
 
 def make_train_dataset(corpus: Corpus, seq_len: int, global_batch_size: int, seed: int,
-                       process_index: int = 0, process_count: int = 1) -> grain.MapDataset:
-    """Infinite, shuffled train batches for this process: int32 `[global_batch_size //
-    process_count, seq_len + 1]` (inputs `b[:, :-1]`, targets `b[:, 1:]`).
+                       process_index: int = 0, process_count: int = 1, rows=None) -> grain.MapDataset:
+    """Infinite, shuffled train batches for this process: int32 `[len(rows), seq_len + 1]` (inputs
+    `b[:, :-1]`, targets `b[:, 1:]`), where `rows` are :func:`batch_rows`.
 
-    Deterministic given `seed`; every epoch is a new permutation of all windows. Batches may span an
-    epoch boundary, so no window is dropped and every batch is full.
+    Global batch `s` is samples `s*B .. s*B + B - 1` of the shuffled, repeated window order (B =
+    `global_batch_size`); a process reads only its rows of it, so the global batch is the same
+    array whatever the number of processes. Deterministic given `seed`; every epoch is a new
+    permutation of all windows. Batches may span an epoch boundary, so every batch is full.
     """
-    local_batch_size = _check_sharding(global_batch_size, process_index, process_count)
+    rows = batch_rows(global_batch_size, process_index, process_count, rows)
     windows = PackedWindows(corpus.tokens("train"), seq_len)
     if len(windows) < global_batch_size:
         raise CorpusError(
@@ -95,13 +116,13 @@ def make_train_dataset(corpus: Corpus, seq_len: int, global_batch_size: int, see
             f"{len(windows)} windows of config.data.seq_len={seq_len}, fewer than one batch of "
             f"config.train.global_batch_size={global_batch_size}. Lower config.data.seq_len or the "
             "batch size, or use a larger config.data.source.")
-    ds = grain.MapDataset.source(windows).shuffle(seed=_shuffle_seed(seed)).repeat()
-    ds = ds[process_index::process_count]
-    return ds.batch(local_batch_size, drop_remainder=True)
+    samples = grain.MapDataset.source(windows).shuffle(seed=_shuffle_seed(seed)).repeat()
+    steps = grain.MapDataset.range(len(samples) // global_batch_size)
+    return steps.map(functools.partial(_gather_rows, samples, global_batch_size, rows))
 
 
 def make_train_iterator(corpus: Corpus, seq_len: int, global_batch_size: int, seed: int,
-                        process_index: int = 0, process_count: int = 1, *,
+                        process_index: int = 0, process_count: int = 1, rows=None, *,
                         num_threads: int = 2, prefetch_batches: int = 4) -> grain.DatasetIterator:
     """A checkpointable iterator over `make_train_dataset(...)`.
 
@@ -110,7 +131,7 @@ def make_train_iterator(corpus: Corpus, seq_len: int, global_batch_size: int, se
     are prefetched in threads; grain's default (500 elements) would hold 500 whole batches.
     """
     dataset = make_train_dataset(corpus, seq_len, global_batch_size, seed, process_index,
-                                 process_count)
+                                 process_count, rows)
     read_options = grain.ReadOptions(num_threads=num_threads, prefetch_buffer_size=prefetch_batches)
     return iter(dataset.to_iter_dataset(read_options))
 

@@ -143,8 +143,9 @@ def eval_sharding(mesh) -> NamedSharding:
 def to_global_batch(mesh, local_batch, microbatches: int, spec=BATCH_SPEC):
     """Host ``[B_local, T+1]`` -> global device array ``[M, B/M, T+1]`` sharded over ``data``.
 
-    Each process passes its own rows (``jax.make_array_from_process_local_data``), so the same
-    code runs single-process and multi-host.
+    ``local_batch`` is the whole batch in a single process.  Several processes must each pass the
+    rows of the replicas their devices hold: ``train.batch_layout`` computes them and assembles the
+    batch for any layout of the mesh over processes (what the trainer uses).
     """
     b, t = local_batch.shape
     local = local_batch.reshape(microbatches, b // microbatches, t)

@@ -2,7 +2,8 @@
 
 Guarantees (each is tested):
 - resume is exact: a run interrupted at a checkpoint and restarted ends with bit-identical params;
-- SIGTERM (preemption) saves a checkpoint at the current step and returns cleanly;
+- SIGTERM (preemption) saves a checkpoint at the current step and returns cleanly; with several
+  processes, SIGTERM to any one stops every process at the same saved step (``train.preemption``);
 - a non-finite loss stops the run with :class:`TrainingDiverged` before anything is saved, so the
   last good checkpoint is what remains;
 - an exception waits for in-flight checkpoint writes, so no saved work is lost.
@@ -16,8 +17,6 @@ import logging
 import math
 import os
 import pathlib
-import signal
-import threading
 import time
 
 import jax
@@ -25,12 +24,14 @@ import numpy as np
 from tqdm import tqdm
 
 from asyncpp_jax import configs
-from asyncpp_jax.data import load_corpus, make_eval_batches, make_train_iterator, prepare_corpus
+from asyncpp_jax.data import load_corpus, make_eval_batches, make_train_iterator, prepare_corpus_for
 from asyncpp_jax.models import count_params, dense
 from asyncpp_jax.models.flops import flops_per_token
 from asyncpp_jax.optim import describe_routing
+from asyncpp_jax.train import preemption
 from asyncpp_jax.train import runner as runner_lib
 from asyncpp_jax.train import step as step_lib
+from asyncpp_jax.train.batch_layout import batch_layout, from_host
 from asyncpp_jax.train.checkpoint import Checkpointer
 from asyncpp_jax.train.metrics import MetricWriter
 
@@ -48,26 +49,6 @@ class Result:
     val_loss: float | None = None  # nats per token
     val_loss_per_byte: float | None = None  # nats per byte
     unigram: dict | None = None  # baselines in nats per byte
-
-
-class _SigtermFlag:
-    """Turns SIGTERM into a flag the loop polls between steps (handlers only in the main thread)."""
-
-    def __init__(self):
-        self.set = False
-        self._previous = None
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        self.set = True
-
-    def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
 
 
 def _without_fill_loss(metrics: dict) -> dict:
@@ -89,11 +70,7 @@ class Trainer:
         c = config
 
         d = c.data
-        corpus_dir = prepare_corpus(
-            d.source, tokenizer=d.tokenizer, cache_dir=d.cache_dir or None, val_fraction=d.val_fraction,
-            split_seed=d.split_seed, eos_token=d.eos_token or None, hf_split=d.hf_split,
-            hf_text_field=d.hf_text_field, hf_max_docs=d.hf_max_docs, log=log.info,
-        )
+        corpus_dir = prepare_corpus_for(d, log=log.info)
         self.corpus = load_corpus(corpus_dir, verify=d.verify_checksums)
         configs.check_against_tokenizer(c, self.corpus.vocab_size)
 
@@ -105,6 +82,8 @@ class Trainer:
         self.mesh, self.data_size, self.pipelined, self.shapes = r.mesh, r.data_size, r.pipelined, r.shapes
         self.optimizer, self.schedule, self.train_step = r.optimizer, r.schedule, r.train_step
         self.routing = describe_routing(c.optimizer, r.shapes)
+        # Rows of every global batch this process loads: those of the data replicas its devices hold.
+        self.batch_layout = batch_layout(self.mesh, c.train.global_batch_size, c.train.microbatches)
         self.flops_per_token = flops_per_token(c.model, c.data.seq_len)
         if r.pipelined:
             log.info("pipeline engine, %s schedule:\n%s", c.pipeline.schedule, r.tick_table().render())
@@ -133,7 +112,7 @@ class Trainer:
     def _new_iterator(self):
         return make_train_iterator(
             self.corpus, self.config.data.seq_len, self.config.train.global_batch_size, seed=self.config.seed,
-            process_index=jax.process_index(), process_count=jax.process_count(),
+            rows=self.batch_layout.rows,
         )
 
     def restore_or_init(self):
@@ -154,12 +133,8 @@ class Trainer:
 
     def evaluate(self, params) -> dict:
         total = count = 0.0
-        pi, pc = jax.process_index(), jax.process_count()
-        for batch in self.eval_batches:
-            rows = batch.shape[0] // pc
-            local = batch[pi * rows:(pi + 1) * rows]
-            glob = jax.make_array_from_process_local_data(step_lib.eval_sharding(self.mesh), local)
-            t, n = self.eval_step(params, glob)
+        for batch in self.eval_batches:  # every process holds the whole eval batch
+            t, n = self.eval_step(params, from_host(step_lib.eval_sharding(self.mesh), batch))
             total, count = total + float(t), count + float(n)
         loss = total / count
         return {"val_loss": loss, "val_loss_per_byte": loss / self.corpus.bytes_per_token("val")}
@@ -197,10 +172,13 @@ class Trainer:
         step = start
         status = "finished"
         try:
-            with _SigtermFlag() as sigterm:
+            with preemption.Preemption(self.checkpointer.manager) as preemption_watch:
                 last_t = time.perf_counter()
-                while step < stop_at:
-                    batch = step_lib.to_global_batch(self.mesh, next(iterator), c.train.microbatches)
+                # Also primes every process's preemption sync counter before the first step.
+                preempted = preemption_watch.reached(step)
+                status = "preempted" if preempted and step < c.train.steps else status
+                while step < stop_at and not preempted:
+                    batch = self.batch_layout.assemble(next(iterator))
                     state, metrics = self.train_step(state, batch)
                     metrics = jax.device_get(metrics)  # one small sync per step: guards every update
                     step += 1
@@ -227,12 +205,13 @@ class Trainer:
                         writer.write(step, metrics)
                     bar.update(1)
                     bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.3f}", **({"val": f"{val['val_loss']:.3f}"} if val else {}))
-                    stopping = step < c.train.steps and (sigterm.set or step == stop_at)
+                    preempted = preemption_watch.reached(step)  # every process, every step
+                    stopping = step < c.train.steps and (preempted or step == stop_at)
                     if stopping or step % c.train.checkpoint_every == 0 or step == c.train.steps:
                         self.checkpointer.save(step, state, iterator)
                     if stopping:
-                        status = "preempted" if sigterm.set else "paused"
-                        if sigterm.set:
+                        status = "preempted" if preempted else "paused"
+                        if preempted:
                             log.warning("SIGTERM: saved a checkpoint at step %d; rerun the same command to resume", step)
                         break
         except TrainingDiverged:

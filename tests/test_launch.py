@@ -1,0 +1,46 @@
+"""The local launcher's own contract (no JAX in the children): environment, output, failures."""
+
+import io
+import subprocess
+import sys
+import time
+
+from asyncpp_jax import launch
+
+
+def test_each_process_gets_the_cluster_environment():
+    base = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_dump_to=/tmp/x", "KEEP": "1"}
+    envs = [launch.process_env(base, 3, 2, i, 1234) for i in range(3)]
+    assert [e["JAX_PROCESS_ID"] for e in envs] == ["0", "1", "2"]
+    for e in envs:
+        assert e["JAX_COORDINATOR_ADDRESS"] == "localhost:1234" and e["JAX_NUM_PROCESSES"] == "3"
+        assert e["JAX_NUM_CPU_DEVICES"] == "2" and e["JAX_CPU_COLLECTIVES_IMPLEMENTATION"] == "gloo"
+        assert e["XLA_FLAGS"] == "--xla_dump_to=/tmp/x" and e["KEEP"] == "1"
+    assert base["XLA_FLAGS"].startswith("--xla_force")  # the caller's environment is untouched
+
+
+def _python(code: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_output_is_prefixed_and_success_is_zero():
+    out = io.StringIO()
+    assert launch.wait_all([_python("print('a')"), _python("print('b')")], out) == 0
+    assert sorted(out.getvalue().splitlines()) == ["[0] a", "[1] b"]
+
+
+def test_a_failed_process_stops_the_others_and_sets_the_exit_code():
+    out = io.StringIO()
+    t0 = time.monotonic()
+    hung = _python("import time; time.sleep(600)")  # like a process waiting in a collective
+    code = launch.wait_all([hung, _python("import sys; sys.exit(3)")], out, grace_s=0.5)
+    assert code == 3 and hung.returncode is not None and time.monotonic() - t0 < 60
+    assert "exited with code 3; stopping the others" in out.getvalue()
+
+
+def test_bad_arguments_are_a_clear_error(capsys):
+    try:
+        launch.main(["--processes", "0", "--", "--config=configs/tiny.py"])
+    except SystemExit as e:
+        assert e.code == 2
+    assert "--processes=0 and --devices_per_process=1 must be >= 1" in capsys.readouterr().err
