@@ -6,6 +6,8 @@ keeps its own velocity, fills and schedule, against the real simulate runner.
 """
 
 import importlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -280,3 +282,12 @@ def test_runner_builds_weight_prediction_from_the_config():
     assert int(metrics["delay"]) == 1
     for v, a, b in zip(*(jax.tree.leaves(x) for x in (state.runner_state.velocity, state.params, before))):
         np.testing.assert_allclose(v, a - b, atol=1e-7)
+
+
+def test_cli_rejects_weight_prediction_on_the_engine(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "asyncpp_jax.main", f"--workdir={tmp_path}/run",
+                          "--config.staleness.weight_prediction=True", "--config.pipeline.stages=2",
+                          "--config.pipeline.schedule=2bw"],
+                         cwd=configs.REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "config.staleness.weight_prediction=True is not supported by the pipeline engine" in out.stderr
