@@ -420,7 +420,7 @@ def staleness_correction_errors(c: ml_collections.ConfigDict, engine_2bw: bool) 
     k = st.lr_rescheduling_steps
     if not (isinstance(k, int) and not isinstance(k, bool) and k >= 0):
         errs.append(f"config.staleness.lr_rescheduling_steps={k!r} must be an integer >= 0 (0 disables it).")
-    elif k and mode != "sync" and max_delay <= 1:
+    elif k and mode in ("2bw", "pipedream") and max_delay <= 1:
         errs.append(f"config.staleness.lr_rescheduling_steps={k} does nothing at a one-step delay: PipeMare "
                     "scales the lr by delay^-(1 - t/K), which is 1 at delay 1. Use it with "
                     "config.staleness.mode=pipedream and stages >= 3, or set it to 0.")
