@@ -21,7 +21,6 @@ from asyncpp_jax.models import dense
 from asyncpp_jax.optim import (DelaySchedule, WeightPrediction, build_nesterov_main, build_optimizer, delay,
                                delay_aware_lr, label_params, muon, nesterov_lookahead)
 from asyncpp_jax.pipeline import make_mesh
-from asyncpp_jax.train import runner as runner_lib
 from asyncpp_jax.train import step as step_lib
 
 # ------------------------------------------------------------------------------ Nesterov look-ahead
@@ -262,26 +261,6 @@ def test_factory_builds_the_look_ahead_for_adamw_and_muon():
     cfg4.n_layers = 4
     _, schedule = build_optimizer(o, 100, st, jax.eval_shape(lambda: dense.init_params(cfg4, jax.random.key(0))))
     assert float(schedule(50)) == pytest.approx(1e-2) and float(schedule(0)) == pytest.approx(1e-2 / 3)
-
-
-@pytest.mark.slow  # compiles the model's train step or three optimizer chains
-def test_runner_builds_weight_prediction_from_the_config():
-    c = tiny(mode="2bw", weight_prediction=True)
-    c.model.update(d_model=16, n_heads=2, n_kv_heads=1, d_ff=24, n_layers=2)
-    c.data.seq_len = SEQ
-    c.train.update(global_batch_size=BATCH, microbatches=MICRO, steps=10)
-    c.optimizer.warmup_steps = 2
-    c = configs.resolve(c)
-    configs.validate(c)
-    r = runner_lib.build(c, jax.devices()[:1])
-    assert isinstance(r.weight_versions, WeightPrediction)
-    state = jax.device_put(r.init_fn()(jax.random.key(0)), step_lib.replicated(r.mesh))
-    before = jax.tree.map(np.asarray, state.params)  # the step donates its input state
-    tokens = np.random.default_rng(0).integers(0, 31, (BATCH, SEQ + 1)).astype(np.int32)
-    state, metrics = r.train_step(state, step_lib.to_global_batch(r.mesh, tokens, MICRO))
-    assert int(metrics["delay"]) == 1
-    for v, a, b in zip(*(jax.tree.leaves(x) for x in (state.runner_state.velocity, state.params, before))):
-        np.testing.assert_allclose(v, a - b, atol=1e-7)
 
 
 def test_cli_rejects_weight_prediction_on_the_engine(tmp_path):
