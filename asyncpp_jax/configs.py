@@ -145,6 +145,17 @@ def base_config() -> ml_collections.ConfigDict:
             taylor_lam=0.1,
             taylor_lam0=0.1,
             taylor_ema_decay=0.99,
+            # Delay corrections beyond the paper (each combines with the mitigation above):
+            # Ajanthan et al. 2025's Nesterov look-ahead: NAdamW (b1 nesterov_b1) in place of AdamW, and
+            # for Muon Nesterov momentum mu = nesterov_b1 with a NAdamW side branch (optim/lookahead.py)
+            nesterov=False,
+            nesterov_b1=0.99,
+            nesterov_momentum_decay=0.004,
+            # SpecTrain / PipeMare weight prediction: gradient at w_t + d * delta_t (simulate runner only)
+            weight_prediction=False,
+            weight_prediction_smoothing=0.0,  # EMA factor of delta over the updates; 0 = the last update
+            # PipeMare learning-rate rescheduling over the first K updates: lr * d^-(1 - min(t/K, 1)); 0 = off
+            lr_rescheduling_steps=0,
         )
     )
     c.pipeline = ml_collections.ConfigDict(
@@ -344,6 +355,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
     need(st.pipedream_gradient in PIPEDREAM_GRADIENTS,
          f"config.staleness.pipedream_gradient={st.pipedream_gradient!r} is unknown; choose one of "
          f"{PIPEDREAM_GRADIENTS}.")
+    errs += staleness_correction_errors(c, engine_2bw)
     for f in ("sync_start_steps", "sync_cooldown_steps"):
         need(isinstance(st[f], int) and st[f] >= 0, f"config.staleness.{f}={st[f]!r} must be an integer >= 0.")
     if isinstance(t.steps, int) and isinstance(st.sync_start_steps, int) and isinstance(st.sync_cooldown_steps, int):
@@ -377,6 +389,49 @@ def validate(c: ml_collections.ConfigDict) -> None:
 
     if errs:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errs))
+
+
+NESTEROV_OPTIMIZERS = ("adamw", "muon")
+
+
+def staleness_correction_errors(c: ml_collections.ConfigDict, engine_2bw: bool) -> list[str]:
+    """Problems with ``config.staleness``'s Nesterov look-ahead, weight prediction and PipeMare lr."""
+    st, errs = c.staleness, []
+    mode = "2bw" if engine_2bw else st.mode
+    max_delay = {"2bw": 1, "pipedream": st.stages - 1 if isinstance(st.stages, int) else 0}.get(mode, 0)
+    used = [f for f in ("nesterov", "weight_prediction") if st[f]] + (
+        ["lr_rescheduling_steps"] if st.lr_rescheduling_steps else [])
+    for f in used:
+        if mode == "sync":
+            errs.append(f"config.staleness.{f} corrects a gradient delay, but there is none; set "
+                        "config.staleness.mode=2bw or pipedream, or config.pipeline.schedule=2bw.")
+    if st.nesterov:
+        if c.optimizer.name not in NESTEROV_OPTIMIZERS:
+            errs.append(f"config.staleness.nesterov=True is defined for config.optimizer.name in "
+                        f"{NESTEROV_OPTIMIZERS}, not {c.optimizer.name!r}; pick one of those or set nesterov=False.")
+        if not 0 <= st.nesterov_b1 < 1:
+            errs.append(f"config.staleness.nesterov_b1={st.nesterov_b1} must lie in [0, 1) (the paper uses 0.99).")
+        if not st.nesterov_momentum_decay >= 0:
+            errs.append(f"config.staleness.nesterov_momentum_decay={st.nesterov_momentum_decay} must be >= 0.")
+    if st.weight_prediction:
+        if uses_pipeline(c):
+            errs.append("config.staleness.weight_prediction=True is not supported by the pipeline engine yet "
+                        "(its forward/backward slots use the stashed weights); run it with "
+                        "config.runner=simulate (config.pipeline.stages=1) and config.staleness.mode=2bw.")
+        elif mode == "pipedream":
+            errs.append("config.staleness.weight_prediction=True needs config.staleness.mode=2bw: with "
+                        "PipeDream's per-stage delays each stage would need its own extrapolation distance.")
+        if not 0 <= st.weight_prediction_smoothing < 1:
+            errs.append(f"config.staleness.weight_prediction_smoothing={st.weight_prediction_smoothing} "
+                        "must lie in [0, 1).")
+    k = st.lr_rescheduling_steps
+    if not (isinstance(k, int) and not isinstance(k, bool) and k >= 0):
+        errs.append(f"config.staleness.lr_rescheduling_steps={k!r} must be an integer >= 0 (0 disables it).")
+    elif k and mode in ("2bw", "pipedream") and max_delay <= 1:
+        errs.append(f"config.staleness.lr_rescheduling_steps={k} does nothing at a one-step delay: PipeMare "
+                    "scales the lr by delay^-(1 - t/K), which is 1 at delay 1. Use it with "
+                    "config.staleness.mode=pipedream and stages >= 3, or set it to 0.")
+    return errs
 
 
 def check_against_devices(c: ml_collections.ConfigDict, num_devices: int) -> int:

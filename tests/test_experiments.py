@@ -106,7 +106,7 @@ def rows(study, finals):
 def test_report_tables_claims_and_plots(tmp_path):
     data = rows("optimizers", {"adamw/sync": [1.0, 1.2], "adamw/2bw": [2.0, 2.2],
                                "muon/sync": [1.0, 1.0], "muon/2bw": [1.1, 1.1]})
-    data += rows("mitigations", {"adamw/sync": [1.0, 1.0], "adamw/none": [2.0, 2.0], "adamw/ef": [1.3, 1.3],
+    data += rows("mitigations", {"adamw/sync": [1.0, 1.0], "adamw/none": [2.0, 2.0], "adamw/ef": [1.3, 1.3], "adamw/nesterov": [1.1, 1.3],
                                  "muon/sync": [1.0, 1.0], "muon/none": [1.2, 1.2], "muon/ef": [1.16, 1.16]})
     data += rows("schemes", {"adamw/sync": [1.0, 1.0], "adamw/2bw": [1.05, 1.05], "adamw/pipedream/P=2": [1.1, 1.1],
                              "adamw/pipedream/P=4": [1.2, 1.2], "adamw/pipedream/P=8": [1.4, 1.4]})
@@ -117,8 +117,11 @@ def test_report_tables_claims_and_plots(tmp_path):
     md = report_lib.report([path], tmp_path / "rep").read_text()
     assert "| adamw/sync | 1.1000 ± 0.1414 | 2 |" in md
     assert "| adamw | +1.0000 ± 0.1414 |" in md  # gap and its standard error sqrt(.02/2 + .02/2)
-    assert "| adamw | ef | +0.3000 ± 0.0000 | 70% |" in md
-    assert "| muon | ef | +0.1600 ± 0.0000 | 20% |" in md
+    # Ranked by the fraction recovered, with delta-method standard errors: nesterov's seeds spread
+    # 0.1 around 1.2, so SE(mean) = 0.1 = SE of its fraction and of its lead over EF (gap of none: 1).
+    assert "| adamw | 1 | nesterov | +0.2000 ± 0.1000 | 80% ± 10% | +10% ± 10% |" in md
+    assert "| adamw | 2 | ef | +0.3000 ± 0.0000 | 70% ± 0% | - |" in md
+    assert "| muon | 1 | ef | +0.1600 ± 0.0000 | 20% ± 0% | - |" in md
     assert "| AdamW's delay gap is far larger than Muon's | yes |" in md
     assert "| Error feedback recovers a large part of the gap | **no** |" in md  # Muon recovers only 20%
     assert "| PipeDream degrades with depth while 2BW does not | yes |" in md

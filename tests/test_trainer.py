@@ -273,12 +273,15 @@ def test_staleness_modes_train_and_log_the_delay(cache_dir, tmp_path, mode, miti
     assert [r["skipped_batches"] for r in rows] == [0, 0, 0, 0, 1, 0]  # in flight at the switch
 
 
-@pytest.mark.parametrize("runner", ["pipedream_mixed", "pipeline_2bw"])
+@pytest.mark.parametrize("runner", ["pipedream_mixed", "pipeline_2bw", "weight_prediction"])
 def test_runner_state_resumes_exactly(cache_dir, tmp_path, runner):
-    """A pause mid-run keeps PipeDream's weight history, or the engine's in-flight microbatches."""
+    """A pause mid-run keeps PipeDream's weight history, the engine's in-flight microbatches, or the
+    weight-prediction velocity."""
     cfg = small_config(cache_dir, steps=6, eval_every=6, checkpoint_every=6)
     if runner == "pipedream_mixed":
         cfg.staleness.update(mode="pipedream", stages=2, pipedream_gradient="mixed", mitigation="ef")
+    elif runner == "weight_prediction":
+        cfg.staleness.update(mode="2bw", weight_prediction=True, weight_prediction_smoothing=0.5, nesterov=True)
     else:
         cfg.pipeline.update(stages=2, schedule="2bw")
         cfg.staleness.update(mitigation="ef", sync_start_steps=1)

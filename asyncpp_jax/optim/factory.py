@@ -19,6 +19,10 @@ from asyncpp_jax.optim.mars import mars
 from asyncpp_jax.optim.muon import muon
 from asyncpp_jax.optim.soap import soap
 from asyncpp_jax.optim.schedules import make_schedule
+from asyncpp_jax.optim.delay_lr import delay_aware_lr
+from asyncpp_jax.optim.lookahead import nesterov_lookahead
+from asyncpp_jax.optim.muon import scale_by_muon
+from asyncpp_jax.optim.prediction import WeightPrediction
 from asyncpp_jax.optim.staleness import (
     DelaySchedule,
     WeightVersions,
@@ -69,6 +73,36 @@ def build_main(o, schedule) -> optax.GradientTransformation:
     )
 
 
+def build_nesterov_main(o, schedule, st) -> optax.GradientTransformation:
+    """``config.staleness.nesterov``: Ajanthan et al. 2025's look-ahead (:mod:`asyncpp_jax.optim.lookahead`).
+
+    AdamW becomes NAdamW with ``b1 = st.nesterov_b1`` (its b2, eps and decay kept).  Muon keeps its
+    Nesterov-momentum orthogonalized update with ``mu = st.nesterov_b1``, and its AdamW side branch
+    becomes NAdamW likewise.  Other optimizers are rejected by config validation.
+    """
+    look = dict(b1=st.nesterov_b1, momentum_decay=st.nesterov_momentum_decay)
+    if o.name == "adamw":
+        return nesterov_lookahead(schedule, b2=o.adamw.b2, eps=o.adamw.eps, weight_decay=o.weight_decay, **look)
+    if o.name == "muon":
+        m, side = o.muon, _side_kwargs(o, schedule)
+        hidden = optax.chain(
+            scale_by_muon(mu=st.nesterov_b1, nesterov=True, ns_steps=m.ns_steps, scaling=m.scaling),
+            optax.add_decayed_weights(o.weight_decay),
+            optax.scale_by_learning_rate(schedule),
+        )
+        adamw_side = nesterov_lookahead(side["adamw_learning_rate"], b2=side["adamw_b2"], eps=side["adamw_eps"],
+                                        weight_decay=side["adamw_weight_decay"], **look)
+        return routing.partition(hidden, adamw_side, o.adamw_pattern)
+    raise ValueError(f"config.staleness.nesterov=True is defined for adamw and muon, not {o.name!r}.")
+
+
+def weight_prediction(st, total_steps: int) -> WeightPrediction | None:
+    """The simulate runner's weight prediction under ``config.staleness``, or None when off."""
+    if st is None or not st.weight_prediction or st.mode == "sync":
+        return None
+    return WeightPrediction(delay_schedule(st, total_steps), st.weight_prediction_smoothing)
+
+
 def _delay_kwargs(st, total_steps: int, params_shapes) -> dict:
     leaf_delays = pipedream_leaf_delays(params_shapes, st.stages) if st.mode == "pipedream" else None
     return dict(steps=1, sync_start_steps=st.sync_start_steps, sync_cooldown_steps=st.sync_cooldown_steps,
@@ -106,7 +140,7 @@ def build_optimizer(o, total_steps: int, staleness=None, params_shapes=None, del
     """Returns ``(optimizer, lr_schedule)``; the schedule is also used to log the lr.
 
     With ``staleness`` (``config.staleness``) in mode ``2bw`` or ``pipedream`` the chain simulates
-    the pipeline's delay (DESIGN.md, the simulate runner):
+    the pipeline's delay (the simulate runner):
 
         clip -> delay -> [taylor_compensation] -> optimizer -> [error_feedback]
 
@@ -116,12 +150,17 @@ def build_optimizer(o, total_steps: int, staleness=None, params_shapes=None, del
     (:func:`weight_versions`), so the chain has no ``delay`` and the mitigations keep their
     per-stage schedule.  ``delay_in_chain=False`` is for the pipeline engine, whose delay is
     physical: the chain keeps the mitigations and their schedule but has no ``delay``.
+    ``staleness.nesterov`` swaps the optimizer for :func:`build_nesterov_main`, and
+    ``staleness.lr_rescheduling_steps > 0`` wraps the lr schedule in PipeMare's
+    :func:`~asyncpp_jax.optim.delay_lr.delay_aware_lr` (the returned schedule is the wrapped one).
     """
     schedule = make_schedule(o, total_steps)
     parts = [optax.clip_by_global_norm(o.grad_clip)] if o.grad_clip else []
-    main = build_main(o, schedule)
     if staleness is None or staleness.mode == "sync":
-        return optax.chain(*parts, main), schedule
+        return optax.chain(*parts, build_main(o, schedule)), schedule
+    if staleness.lr_rescheduling_steps:
+        schedule = delay_aware_lr(schedule, delay_schedule(staleness, total_steps), staleness.lr_rescheduling_steps)
+    main = build_nesterov_main(o, schedule, staleness) if staleness.nesterov else build_main(o, schedule)
     if staleness.mode == "pipedream" and params_shapes is None:
         raise ValueError("staleness.mode='pipedream' needs params_shapes to assign parameters to stages")
     kw = _delay_kwargs(staleness, total_steps, params_shapes)

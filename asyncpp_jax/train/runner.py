@@ -3,7 +3,7 @@
 Shared by the trainer and the dry run, so the dry run compiles exactly the program a real run
 executes.  ``simulate`` is one jitted data-parallel program (the delay, if any, in the optimizer
 chain or, for exact PipeDream, in the runner's weight history); ``pipeline`` is the
-``shard_map`` engine over ``('data', 'stage')`` (DESIGN.md, the two runners).
+``shard_map`` engine over ``('data', 'stage')`` (the two runners share one contract).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import optax
 
 from asyncpp_jax import configs
 from asyncpp_jax.models import abstract_params
-from asyncpp_jax.optim import build_optimizer, delay_schedule, weight_versions
+from asyncpp_jax.optim import build_optimizer, delay_schedule, weight_prediction, weight_versions
 from asyncpp_jax.pipeline import engine, make_mesh, schedules
 from asyncpp_jax.train import step as step_lib
 
@@ -31,7 +31,7 @@ class Runner:
     optimizer: optax.GradientTransformation
     schedule: optax.Schedule
     train_step: Callable
-    weight_versions: Any  # optim.WeightVersions for exact PipeDream, else None
+    weight_versions: Any  # what runner_state holds: optim.WeightVersions (exact PipeDream) or WeightPrediction
 
     def tick_table(self) -> schedules.TickTable | None:
         c = self.config
@@ -101,6 +101,8 @@ def build(c, devices) -> Runner:
             recompute=c.pipeline.recompute)
     else:
         versions = weight_versions(staleness, c.train.steps, shapes)
+        prediction = weight_prediction(staleness, c.train.steps)
         train_step = step_lib.make_train_step(c.model, optimizer, schedule, mesh,
-                                              delay_schedule(staleness, c.train.steps), versions)
+                                              delay_schedule(staleness, c.train.steps), versions, prediction)
+        versions = versions if prediction is None else prediction
     return Runner(c, mesh, data_size, pipelined, shapes, optimizer, schedule, train_step, versions)

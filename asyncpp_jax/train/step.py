@@ -1,6 +1,6 @@
 """The ``simulate`` runner: one jitted program, data parallel over the ``data`` mesh axis.
 
-Contract shared with the pipeline runner (DESIGN.md): ``train_step(state, batch) -> (state, metrics)``
+Contract shared with the pipeline runner: ``train_step(state, batch) -> (state, metrics)``
 where ``batch`` is ``[microbatches, global_batch // microbatches, seq_len + 1]`` int32 tokens.
 
 Gradient accumulation: ``g = (1/M) Σ_m ∇L(w; batch_m)``, summed locally on each device inside a
@@ -84,14 +84,16 @@ def apply_update(state: TrainState, grads, stats: dict, runner_state, optimizer,
 
 
 def make_train_step(model_cfg, optimizer, schedule: optax.Schedule, mesh, delay_schedule=None,
-                    weight_versions=None) -> Callable:
+                    weight_versions=None, weight_prediction=None) -> Callable:
     """Jitted ``train_step(state, batch) -> (state, metrics)``; the state buffer is donated.
 
     With a ``delay_schedule`` (simulated asynchrony), metrics also record the delay in force at
     this update and how many in-flight gradients a cooldown switch dropped.  With
     ``weight_versions`` (``optim.WeightVersions``, PipeDream's exact simulation) the gradient is
     taken at the mixed point ``w_mix[t]`` of past stage weights, its fill slices are zeroed, and
-    ``w[t]`` joins the history: ``w[t+1] = w[t] - U_t(∇L(w_mix[t]; batch t))``.
+    ``w[t]`` joins the history: ``w[t+1] = w[t] - U_t(∇L(w_mix[t]; batch t))``.  With
+    ``weight_prediction`` (``optim.WeightPrediction``, with the chain's ``delay``) batch ``t``'s
+    gradient is taken at the extrapolated ``ŵ_t = w_t + d δ_t`` and the update joins ``δ``.
     """
     grads_fn = jax.shard_map(
         functools.partial(_accumulate_grads, model_cfg),
@@ -102,6 +104,10 @@ def make_train_step(model_cfg, optimizer, schedule: optax.Schedule, mesh, delay_
 
     def train_step(state: TrainState, batch):
         versions = state.runner_state
+        if weight_prediction is not None:
+            grads, stats = grads_fn(weight_prediction.predicted_point(state.params, versions), batch)
+            new, metrics = apply_update(state, grads, stats, versions, optimizer, schedule, delay_schedule)
+            return new.replace(runner_state=weight_prediction.push(state.params, new.params, versions)), metrics
         if weight_versions is None:
             grads, stats = grads_fn(state.params, batch)
         else:

@@ -1,4 +1,11 @@
-"""What each mitigation recovers of the delay gap, for AdamW and Muon."""
+"""What each mitigation recovers of the delay gap, for AdamW and Muon.
+
+Beyond the paper's four: ``nesterov`` (Ajanthan et al. 2025's look-ahead: NAdamW with b1 0.99 for
+AdamW, Nesterov momentum 0.99 plus a NAdamW side branch for Muon) and ``weight_prediction``
+(SpecTrain / PipeMare: the gradient taken at ``w_t + (w_t - w_{t-1})``).  PipeMare's learning-rate
+rescheduling has no arm: at 2BW's one-step delay its factor ``1^-p`` is 1, and config validation
+rejects it there.
+"""
 
 from experiments.studies.common import optimizer, preset
 from experiments.sweep import Study
@@ -16,6 +23,8 @@ def study(name: str) -> Study:
         "sync_start": {"staleness.mode": "2bw", "staleness.sync_start_steps": k},
         "sync_cooldown": {"staleness.mode": "2bw", "staleness.sync_cooldown_steps": k},
         "ef+sync_start": {"staleness.mode": "2bw", "staleness.mitigation": "ef", "staleness.sync_start_steps": k},
+        "nesterov": {"staleness.mode": "2bw", "staleness.nesterov": True},
+        "weight_prediction": {"staleness.mode": "2bw", "staleness.weight_prediction": True},
     }
     variants = {f"{opt}/{arm}": {**optimizer(opt), **o} for opt in ("adamw", "muon") for arm, o in arms.items()}
     return Study("mitigations", config, variants, seeds=seeds, base=base, note=note)
