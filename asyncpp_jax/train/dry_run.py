@@ -21,7 +21,10 @@ import numpy as np
 
 from asyncpp_jax.models import count_params
 from asyncpp_jax.models.flops import active_matmul_params, flops_per_token
+from asyncpp_jax.models.moe import with_expert_parallel
+from asyncpp_jax.pipeline import engine, schedules
 from asyncpp_jax.train import runner as runner_lib
+from asyncpp_jax.train import step as step_lib
 
 ACCELERATORS_GB = {"H100 80GB": 80, "H200 141GB": 141, "TPU v5p 95GB": 95}
 
@@ -33,6 +36,45 @@ def _bytes_per_device(tree) -> int:
         shard = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
         total += int(np.prod(shard)) * jnp.dtype(x.dtype).itemsize
     return total
+
+
+def _global_bytes(tree) -> int:
+    """Bytes of a tree written once (a checkpoint holds each array once, however it is sharded)."""
+    return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def _peak(mem) -> int:
+    return int(mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+               + mem.temp_size_in_bytes)
+
+
+def _eval_memory(runner, state) -> dict:
+    """Compile the eval step on the same mesh: its temporaries come on top of the resident state."""
+    c = runner.config
+    rows = c.train.global_batch_size // c.train.microbatches * runner.eval_group()
+    batch = jax.ShapeDtypeStruct((rows, c.data.seq_len + 1), jnp.int32, sharding=step_lib.eval_sharding(runner.mesh))
+    mem = runner.eval_step().lower(state.params, batch).compile().memory_analysis()
+    if mem is None:
+        return {}
+    return {"eval_temp_bytes": int(mem.temp_size_in_bytes),
+            "eval_peak_bytes_per_device": _bytes_per_device(state) + int(mem.temp_size_in_bytes)}
+
+
+def _stash_bytes(runner) -> dict:
+    """Per device, the stash ring under each ``pipeline.recompute`` setting (shapes only)."""
+    c = runner.config
+    if not runner.pipelined or c.pipeline.schedule != "2bw":
+        return {}
+    out = {}
+    b = c.train.global_batch_size // c.train.microbatches // runner.data_size
+    model = with_expert_parallel(c.model, "data", runner.data_size) if c.mesh.expert_parallel else c.model
+    for recompute in (True, False):
+        entry = engine._ring_shapes(model, runner.mesh, runner.shapes, b, c.data.seq_len, recompute,
+                                    c.mesh.expert_parallel)
+        slots = schedules.stash_slots(c.pipeline.stages, first_stage_stashes=not recompute)
+        out["recompute" if recompute else "keep_residuals"] = slots * sum(
+            int(np.prod(e.shape)) * jnp.dtype(e.dtype).itemsize for e in entry)
+    return out
 
 
 def dry_run(c, devices=None) -> dict:
@@ -57,6 +99,9 @@ def dry_run(c, devices=None) -> dict:
         "param_bytes_per_device": _bytes_per_device(state.params),
         "optimizer_bytes_per_device": _bytes_per_device(state.opt_state),
         "runner_state_bytes_per_device": _bytes_per_device(state.runner_state),
+        "param_bytes_total": _global_bytes(state.params),
+        "checkpoint_bytes": _global_bytes(state),
+        "stash_bytes_per_device": _stash_bytes(runner),
         "bubble_fraction": 0.0 if table is None else 1.0 - table.useful_fraction(),
         "lower_seconds": t1 - t0,
         "compile_seconds": t2 - t1,
@@ -68,11 +113,13 @@ def dry_run(c, devices=None) -> dict:
             xla_alias_bytes=int(mem.alias_size_in_bytes),
             xla_temp_bytes=int(mem.temp_size_in_bytes),
         )
-        peak = (mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-                + mem.temp_size_in_bytes)
+        peak = _peak(mem)
     else:
         peak = report["param_bytes_per_device"] + report["optimizer_bytes_per_device"] + \
             report["runner_state_bytes_per_device"]
+    report["train_peak_bytes_per_device"] = int(peak)
+    report.update(_eval_memory(runner, state))
+    peak = max(peak, report.get("eval_peak_bytes_per_device", 0))
     report["peak_bytes_per_device"] = int(peak)
     report["fits"] = {name: peak <= gb * 1e9 for name, gb in ACCELERATORS_GB.items()}
     return report
@@ -92,6 +139,17 @@ def format_report(r: dict) -> str:
         lines.append(f"  XLA memory analysis (per device): arguments {gb(r['xla_argument_bytes'])}, outputs "
                      f"{gb(r['xla_output_bytes'])}, aliased {gb(r['xla_alias_bytes'])}, temporaries "
                      f"{gb(r['xla_temp_bytes'])}")
+    params = r["param_bytes_per_device"]
+    lines.append(f"  in-flight state per device {gb(r['runner_state_bytes_per_device'])} = "
+                 f"{r['runner_state_bytes_per_device'] / params:.2f}x the params on a device; checkpoint "
+                 f"{gb(r['checkpoint_bytes'])} = {r['checkpoint_bytes'] / r['param_bytes_total']:.2f}x the params")
+    if r["stash_bytes_per_device"]:
+        st = r["stash_bytes_per_device"]
+        lines.append(f"  stash per device: {gb(st['recompute'])} with config.pipeline.recompute=True, "
+                     f"{gb(st['keep_residuals'])} with False")
+    if "eval_peak_bytes_per_device" in r:
+        lines.append(f"  train step peak {gb(r['train_peak_bytes_per_device'])}; eval step peak (state resident "
+                     f"+ eval temporaries) {gb(r['eval_peak_bytes_per_device'])}")
     lines.append(f"  peak estimate per device: {gb(r['peak_bytes_per_device'])}; schedule bubble "
                  f"{r['bubble_fraction']:.0%}; lowered in {r['lower_seconds']:.0f} s, compiled in "
                  f"{r['compile_seconds']:.0f} s")
