@@ -26,6 +26,16 @@ _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Build the model abstractly, lowe
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (checkpoints, metrics, config). "
                                "Default: runs/<config.name>. An existing run there is resumed.")
 
+class _OneLineLibraryErrors(logging.Filter):
+    """orbax logs each failed background write with its traceback (five for one full disk); the
+    trainer reports the cause in one message, so the library's records keep their first line only."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "orbax" in (record.pathname or ""):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
 def _fail(message: str, code: int = 2):
     print(f"error: {message}", file=sys.stderr)
     sys.exit(code)
@@ -58,6 +68,7 @@ def main(argv):
     host_setup.prepare(configs.devices_needed(config), config.optimizer.name)
     # Our own progress at INFO; the libraries' (orbax logs every checkpoint step) at WARNING.
     absl_logging.set_verbosity(absl_logging.WARNING)
+    logging.getLogger("absl").addFilter(_OneLineLibraryErrors())
     logging.getLogger("asyncpp_jax").setLevel(logging.INFO)
 
     if _DRY_RUN.value:  # fake CPU devices on this host: never joins a cluster

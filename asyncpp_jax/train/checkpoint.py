@@ -218,7 +218,7 @@ class Checkpointer:
             raise self._error(f"cannot write checkpoints to {self.directory}: {where}.")
 
     def save(self, step: int, state, data_iterator, force: bool = False) -> bool:
-        self.poll()
+        self._finish_pending()  # orbax's save would wait for it anyway; this names its step if it failed
         self.check_writable(_bytes_written_here(state))
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state),
@@ -234,6 +234,16 @@ class Checkpointer:
             if not self.manager.is_saving_in_progress():  # synchronous save: seal right away
                 self.poll()
         return saved
+
+    def _finish_pending(self) -> None:
+        if self._unsealed:
+            try:
+                self.manager.wait_until_finished()
+            except Exception as e:
+                steps, self._unsealed = sorted(self._unsealed), {}
+                raise self._error(f"writing the checkpoint of step(s) {steps} to {self.directory} failed: "
+                                  f"{type(e).__name__}: {e}") from e
+        self.poll()
 
     def poll(self) -> None:
         """Seal the saves orbax has finished (cheap; the trainer calls it every step)."""
@@ -266,11 +276,11 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Let in-flight saves land and seal them."""
+        self._finish_pending()
         try:
             self.manager.wait_until_finished()
         except Exception as e:
             raise self._error(f"writing a checkpoint to {self.directory} failed: {type(e).__name__}: {e}") from e
-        self.poll()
         concurrent.futures.wait(self._seals)
         self._raise_failed_seals()
 

@@ -212,7 +212,6 @@ class Trainer:
         """
         c = self.config
         stop_at = c.train.steps if until_step is None else min(until_step, c.train.steps)
-        self.checkpointer.check_writable()  # an unwritable directory stops the run now, not at the first save
         state, iterator = self.restore_or_init()
         start = step = int(state.step)
         writer = MetricWriter(self.workdir, resume_step=start)
@@ -225,6 +224,7 @@ class Trainer:
                    disable=not c.train.progress_bar or jax.process_index() != 0)
         val, val_step, status = {}, None, "finished"
         try:
+            self.checkpointer.check_writable()  # an unwritable directory stops the run now, not at the first save
             with _SigtermFlag() as stop:
                 last_t = time.perf_counter()
                 while step < stop_at:
