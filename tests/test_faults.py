@@ -274,3 +274,41 @@ def test_cli_unwritable_or_full_checkpoint_directory_fails_fast(cache_dir, tmp_p
     if fault == "read_only":  # the tmpfs vanished with its namespace; the bind mount's workdir did not
         status = json.loads((workdir / "status.json").read_text())
         assert status["status"] == "checkpoint_failed" and cause in status["error"]
+
+
+_MULTIHOST_WORKER = """
+import sys
+pid, port, directory = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+import jax
+jax.config.update("jax_num_cpu_devices", 1)
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=2, process_id=pid)
+from asyncpp_jax.train import checkpoint as ck
+if pid == 1:  # only process 1's file system refuses the write
+    ck._local_write_problem = lambda d, n: f"cannot write {d}: [Errno 28] No space left on device"
+c = ck.Checkpointer(directory, keep=2)
+try:
+    c.check_writable(1000)
+    print(f"process {pid}: wrote", flush=True)
+except ck.CheckpointError as e:
+    print(f"process {pid}: refused: {e}", flush=True)
+c.close()
+"""
+
+
+@pytest.mark.slow
+def test_processes_agree_on_a_write_failure(tmp_path):
+    """Two processes form one job (gloo on CPU); only process 1 cannot write, and both stop
+    instead of process 0 writing and then waiting on a barrier for its failed peer."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [subprocess.Popen([sys.executable, "-c", _MULTIHOST_WORKER, str(i), str(port), str(tmp_path / "ck")],
+                              cwd=configs.REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for i in (0, 1)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert "process 0: refused: cannot write checkpoints to" in outs[0][0] and "process(es) [1]" in outs[0][0], outs[0]
+    assert "process 1: refused:" in outs[1][0] and "No space left on device" in outs[1][0], outs[1]

@@ -60,6 +60,17 @@ class Result:
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # preemption, Ctrl-C: the same orderly stop
 
 
+@dataclasses.dataclass
+class _Progress:
+    """Where a run stands; the last validation figures and the step they belong to."""
+
+    start: int
+    step: int
+    status: str = "finished"
+    val: dict = dataclasses.field(default_factory=dict)
+    val_step: int | None = None
+
+
 class _SigtermFlag:
     """Turns SIGTERM and SIGINT into a flag the loop polls between steps (handlers only in the main
     thread).  A second signal restores the previous handlers and re-sends itself: stop at once."""
@@ -213,54 +224,26 @@ class Trainer:
         c = self.config
         stop_at = c.train.steps if until_step is None else min(until_step, c.train.steps)
         state, iterator = self.restore_or_init()
-        start = step = int(state.step)
-        writer = MetricWriter(self.workdir, resume_step=start)
+        p = _Progress(start=int(state.step), step=int(state.step))
+        writer = MetricWriter(self.workdir, resume_step=p.start)
         if writer.dropped:
-            log.info("metrics.jsonl: dropped %d row(s) logged after step %d; those steps are redone", writer.dropped, start)
+            log.info("metrics.jsonl: dropped %d row(s) logged after step %d; those steps are redone",
+                     writer.dropped, p.start)
         unigram = self.corpus.unigram_entropy_nats_per_byte()
-        if start == 0:
+        if p.start == 0:
             self._log_model(state)
-        bar = tqdm(total=c.train.steps, initial=start, desc=c.name, unit="step", dynamic_ncols=True,
+        bar = tqdm(total=c.train.steps, initial=p.start, desc=c.name, unit="step", dynamic_ncols=True,
                    disable=not c.train.progress_bar or jax.process_index() != 0)
-        val, val_step, status = {}, None, "finished"
         try:
             self.checkpointer.check_writable()  # an unwritable directory stops the run now, not at the first save
-            with _SigtermFlag() as stop:
-                last_t = time.perf_counter()
-                while step < stop_at:
-                    batch = step_lib.to_global_batch(self.mesh, next(iterator), c.train.microbatches)
-                    state, metrics = self.train_step(state, batch)
-                    metrics = jax.device_get(metrics)  # one small sync per step: guards every update
-                    step += 1
-                    last_t = self._add_speed(metrics, last_t)
-                    if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
-                        self._settle_checkpoints()  # the message names the last checkpoint that landed
-                        raise TrainingDiverged(self._divergence_message(metrics, step, start))
-                    evaluated = step % c.train.eval_every == 0 or step == c.train.steps
-                    if evaluated:
-                        val, val_step = self.evaluate(state.params), step
-                        metrics.update(val)
-                    if evaluated or step % c.train.log_every == 0:
-                        writer.write(step, metrics)
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{metrics['loss']:.3f}", **({"val": f"{val['val_loss']:.3f}"} if val else {}))
-                    self.checkpointer.poll()
-                    stopping = step < c.train.steps and (stop.set or step == stop_at)
-                    if stopping or step % c.train.checkpoint_every == 0 or step == c.train.steps:
-                        self.checkpointer.save(step, state, iterator)
-                    if stopping:
-                        status = "preempted" if stop.set else "paused"
-                        if stop.set:
-                            log.warning("stopped: saved a checkpoint at step %d; rerun the same command to resume", step)
-                        break
+            state = self._loop(state, iterator, stop_at, p, writer, bar)
             self.checkpointer.wait()  # in-flight async saves land and are sealed
         except TrainingDiverged:
-            self._settle_checkpoints()
-            self._write_status("diverged", step, last_checkpoint=self.checkpointer.latest_step())
+            self._write_status("diverged", p.step, last_checkpoint=self._last_sealed())
             raise
         except CheckpointError as e:
             self._settle_checkpoints()
-            self._write_status("checkpoint_failed", step, error=str(e), last_checkpoint=self._last_sealed())
+            self._write_status("checkpoint_failed", p.step, error=str(e), last_checkpoint=self._last_sealed())
             raise
         except BaseException:
             self._settle_checkpoints()  # in-flight saves land, also on a crash or a second Ctrl-C
@@ -268,12 +251,49 @@ class Trainer:
         finally:
             bar.close()
             writer.close()
-        if status == "finished" and val_step != step and step == c.train.steps:
-            val, val_step = self.evaluate(state.params), step  # a run resumed at its last step still reports
+        if p.status == "finished" and p.val_step != p.step and p.step == c.train.steps:
+            p.val, p.val_step = self.evaluate(state.params), p.step  # a run resumed at its last step still reports
         self.state = state
-        val = val if val_step == step else {}  # never a validation loss of another step beside this one
-        self._write_status(status, step, **val, unigram=unigram)
-        return Result(status, step, val.get("val_loss"), val.get("val_loss_per_byte"), unigram)
+        val = p.val if p.val_step == p.step else {}  # never a validation loss of another step beside this one
+        self._write_status(p.status, p.step, **val, unigram=unigram)
+        return Result(p.status, p.step, val.get("val_loss"), val.get("val_loss_per_byte"), unigram)
+
+    def _loop(self, state, iterator, stop_at: int, p: "_Progress", writer: MetricWriter, bar):
+        """Steps until ``stop_at``, a stop signal, or an error; ``p`` follows along (also on an error)."""
+        c = self.config
+        with _SigtermFlag() as stop:
+            last_t = time.perf_counter()
+            while p.step < stop_at:
+                batch = step_lib.to_global_batch(self.mesh, next(iterator), c.train.microbatches)
+                state, metrics = self.train_step(state, batch)
+                metrics = jax.device_get(metrics)  # one small sync per step: guards every update
+                p.step += 1
+                last_t = self._add_speed(metrics, last_t)
+                if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
+                    self._settle_checkpoints()  # the message names the last checkpoint that landed
+                    raise TrainingDiverged(self._divergence_message(metrics, p.step, p.start))
+                self._record(state, metrics, p, writer, bar)
+                self.checkpointer.poll()
+                stopping = p.step < c.train.steps and (stop.set or p.step == stop_at)
+                if stopping or p.step % c.train.checkpoint_every == 0 or p.step == c.train.steps:
+                    self.checkpointer.save(p.step, state, iterator)
+                if stopping:
+                    p.status = "preempted" if stop.set else "paused"
+                    if stop.set:
+                        log.warning("stopped: saved a checkpoint at step %d; rerun the same command to resume", p.step)
+                    break
+        return state
+
+    def _record(self, state, metrics: dict, p: "_Progress", writer: MetricWriter, bar) -> None:
+        c, step = self.config, p.step
+        evaluated = step % c.train.eval_every == 0 or step == c.train.steps
+        if evaluated:
+            p.val, p.val_step = self.evaluate(state.params), step
+            metrics.update(p.val)
+        if evaluated or step % c.train.log_every == 0:
+            writer.write(step, metrics)
+        bar.update(1)
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}", **({"val": f"{p.val['val_loss']:.3f}"} if p.val else {}))
 
     # ------------------------------------------------------------------------------------------
     def _log_model(self, state) -> None:
