@@ -76,19 +76,33 @@ def sealed_run(cache_dir, tmp_path_factory):
     t = Trainer(fault_config(cache_dir), workdir)
     t.run()
     t.close()
-    return workdir, jax.device_get(t.state.params)
+    return workdir, jax.device_get(t.state.params), (t.train_step, t.eval_step)
+
+
+@pytest.fixture
+def trainer(sealed_run, cache_dir):
+    """``trainer(workdir)``: a Trainer of the default fault config that reuses the sealed run's
+    compiled train and eval steps (same config and mesh), so each test compiles nothing."""
+    train_step, eval_step = sealed_run[2]
+
+    def make(workdir):
+        t = Trainer(fault_config(cache_dir), workdir)
+        t.train_step, t.eval_step = train_step, eval_step
+        return t
+
+    return make
 
 
 @pytest.fixture
 def damaged_copy(sealed_run, tmp_path):
-    src, _ = sealed_run
+    src = sealed_run[0]
     dst = tmp_path / "run"
     shutil.copytree(src, dst)
     return dst
 
 
 def test_checkpoints_are_sealed_with_checksums_and_layout(sealed_run):
-    workdir, _ = sealed_run
+    workdir = sealed_run[0]
     for step in (2, 4):
         manifest = ckpt_lib.read_manifest(workdir / "checkpoints" / str(step))
         assert manifest["step"] == step and manifest["files"] and ".params['embed']['embedding']" in manifest["layout"]
@@ -111,13 +125,13 @@ def test_verify_names_truncated_altered_and_missing_files(damaged_copy):
     assert "no readable asyncpp_manifest.json" in ckpt_lib.verify(step_dir)
 
 
-def test_corrupt_latest_is_skipped_for_the_newest_intact(sealed_run, damaged_copy, cache_dir, caplog):
+def test_corrupt_latest_is_skipped_for_the_newest_intact(sealed_run, damaged_copy, trainer, caplog):
     """64 XOR-ed bytes in the latest checkpoint: warned about, set aside, steps 3-4 redone, and the
     run ends on exactly the parameters of the undamaged run; metrics.jsonl keeps one row per step."""
-    _, full_params = sealed_run
+    full_params = sealed_run[1]
     latest = damaged_copy / "checkpoints" / "4"
     xor_bytes(biggest_file(latest))
-    t = Trainer(fault_config(cache_dir), damaged_copy)
+    t = trainer(damaged_copy)
     with caplog.at_level(logging.WARNING, logger="asyncpp_jax"):
         result = t.run()
     t.close()
@@ -164,8 +178,8 @@ def test_resume_with_changed_layout_is_refused_before_anything_changes(damaged_c
     assert json.loads((damaged_copy / "config.json").read_text())["train"]["steps"] == 4
 
 
-def test_checkpoint_directory_lost_mid_run_fails_at_the_next_save(cache_dir, tmp_path):
-    t = Trainer(fault_config(cache_dir), tmp_path)
+def test_checkpoint_directory_lost_mid_run_fails_at_the_next_save(trainer, tmp_path):
+    t = trainer(tmp_path)
     inner = t.train_step
     ckpt_dir = tmp_path / "checkpoints"
 
@@ -185,8 +199,8 @@ def test_checkpoint_directory_lost_mid_run_fails_at_the_next_save(cache_dir, tmp
     assert str(ckpt_dir) in status["error"] and "Not a directory" in status["error"]
 
 
-def test_nan_at_the_first_update_blames_the_setup_not_the_lr(cache_dir, tmp_path):
-    t = Trainer(fault_config(cache_dir), tmp_path)
+def test_nan_at_the_first_update_blames_the_setup_not_the_lr(trainer, tmp_path):
+    t = trainer(tmp_path)
     inner = t.train_step
 
     def nan_from_start(state, batch):
@@ -203,9 +217,9 @@ def test_nan_at_the_first_update_blames_the_setup_not_the_lr(cache_dir, tmp_path
     assert "Lower config.optimizer.lr" not in message
 
 
-def test_sigint_stops_like_sigterm_and_status_holds_one_step(cache_dir, tmp_path):
+def test_sigint_stops_like_sigterm_and_status_holds_one_step(trainer, tmp_path):
     """Ctrl-C at update 3: a checkpoint at 3, status 'preempted' at 3 without step 2's val loss."""
-    t = Trainer(fault_config(cache_dir), tmp_path)
+    t = trainer(tmp_path)
     inner = t.train_step
 
     def interrupt_at_3(state, batch):
