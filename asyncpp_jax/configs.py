@@ -155,6 +155,10 @@ def base_config() -> ml_collections.ConfigDict:
         dict(
             stages=1,  # > 1: the pipeline engine, layers split into this many contiguous stages
             schedule="sync",  # sync (1F1B, flush every step) | 2bw (no flush, one-step delay)
+            # True: a stage's backward recomputes its forward from the stashed stage input (one
+            # activation per in-flight microbatch); False: the forward keeps its autodiff residuals
+            # for the backward (no recompute, every intermediate of the block per microbatch)
+            recompute=True,
         )
     )
     c.mesh = ml_collections.ConfigDict(
@@ -453,6 +457,9 @@ def _check_pipeline(c) -> list[str]:
     pipe, m, st, t, errs = c.pipeline, c.model, c.staleness, c.train, []
     if not (_is_int(pipe.stages) and pipe.stages >= 1):
         errs.append(f"config.pipeline.stages={pipe.stages!r} must be a positive integer.")
+    if not isinstance(pipe.recompute, bool):
+        errs.append(f"config.pipeline.recompute={pipe.recompute!r} must be True (recompute each stage's forward "
+                    "in its backward) or False (keep the forward's residuals).")
     if not _choice(errs, "pipeline.schedule", pipe.schedule, PIPELINE_SCHEDULES) or errs:
         return errs
     if c.runner == "pipeline" and pipe.stages == 1:

@@ -51,22 +51,22 @@ def run_simulate(cfg, tx, data, data_size=1):
     return state
 
 
-def init_pipeline(cfg, tx, mesh, M, B, poison=False, ep=False):
+def init_pipeline(cfg, tx, mesh, M, B, schedule, poison=False, ep=False, recompute=True):
     abstract = dense.abstract_params(cfg)
     state = step_lib.init_state(cfg, tx, jax.random.key(0))
-    ps = engine.init_pipeline_state(cfg, state.params, mesh.shape["data"], mesh.shape["stage"], M, B, T, ep)
-    if poison:  # every buffer a bubble slot could read: NaN (tokens stay valid ints)
+    ps = engine.init_pipeline_state(cfg, state.params, mesh, M, B, T, schedule, recompute, ep)
+    if poison and ps is not None:  # every buffer a bubble slot could read: NaN (tokens stay valid ints)
         ps = ps._replace(**{k: jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), getattr(ps, k))
-                            for k in ("prev_params", "stash", "fwd_buf", "bwd_buf", "grad_partial")})
+                            for k in ("prev_params", "stash", "fwd_buf", "bwd_buf", "grad_partial", "stats_partial")})
     return engine.place_state(state.replace(runner_state=ps), mesh, abstract, ep)
 
 
-def run_pipeline(cfg, tx, data, P, schedule, data_size=1, dsched=None, poison=False, ep=False):
+def run_pipeline(cfg, tx, data, P, schedule, data_size=1, dsched=None, poison=False, ep=False, recompute=True):
     M, B = data[0].shape[0], data[0].shape[0] * data[0].shape[1]
     mesh = engine.make_pipeline_mesh(data_size, P)
     step = engine.make_pipeline_train_step(cfg, tx, SCHED, mesh, dense.abstract_params(cfg), M, schedule, dsched,
-                                           expert_parallel=ep)
-    state = init_pipeline(cfg, tx, mesh, M, B, poison, ep)
+                                           expert_parallel=ep, recompute=recompute)
+    state = init_pipeline(cfg, tx, mesh, M, B, schedule, poison, ep, recompute)
     metrics = []
     for b in data:
         state, m = step(state, jax.device_put(b, engine.global_batch_sharding(mesh)))
@@ -187,6 +187,8 @@ def test_bubbles_filled_with_nan_leak_nothing(schedule):
     cfg, data = model_cfg(), batches(3, 4, 4, seed=3)
     clean, _ = run_pipeline(cfg, make_opt("adamw"), data, 2, schedule)
     poisoned, metrics = run_pipeline(cfg, make_opt("adamw"), data, 2, schedule, poison=True)
-    assert all(np.isfinite(m["loss"]) for m in metrics)
+    fills = [m for m in metrics if m["loss_microbatches"] == 0]
+    assert len(fills) == (1 if schedule == "2bw" else 0)  # the first 2bw update applies no batch
+    assert all(np.isfinite(m["loss"]) for m in metrics if m["loss_microbatches"] > 0)
     for x, y in zip(jax.tree.leaves(clean.params), jax.tree.leaves(poisoned.params)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -293,6 +293,33 @@ def logits_from_hidden(cfg, params: dict, h: Array) -> Array:
     return Decoder(cfg).apply({"params": params}, h, method=Decoder.logits)
 
 
+def _read_in_compute_dtype(path) -> bool:
+    """Whether the model casts this leaf to ``compute_dtype`` before using it: matmul kernels, the
+    embedding table and routed experts' weights (norm scales and the MoE router stay fp32)."""
+    names = [getattr(k, "key", getattr(k, "name", str(k))) for k in path]
+    return names[-1] in ("kernel", "embedding") or (len(names) >= 2 and names[-2] == "moe"
+                                                    and names[-1] in ("gate", "up", "down"))
+
+
+def compute_view(cfg, params: dict) -> dict:
+    """``params`` with every leaf the model reads in ``compute_dtype`` already cast to it.
+
+    The model's own casts then return their input unchanged, so a ``jax.vjp`` taken w.r.t. this
+    view keeps the weights themselves (not per-call bf16 copies) as residuals, and its gradient,
+    cast back to fp32, is exactly the fp32 gradient (the transpose of a cast is the cast back).
+    """
+    dtype = dtype_of(cfg.compute_dtype)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: x.astype(dtype) if _read_in_compute_dtype(path) else x, params)
+
+
+def embed_transpose_add(acc: Array, tokens: Array, ct: Array, lead: tuple = ()) -> Array:
+    """``acc[lead] + (d embed / d table)^T ct``: the embedding (``params['embed']['embedding']``)
+    is a row lookup, so its transpose adds each cotangent row to its token's row: an in-place
+    scatter of ``b x T`` rows, not a dense ``[V, D]`` gradient per call."""
+    return acc.at[lead + (tokens,)].add(ct.astype(acc.dtype))
+
+
 def slice_layers(layer_params: dict, start: int, stop: int) -> dict:
     """Layers ``[start, stop)`` of a stacked layer tree: a stage's share of the model."""
     return jax.tree.map(lambda x: x[start:stop], layer_params)

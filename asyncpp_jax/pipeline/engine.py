@@ -1,32 +1,29 @@
 """The ``pipeline`` runner: one ``jax.shard_map`` over ``('data', 'stage')``, a ``lax.scan`` over ticks.
 
 Stage ``s`` holds layers ``[s L/P, (s+1) L/P)`` (the stacked layer leaves are sharded on their
-leading axis over ``stage``); the embedding, final norm and head are replicated, used by stage 0
-(embedding) and stage ``P-1`` (norm, head, loss) only, and their gradients are summed over
-``stage`` (with tied embeddings both uses add up, as in the unsplit model).
+leading axis over ``stage``); the embedding, final norm and head are replicated, but only stage 0
+runs the embedding and only stage ``P-1`` the final norm, head and loss
+(:mod:`asyncpp_jax.pipeline.stage` says what each slot computes).
 
-Per tick (:mod:`asyncpp_jax.pipeline.schedules` says which microbatch), every stage runs
-
-* a forward slot: ``h_out = layers_s(h_in)`` with ``h_in`` the embedded tokens on stage 0, else
-  the activation received from ``s-1``; ``h_in`` goes into the stash ring; ``h_out`` is sent to
-  ``s+1`` with ``lax.ppermute``;
-* a backward slot: ``jax.vjp`` of the stage, recomputed from the stashed ``h_in``, with the
-  cotangent received from ``s+1`` (on stage ``P-1``: the loss, scaled by ``1/M``); parameter
-  gradients are added to the accumulator of the microbatch's batch; the input cotangent is sent to
-  ``s-1``.
-
-Idle slots compute on whatever is in the buffers and are discarded with ``jnp.where`` (never by
-multiplying with a mask, which would let a NaN through).  Gradients are averaged over ``data``
-once per update, after the tick loop.
+Per tick (:mod:`asyncpp_jax.pipeline.schedules` says which microbatch), each stage runs a
+forward slot and a backward slot, each under a ``lax.cond`` on whether the tick table gives it
+work: an idle slot computes nothing (and so cannot let a NaN through).  Activations go to
+``s+1`` and input cotangents to ``s-1`` with ``lax.ppermute`` once per tick.  With
+``recompute`` the backward slot recomputes the stage's block from its stashed input; without,
+the forward slot stashes the block's autodiff residuals.  The last stage's forward and backward
+of a microbatch share a tick and run as one fused ``vjp``.  Activations, cotangents and the stash
+are in ``compute_dtype``, as in the simulate runner.
 
 ``sync`` flushes each step: the gradient of batch ``t`` at ``w[t]`` is applied at update ``t``,
-as in the ``simulate`` runner.  ``2bw`` never flushes: the stash ring, the activations and
-cotangents in transit, the partial gradient of the batch in flight, the previous weight version
-and the previous batch's tokens live in :class:`PipelineState` (so they are checkpointed), each
-microbatch uses its batch's weight version for both its forward and its backward, and update
-``t`` applies the gradient of batch ``t-1`` taken at ``w[t-1]``: ``optim.delay``'s conventions
-exactly (fill at the first delayed update, in-flight batch dropped at a cooldown switch).  The
-optimizer chain has no ``delay`` transform; mitigations (error feedback) follow the same schedule.
+as in the ``simulate`` runner; a step costs ``(M + P - 1)(F + B)``, a textbook 1F1B with flush.
+``2bw`` never flushes (:class:`OneStepDelay` is where its delay lives): the stash ring, the
+activations and cotangents in transit, the in-flight batch's partial gradient and loss sums, the
+previous weight version and the previous batch's tokens live in :class:`PipelineState` (so they
+are checkpointed), and update ``t`` applies the gradient of batch ``t-1`` taken at ``w[t-1]``:
+``optim.delay``'s conventions exactly (fill at the first delayed update, in-flight batch dropped
+at a cooldown switch).  The logged loss of update ``t`` is that batch's loss at those weights.
+The optimizer chain has no ``delay`` transform; mitigations (error feedback) follow the same
+schedule.
 """
 
 from __future__ import annotations
@@ -44,6 +41,7 @@ from asyncpp_jax.models import dense
 from asyncpp_jax.models.moe import is_expert_weight, with_expert_parallel
 from asyncpp_jax.optim.staleness import DelaySchedule
 from asyncpp_jax.pipeline import schedules
+from asyncpp_jax.pipeline.stage import ResidualTemplate, StageFns, join_params, residual_shapes, split_params, stat_names
 from asyncpp_jax.train.step import TrainState, apply_update
 
 BATCH_SPEC = P(None, "data")  # [microbatch, batch, time + 1]
@@ -84,36 +82,101 @@ def _local_shape(x, spec: P, mesh_shape: dict) -> tuple:
 
 
 class PipelineState(NamedTuple):
-    """What crosses ``train_step`` calls under ``2bw`` (zeros, and unused, under ``sync``)."""
+    """What crosses ``train_step`` calls under ``2bw`` (the ``sync`` schedule carries nothing).
+
+    Each tensor is held once: the weight version and the partial gradient are sharded like the
+    parameters (the partial gradient is reduced over ``stage`` and ``data`` at the end of each
+    step, like the gradient it will complete), and the activation state is per device because
+    every device's is different.
+    """
 
     prev_params: Any  # w[t-1]: the weight version of the batch still draining
-    stash: jax.Array  # [D, P, 2P-1, b, T, d]: stage inputs awaiting their backward
-    fwd_buf: jax.Array  # [D, P, b, T, d]: activation received from stage s-1
-    bwd_buf: jax.Array  # [D, P, b, T, d]: cotangent received from stage s+1
-    grad_partial: Any  # the in-flight batch's gradient so far; leaves [D, P, *local shape]
+    stash: list  # per entry [D, P, S, ...]: stage inputs (recompute) or residuals awaiting their backward
+    fwd_buf: jax.Array  # [D, P, b, T, d]: activation received from stage s-1 (compute dtype)
+    bwd_buf: jax.Array  # [D, P, b, T, d]: cotangent received from stage s+1 (compute dtype)
+    grad_partial: Any  # the in-flight batch's gradient so far, reduced; sharded like the params
+    stats_partial: dict  # the in-flight batch's loss sums so far (``count``: its finished microbatches)
     prev_batch: jax.Array  # [M, B, T+1]: the in-flight batch's tokens (the last stage needs targets)
 
 
-def init_pipeline_state(model_cfg, params, data: int, n_stages: int, microbatches: int,
-                        global_batch: int, seq_len: int, expert_parallel: bool = False) -> PipelineState:
+class OneStepDelay:
+    """Where the ``2bw`` delay lives: which weight version a slot uses, which gradient it feeds.
+
+    Microbatch ``j`` of a step's tick table is step-relative: ``j < 0`` belongs to batch ``t-1``
+    (in flight since the previous step), ``j >= 0`` to batch ``t``.  A microbatch uses its batch's
+    weights for both its forward and its backward, and its gradient lands in its batch's
+    accumulator, so that
+
+        w[t+1] = w[t] - U_t( sum_m grad L(w[t-1]; batch[t-1]_m) / M )       (PipeDream-2BW)
+
+    accumulator 0 is applied at this update (batch ``t-1``: its head was carried in from the
+    previous step as ``grad_partial``, its tail is finished here), accumulator 1 is carried to
+    update ``t+1`` (batch ``t``'s head).  The ``sync`` schedule (``is_async=False``) has one
+    accumulator and one weight version: every microbatch is batch ``t`` at ``w[t]``.  A batch's
+    microbatches count only if their step ran the delayed schedule (``prev_live``): at the first
+    delayed update accumulator 0 is empty and nothing is applied (the fill, as ``optim.delay``).
+    """
+
+    def __init__(self, is_async: bool, prev_live):
+        self.is_async, self.prev_live = is_async, prev_live
+        self.accumulators = 2 if is_async else 1
+
+    def live(self, j):
+        return (j != schedules.IDLE) & ((j >= 0) | self.prev_live)
+
+    def weights(self, j, cur, prev):
+        return _select(j < 0, prev, cur) if self.is_async else cur
+
+    def accumulator(self, j):
+        return (j >= 0).astype(jnp.int32) if self.is_async else jnp.int32(0)
+
+
+def _ring_shapes(model_cfg, mesh, params_abstract, microbatch_rows: int, seq_len: int, recompute: bool,
+                 expert_parallel: bool) -> list:
+    """Per-device shapes of one stash entry, traced on the mesh (an MoE block's all_to_all needs it)."""
+    fns = StageFns(model_cfg, 1, recompute)
+    act = jax.ShapeDtypeStruct((microbatch_rows, seq_len, model_cfg.d_model), dense.dtype_of(model_cfg.compute_dtype))
+
+    def local(layers, x):
+        shapes = residual_shapes(fns, dense.compute_view(model_cfg, _vary({"layers": layers}))["layers"], _vary(x))
+        return [_vary(jnp.zeros(sh.shape, sh.dtype))[None, None] for sh in shapes]
+
+    layer_specs = param_specs(params_abstract, expert_parallel)["layers"]
+    out = jax.eval_shape(jax.shard_map(local, mesh=mesh, in_specs=(layer_specs, P()), out_specs=DEVICE),
+                         params_abstract["layers"], act)
+    return [jax.ShapeDtypeStruct(o.shape[2:], o.dtype) for o in out]
+
+
+def init_pipeline_state(model_cfg, params, mesh, microbatches: int, global_batch: int, seq_len: int,
+                        schedule: str = "2bw", recompute: bool = True, expert_parallel: bool = False):
+    """The in-flight state of a fresh run: ``None`` for ``sync`` (nothing crosses steps)."""
+    if schedule != "2bw":
+        return None
+    data, n_stages = mesh.shape["data"], mesh.shape["stage"]
+    if expert_parallel:
+        model_cfg = with_expert_parallel(model_cfg, "data", data)
     b = global_batch // microbatches // data
-    act = jnp.zeros((data, n_stages, b, seq_len, model_cfg.d_model), jnp.float32)
-    mesh_shape = {"data": data, "stage": n_stages}
-    partial = jax.tree.map(lambda x, spec: jnp.zeros((data, n_stages) + _local_shape(x, spec, mesh_shape), jnp.float32),
-                           params, param_specs(params, expert_parallel))
+    slots = schedules.stash_slots(n_stages, first_stage_stashes=not recompute)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    entry = _ring_shapes(model_cfg, mesh, abstract, b, seq_len, recompute, expert_parallel)
+    act = jnp.zeros((data, n_stages, b, seq_len, model_cfg.d_model), dense.dtype_of(model_cfg.compute_dtype))
     return PipelineState(
         prev_params=jax.tree.map(jnp.copy, params),
-        stash=jnp.zeros((data, n_stages, schedules.stash_slots(n_stages), b, seq_len, model_cfg.d_model),
-                        jnp.float32),
-        fwd_buf=act, bwd_buf=act, grad_partial=partial,
+        stash=[jnp.zeros((data, n_stages, slots) + e.shape, e.dtype) for e in entry],
+        fwd_buf=act, bwd_buf=act,
+        grad_partial=jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params),
+        stats_partial={k: jnp.zeros((), jnp.float32) for k in stat_names(model_cfg)},
         prev_batch=jnp.zeros((microbatches, global_batch // microbatches, seq_len + 1), jnp.int32),
     )
 
 
-def pipeline_state_specs(params, expert_parallel: bool = False) -> PipelineState:
+def pipeline_state_specs(params, pstate: PipelineState | None, expert_parallel: bool = False):
+    if pstate is None:
+        return None
+    pspecs = param_specs(params, expert_parallel)
     return PipelineState(
-        prev_params=param_specs(params, expert_parallel), stash=DEVICE, fwd_buf=DEVICE, bwd_buf=DEVICE,
-        grad_partial=jax.tree.map(lambda _: DEVICE, params), prev_batch=BATCH_SPEC)
+        prev_params=pspecs, stash=[DEVICE] * len(pstate.stash), fwd_buf=DEVICE, bwd_buf=DEVICE,
+        grad_partial=pspecs, stats_partial={k: P() for k in pstate.stats_partial}, prev_batch=BATCH_SPEC)
 
 
 def _select(pred, a, b):
@@ -129,138 +192,184 @@ def _vary(tree, axes=("data", "stage")):
     return jax.tree.map(one, tree)
 
 
-def _make_grads_fn(model_cfg, mesh, table: schedules.TickTable, is_async: bool, params_abstract,
-                   expert_parallel: bool = False):
+def _add_at(acc, i, tree):
+    """``acc[i] += tree`` leaf by leaf (accumulators carry a leading ``[accumulators]`` axis)."""
+    return jax.tree.map(lambda a, g: a.at[i].add(g.astype(a.dtype)), acc, tree)
+
+
+def _head_keys(model_cfg) -> tuple:
+    return ("final_norm", "embed") if model_cfg.tie_embeddings else ("final_norm", "lm_head")
+
+
+def _reduce_grads(grads, expert_parallel: bool):
+    """A device's gradient sums -> the update's gradient: sum the replicated leaves' per-stage
+    uses over ``stage`` (with tied embeddings both uses add up), average over ``data``."""
+    data_size = jax.lax.axis_size("data")
+
+    def one(path, g):
+        if path[0].key != "layers":
+            g = jax.lax.psum(g, "stage")
+        if expert_parallel and is_expert_weight(path):
+            # This device's experts already got every data shard's tokens (all_to_all's
+            # transpose sums them): divide for the mean, no reduction.
+            return g / data_size
+        return jax.lax.pmean(g, "data")
+
+    return jax.tree_util.tree_map_with_path(one, grads)
+
+
+def _make_grads_fn(model_cfg, mesh, table: schedules.TickTable, is_async: bool, carries_state: bool,
+                   params_abstract, expert_parallel: bool = False, recompute: bool = True):
     """``shard_map``-ped ``(cur, prev, batch, pstate, prev_live, step) -> (grads, stats, pstate)``."""
     n_stages, M = table.n_stages, table.microbatches
-    S = schedules.stash_slots(n_stages)
-    fwd_tbl, bwd_tbl = jnp.asarray(table.forward), jnp.asarray(table.backward)
+    fns = StageFns(model_cfg, M, recompute)
+    S = schedules.stash_slots(n_stages, first_stage_stashes=not recompute)
     fwd_perm = [(i, i + 1) for i in range(n_stages - 1)]
     bwd_perm = [(i + 1, i) for i in range(n_stages - 1)]
-    axes = ("data", "stage")
+    act_dtype = dense.dtype_of(model_cfg.compute_dtype)
+    head_keys = _head_keys(model_cfg)
 
     def local(cur, prev, batch, pstate, prev_live, step):
         s = jax.lax.axis_index("stage")
         is_first, is_last = s == 0, s == n_stages - 1
+        delay = OneStepDelay(is_async, prev_live)
+        cur_l, cur_t = split_params(_vary(dense.compute_view(model_cfg, cur)))
+        prev_l, prev_t = split_params(_vary(dense.compute_view(model_cfg, prev)))
         strip = lambda x: x[0, 0]  # noqa: E731
-        stash, fwd_buf, bwd_buf = strip(pstate.stash), strip(pstate.fwd_buf), strip(pstate.bwd_buf)
-        acc_prev = jax.tree.map(strip, pstate.grad_partial)
-        # The in-flight batch's partial gradient counts only if the previous step was asynchronous;
-        # at the first 2bw step it is a fill (zero) gradient, whatever the buffer holds.
-        acc_prev = jax.tree.map(lambda a: jnp.where(prev_live, a, jnp.zeros_like(a)), acc_prev)
-        acc_cur = jax.tree.map(jnp.zeros_like, acc_prev)
-        prev_batch = pstate.prev_batch
+        b, T = batch.shape[1], batch.shape[2] - 1
+        if carries_state:
+            stash = [strip(r) for r in pstate.stash]
+            fwd_buf, bwd_buf = strip(pstate.fwd_buf), strip(pstate.bwd_buf)
+            prev_batch = pstate.prev_batch
+        else:
+            fwd_buf = bwd_buf = _vary(jnp.zeros((b, T, model_cfg.d_model), act_dtype))
+            stash = [_vary(jnp.zeros((S,) + e.shape, e.dtype)) for e in residual_shapes(fns, cur_l, fwd_buf)]
+            prev_batch = batch
+        template = ResidualTemplate()
 
         def tokens_of(j):
             m = jnp.mod(j, M)
             return jnp.where(j < 0, prev_batch[m], batch[m])
 
-        def stage_fn(p, h_recv, tokens):
-            h_in = jnp.where(is_first, dense.embed(model_cfg, p, tokens[:, :-1]).astype(h_recv.dtype), h_recv)
-            return h_in, dense.apply_layers(model_cfg, p["layers"], h_in)
-
-        def stage_with_loss(p, h_stash, tokens):
-            """``(h_out, this stage's loss)``: the LM loss on stage P-1, plus every stage's MoE terms."""
-            h_in = jnp.where(is_first, dense.embed(model_cfg, p, tokens[:, :-1]).astype(h_stash.dtype), h_stash)
-            h_out, aux = dense.apply_layers_with_aux(model_cfg, p["layers"], h_in)
-            logits = dense.logits_from_hidden(model_cfg, p, h_out)
-            lm, (ce, z) = dense.cross_entropy(logits, tokens[:, 1:], model_cfg.z_loss)
-            last = lambda x: jnp.where(is_last, x, jnp.zeros_like(x))  # noqa: E731
-            loss = last(lm) + dense.aux_loss(model_cfg, aux)
-            return (h_out, loss), dense.loss_stats(model_cfg, last(ce), last(z), aux)
-
-        def live(j):
-            return (j != schedules.IDLE) & ((j >= 0) | prev_live)
+        def embed(j, tokens):
+            return fns.embed(delay.weights(j, cur_t, prev_t), tokens).astype(act_dtype)
 
         def tick(carry, row):
-            stash, fwd_buf, bwd_buf, acc_prev, acc_cur, sums = carry
+            stash, fwd_buf, bwd_buf, acc_l, acc_t, sums = carry
             jf, jb = row[0], row[1]
-            # Forward slot.
-            p_f = _select(jf < 0, prev, cur)
-            h_in, h_out = stage_fn(p_f, fwd_buf, tokens_of(jf))
-            slot_f = jnp.mod(step * M + jf, S)
-            stash = stash.at[slot_f].set(jnp.where(live(jf), h_in, stash[slot_f]))
-            # Backward slot: recompute the stage from the stashed input, then its vjp.
-            p_b = _vary(_select(jb < 0, prev, cur))
-            h_stash = stash[jnp.mod(step * M + jb, S)]
-            (_, loss), vjp, stats = jax.vjp(lambda p, h: stage_with_loss(p, h, tokens_of(jb)), p_b, h_stash,
-                                            has_aux=True)
-            ct_out = jnp.where(is_last, jnp.zeros_like(bwd_buf), bwd_buf)
-            ct_loss = jnp.ones_like(loss) / M
-            g_p, g_h = vjp((ct_out, ct_loss))
-            ok = live(jb)
-            into_prev = ok & (jb < 0)
-            into_cur = ok & (jb >= 0)
-            acc_prev = jax.tree.map(lambda a, g: jnp.where(into_prev, a + g, a), acc_prev, g_p)
-            acc_cur = jax.tree.map(lambda a, g: jnp.where(into_cur, a + g, a), acc_cur, g_p)
-            # Every stage adds its share of each finished microbatch's loss; the last stage counts them.
-            sums = jax.tree.map(lambda a, v: jnp.where(ok, a + v, a), sums,
-                                {"loss": loss, **stats, "count": jnp.where(is_last, 1.0, 0.0) * jnp.ones_like(loss)})
-            # Send: activations forward, cotangents backward (stage 0 / P-1 receive zeros).
-            fwd_buf = jax.lax.ppermute(h_out.astype(fwd_buf.dtype), "stage", fwd_perm)
-            bwd_buf = jax.lax.ppermute(g_h.astype(bwd_buf.dtype), "stage", bwd_perm)
-            return (stash, fwd_buf, bwd_buf, acc_prev, acc_cur, sums), None
 
-        zero = jax.lax.pcast(jnp.zeros((), jnp.float32), axes, to="varying")
-        rows = jnp.stack([jnp.take(fwd_tbl, s, axis=1), jnp.take(bwd_tbl, s, axis=1)], axis=1)
-        stat_names = ["loss", "ce", "z_loss"] + (list(dense.MOE_METRICS) if dense.uses_moe(model_cfg) else [])
-        carry = (stash, fwd_buf, bwd_buf, acc_prev, acc_cur, {k: zero for k in stat_names + ["count"]})
-        (stash, fwd_buf, bwd_buf, acc_prev, acc_cur, sums), _ = jax.lax.scan(tick, carry, rows)
+            def forward(stash, sums):
+                tokens = tokens_of(jf)
+                x = jax.lax.cond(is_first, lambda: embed(jf, tokens), lambda: fwd_buf)
+                h, entry, stats = fns.forward(delay.weights(jf, cur_l, prev_l), x, template)
+                slot = jnp.mod(step * M + jf, S)
+                stash = [ring.at[slot].set(e.astype(ring.dtype)) for ring, e in zip(stash, entry)]
+                return stash, _add_at(sums, delay.accumulator(jf), stats), h.astype(act_dtype)
 
-        done, partial = (acc_prev, acc_cur) if is_async else (acc_cur, jax.tree.map(jnp.zeros_like, acc_cur))
-        data_size = jax.lax.axis_size("data")
+            def no_forward(stash, sums):
+                return stash, sums, jnp.zeros_like(fwd_buf)
 
-        def finish(path, g):
-            if path[0].key != "layers":  # replicated params: each stage holds only its own uses' gradient
-                g = jax.lax.psum(g, "stage")
-            if expert_parallel and is_expert_weight(path):
-                # This device's experts already got every data shard's tokens (all_to_all's
-                # transpose sums them): divide for the mean, no reduction.
-                return g / data_size
-            return jax.lax.pmean(g, "data")
+            stash, sums, h_out = jax.lax.cond(delay.live(jf) & ~is_last, forward, no_forward, stash, sums)
 
-        grads = jax.tree_util.tree_map_with_path(finish, done)
-        sums = {k: jax.lax.psum(v, "stage") for k, v in sums.items()}
-        count = jnp.maximum(sums.pop("count"), 1.0)
-        stats = {k: jax.lax.pmean(v / count, "data") for k, v in sums.items()}
-        grow = lambda x: x[None, None]  # noqa: E731
-        new = PipelineState(prev_params=cur, stash=grow(stash), fwd_buf=grow(fwd_buf), bwd_buf=grow(bwd_buf),
-                            grad_partial=jax.tree.map(grow, partial), prev_batch=batch)
+            def backward(acc_l, acc_t, sums):
+                tokens, i = tokens_of(jb), delay.accumulator(jb)
+                entry = [ring[jnp.mod(step * M + jb, S)] for ring in stash]
+                x_again = lambda: jax.lax.cond(is_first, lambda: embed(jb, tokens), lambda: entry[0])  # noqa: E731
+                g_l, g_x = fns.backward(delay.weights(jb, cur_l, prev_l), entry, x_again, bwd_buf, template)
+                table_acc = acc_t["embed"]["embedding"]
+                table_acc = jax.lax.cond(
+                    is_first, lambda: dense.embed_transpose_add(table_acc, tokens[:, :-1], g_x, (i,)),
+                    lambda: table_acc)
+                acc_t = {**acc_t, "embed": {**acc_t["embed"], "embedding": table_acc}}
+                return _add_at(acc_l, i, g_l), acc_t, sums, g_x.astype(act_dtype)
+
+            def last(acc_l, acc_t, sums):
+                i = delay.accumulator(jb)
+                top = {k: v for k, v in delay.weights(jb, cur_t, prev_t).items() if k in head_keys}
+                g_l, g_t, g_x, stats = fns.last(delay.weights(jb, cur_l, prev_l), top, fwd_buf, tokens_of(jb))
+                acc_t = {**acc_t, **_add_at({k: acc_t[k] for k in head_keys}, i, g_t)}
+                return _add_at(acc_l, i, g_l), acc_t, _add_at(sums, i, stats), g_x.astype(act_dtype)
+
+            def no_backward(acc_l, acc_t, sums):
+                return acc_l, acc_t, sums, jnp.zeros_like(bwd_buf)
+
+            acc_l, acc_t, sums, g_x = jax.lax.cond(
+                delay.live(jb), lambda *a: jax.lax.cond(is_last, last, backward, *a), no_backward, acc_l, acc_t, sums)
+            fwd_buf = jax.lax.ppermute(h_out, "stage", fwd_perm)
+            bwd_buf = jax.lax.ppermute(g_x, "stage", bwd_perm)
+            return (stash, fwd_buf, bwd_buf, acc_l, acc_t, sums), None
+
+        n_acc = delay.accumulators
+        zeros = lambda tree: _vary(jax.tree.map(lambda x: jnp.zeros((n_acc,) + x.shape, jnp.float32), tree))  # noqa: E731
+        sums0 = _vary({k: jnp.zeros((n_acc,), jnp.float32) for k in stat_names(model_cfg)})
+        rows = jnp.stack([jnp.take(jnp.asarray(table.forward), s, axis=1),
+                          jnp.take(jnp.asarray(table.backward), s, axis=1)], axis=1)
+        carry = (stash, fwd_buf, bwd_buf, zeros(cur_l), zeros(cur_t), sums0)
+        (stash, fwd_buf, bwd_buf, acc_l, acc_t, sums), _ = jax.lax.scan(tick, carry, rows)
+
+        def reduce(k):  # accumulator k -> (gradient, loss sums) of its batch, over the whole mesh
+            grads = _reduce_grads(join_params(jax.tree.map(lambda a: a[k], acc_l),
+                                              jax.tree.map(lambda a: a[k], acc_t)), expert_parallel)
+            return grads, {n: jax.lax.pmean(jax.lax.psum(v[k], "stage"), "data") for n, v in sums.items()}
+
+        grads, totals = reduce(0)
+        new = None
+        if carries_state:
+            if is_async:  # batch t-1's head, reduced at the end of the previous step, joins its tail
+                keep = lambda a, p: a + jnp.where(prev_live, p, jnp.zeros_like(p))  # noqa: E731
+                grads = jax.tree.map(keep, grads, pstate.grad_partial)
+                totals = jax.tree.map(keep, totals, pstate.stats_partial)
+                partial, partial_sums = reduce(1)
+            else:
+                partial = jax.tree.map(jnp.zeros_like, grads)
+                partial_sums = jax.tree.map(jnp.zeros_like, totals)
+            grow = lambda x: x[None, None]  # noqa: E731
+            new = PipelineState(prev_params=cur, stash=[grow(r) for r in stash], fwd_buf=grow(fwd_buf),
+                                bwd_buf=grow(bwd_buf), grad_partial=partial, stats_partial=partial_sums,
+                                prev_batch=batch)
+        count = totals.pop("count")  # 0 at a fill update: no batch's gradient is applied, so no loss
+        stats = {k: v / count for k, v in totals.items()}
+        stats["loss_microbatches"] = count
         return grads, stats, new
 
     pspec = param_specs(params_abstract, expert_parallel)
-    sspec = pipeline_state_specs(params_abstract, expert_parallel)
-    return jax.shard_map(
-        local, mesh=mesh,
-        in_specs=(pspec, pspec, BATCH_SPEC, sspec, P(), P()),
-        out_specs=(pspec, P(), sspec),
-    )
+
+    def grads_fn(cur, prev, batch, pstate, prev_live, step):
+        sspec = pipeline_state_specs(params_abstract, pstate, expert_parallel)
+        fn = jax.shard_map(local, mesh=mesh, in_specs=(pspec, pspec, BATCH_SPEC, sspec, P(), P()),
+                           out_specs=(pspec, P(), sspec))
+        return fn(cur, prev, batch, pstate, prev_live, step)
+
+    return grads_fn
 
 
 def make_pipeline_train_step(model_cfg, optimizer, schedule: optax.Schedule, mesh, params_abstract,
                              microbatches: int, pipeline_schedule: str, delay_schedule: DelaySchedule | None = None,
-                             expert_parallel: bool = False):
+                             expert_parallel: bool = False, recompute: bool = True):
     """Jitted ``train_step(state, batch) -> (state, metrics)`` with ``state.runner_state`` a
-    :class:`PipelineState`.  ``pipeline_schedule`` is ``sync`` or ``2bw``; under ``2bw`` the
+    :class:`PipelineState` (``2bw``) or ``None`` (``sync``).  Under ``2bw`` the
     ``delay_schedule`` (``optim.delay_schedule``) says which updates are synchronous (start,
     cooldown): those run the flushed ``sync`` table and drop what is in flight, as ``delay`` does."""
     n_stages = mesh.shape["stage"]
+    if n_stages < 2:
+        raise ValueError(f"the pipeline engine needs config.pipeline.stages >= 2, got {n_stages}.")
     if expert_parallel:  # experts sharded over ``data``: the MoE layers exchange tokens with all_to_all
         model_cfg = with_expert_parallel(model_cfg, "data", mesh.shape["data"])
-    ep = expert_parallel
-    sync_fn = _make_grads_fn(model_cfg, mesh, schedules.sync_table(n_stages, microbatches), False, params_abstract, ep)
+    is_2bw = pipeline_schedule == "2bw"
+    kw = dict(carries_state=is_2bw, params_abstract=params_abstract, expert_parallel=expert_parallel,
+              recompute=recompute)
+    sync_fn = _make_grads_fn(model_cfg, mesh, schedules.sync_table(n_stages, microbatches), False, **kw)
     async_fn = None
-    if pipeline_schedule == "2bw":
-        async_fn = _make_grads_fn(model_cfg, mesh, schedules.async_table(n_stages, microbatches), True,
-                                  params_abstract, ep)
+    if is_2bw:
+        async_fn = _make_grads_fn(model_cfg, mesh, schedules.async_table(n_stages, microbatches), True, **kw)
         delay_schedule = delay_schedule or DelaySchedule(1)
 
     def train_step(state: TrainState, batch):
         ps = state.runner_state
-        args = (state.params, ps.prev_params, batch, ps)
         if async_fn is None:
-            grads, stats, ps = sync_fn(*args, jnp.bool_(False), state.step)
+            grads, stats, ps = sync_fn(state.params, state.params, batch, ps, jnp.bool_(False), state.step)
         else:
+            args = (state.params, ps.prev_params, batch, ps)
             on = delay_schedule.in_force(state.step)
             prev_live = delay_schedule.in_force(state.step - 1)
             grads, stats, ps = jax.lax.cond(
@@ -290,7 +399,8 @@ def state_shardings(state, mesh, params_abstract, expert_parallel: bool = False)
 
     return TrainState(step=shard(P()), params=jax.tree.map(shard, pspecs),
                       opt_state=jax.tree.map(opt_leaf, state.opt_state),
-                      runner_state=jax.tree.map(shard, pipeline_state_specs(params_abstract, expert_parallel)))
+                      runner_state=jax.tree.map(shard, pipeline_state_specs(params_abstract, state.runner_state,
+                                                                            expert_parallel)))
 
 
 def place_state(state: TrainState, mesh, params_abstract, expert_parallel: bool = False) -> TrainState:
@@ -302,3 +412,65 @@ def global_batch_sharding(mesh) -> NamedSharding:
     return NamedSharding(mesh, BATCH_SPEC)
 
 
+
+
+def make_pipeline_eval_step(model_cfg, mesh, params_abstract, microbatch_rows: int, expert_parallel: bool = False):
+    """Jitted ``eval_step(params, batch[B, T+1]) -> (sum of token losses, token count)`` on the
+    pipeline mesh: forward only, each stage with its own layers (the model is never gathered).
+
+    Each data replica's rows are cut into microbatches of ``microbatch_rows`` (the training
+    microbatch, so activations match what training holds) and streamed through the stages: stage
+    ``s`` runs microbatch ``j`` at tick ``j + s``; stage 0 embeds, stage ``P-1`` applies the head
+    and sums the token losses.  Idle slots compute nothing.
+    """
+    n_stages = mesh.shape["stage"]
+    if expert_parallel:
+        model_cfg = with_expert_parallel(model_cfg, "data", mesh.shape["data"])
+    fwd_perm = [(i, i + 1) for i in range(n_stages - 1)]
+    act_dtype = dense.dtype_of(model_cfg.compute_dtype)
+    head_keys = _head_keys(model_cfg)
+
+    def local(params, batch):
+        s = jax.lax.axis_index("stage")
+        is_first, is_last = s == 0, s == n_stages - 1
+        layers, top = split_params(_vary(dense.compute_view(model_cfg, params)))
+        head = {k: top[k] for k in head_keys}
+        rows, width = batch.shape
+        b = min(microbatch_rows, rows)
+        mbs = batch.reshape(rows // b, b, width)
+        n_mb = mbs.shape[0]
+
+        def tick(carry, k):
+            buf, total, count = carry
+            j = k - s
+            tokens = mbs[jnp.clip(j, 0, n_mb - 1)]
+
+            def work(buf):
+                x = jax.lax.cond(is_first, lambda: dense.embed(model_cfg, top, tokens[:, :-1]).astype(act_dtype),
+                                 lambda: buf)
+                h = dense.apply_layers(model_cfg, layers, x).astype(act_dtype)
+
+                def loss_sum():
+                    logits = dense.logits_from_hidden(model_cfg, head, h)
+                    lse = jax.nn.logsumexp(logits, axis=-1)
+                    tgt = jnp.take_along_axis(logits, tokens[:, 1:, None], axis=-1)[..., 0]
+                    return jnp.zeros_like(h), jnp.sum(lse - tgt), jnp.float32(tgt.size)
+
+                zero = _vary(jnp.zeros((), jnp.float32))
+                return jax.lax.cond(is_last, loss_sum, lambda: (h, zero, zero))
+
+            def idle(buf):
+                zero = _vary(jnp.zeros((), jnp.float32))
+                return jnp.zeros_like(buf), zero, zero
+
+            h_out, loss, n = jax.lax.cond((j >= 0) & (j < n_mb), work, idle, buf)
+            return (jax.lax.ppermute(h_out, "stage", fwd_perm), total + loss, count + n), None
+
+        zero = _vary(jnp.zeros((), jnp.float32))
+        buf = _vary(jnp.zeros((b, width - 1, model_cfg.d_model), act_dtype))
+        (_, total, count), _ = jax.lax.scan(tick, (buf, zero, zero), jnp.arange(n_mb + n_stages - 1))
+        return jax.lax.psum(total, ("data", "stage")), jax.lax.psum(count, ("data", "stage"))
+
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(param_specs(params_abstract, expert_parallel), P("data")),
+                       out_specs=(P(), P()))
+    return jax.jit(fn)

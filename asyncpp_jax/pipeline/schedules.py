@@ -33,8 +33,15 @@ def min_microbatches_2bw(n_stages: int) -> int:
     return max(2 * (n_stages - 1), 1)
 
 
-def stash_slots(n_stages: int) -> int:
-    return 2 * n_stages - 1
+def stash_slots(n_stages: int, first_stage_stashes: bool = True) -> int:
+    """Ring slots for the stage inputs (or residuals) awaiting their backward.
+
+    Stage ``s`` holds a microbatch from its forward (tick ``j + s``) to its backward (tick
+    ``j + 2(P-1) - s``), so ``2(P-1-s) + 1`` at once: ``2P - 1`` on stage 0.  When stage 0
+    recomputes from the tokens instead (``first_stage_stashes=False``) stage 1 is the deepest
+    ring: ``2P - 3``.  The last stage never stashes (its forward and backward share a tick).
+    """
+    return 2 * n_stages - 1 if first_stage_stashes else max(2 * n_stages - 3, 1)
 
 
 @dataclasses.dataclass(frozen=True)

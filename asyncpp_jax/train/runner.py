@@ -47,8 +47,8 @@ class Runner:
             state = step_lib.init_state(c.model, self.optimizer, key, self.weight_versions)
             if self.pipelined:
                 state = state.replace(runner_state=engine.init_pipeline_state(
-                    c.model, state.params, self.data_size, c.pipeline.stages, c.train.microbatches,
-                    c.train.global_batch_size, c.data.seq_len, c.mesh.expert_parallel))
+                    c.model, state.params, self.mesh, c.train.microbatches, c.train.global_batch_size,
+                    c.data.seq_len, c.pipeline.schedule, c.pipeline.recompute, c.mesh.expert_parallel))
             return state
 
         return init
@@ -83,7 +83,8 @@ def build(c, devices) -> Runner:
         versions = None
         train_step = engine.make_pipeline_train_step(
             c.model, optimizer, schedule, mesh, shapes, c.train.microbatches, c.pipeline.schedule,
-            delay_schedule(staleness, c.train.steps), expert_parallel=c.mesh.expert_parallel)
+            delay_schedule(staleness, c.train.steps), expert_parallel=c.mesh.expert_parallel,
+            recompute=c.pipeline.recompute)
     else:
         versions = weight_versions(staleness, c.train.steps, shapes)
         train_step = step_lib.make_train_step(c.model, optimizer, schedule, mesh,

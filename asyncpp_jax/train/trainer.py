@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from asyncpp_jax import configs
 from asyncpp_jax.data import load_corpus, make_eval_batches, make_train_iterator, prepare_corpus
-from asyncpp_jax.models import count_params
+from asyncpp_jax.models import count_params, dense
 from asyncpp_jax.models.flops import flops_per_token
 from asyncpp_jax.optim import describe_routing
 from asyncpp_jax.train import runner as runner_lib
@@ -100,6 +100,15 @@ class _SigtermFlag:
 
     def __exit__(self, *exc):
         self._restore()
+
+
+def _without_fill_loss(metrics: dict) -> dict:
+    """The pipeline engine's ``2bw`` logs the loss of the batch whose gradient an update applies;
+    at a fill update (the first delayed one) none is applied, so there is no loss to log."""
+    if metrics.get("loss_microbatches", 1) > 0:
+        return metrics
+    dropped = ("loss", "ce", "z_loss", *dense.MOE_METRICS)
+    return {k: v for k, v in metrics.items() if k not in dropped}
 
 
 class Trainer:
@@ -269,7 +278,8 @@ class Trainer:
                 metrics = jax.device_get(metrics)  # one small sync per step: guards every update
                 p.step += 1
                 last_t = self._add_speed(metrics, last_t)
-                if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
+                metrics = _without_fill_loss(metrics)
+                if not (math.isfinite(metrics.get("loss", 0.0)) and math.isfinite(metrics["grad_norm"])):
                     self._settle_checkpoints()  # the message names the last checkpoint that landed
                     raise TrainingDiverged(self._divergence_message(metrics, p.step, p.start))
                 self._record(state, metrics, p, writer, bar)
@@ -293,7 +303,8 @@ class Trainer:
         if evaluated or step % c.train.log_every == 0:
             writer.write(step, metrics)
         bar.update(1)
-        bar.set_postfix(loss=f"{metrics['loss']:.3f}", **({"val": f"{p.val['val_loss']:.3f}"} if p.val else {}))
+        bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.3f}",
+                        **({"val": f"{p.val['val_loss']:.3f}"} if p.val else {}))
 
     # ------------------------------------------------------------------------------------------
     def _log_model(self, state) -> None:
@@ -326,7 +337,7 @@ class Trainer:
                     f"learning rate; check the settings in {self.workdir / 'config.json'}.")
         else:
             hint = "Lower config.optimizer.lr, raise warmup_steps, or set config.optimizer.grad_clip."
-        return (f"non-finite loss ({metrics['loss']}) or grad norm ({metrics['grad_norm']}) at step {step}; "
+        return (f"non-finite loss ({metrics.get('loss')}) or grad norm ({metrics['grad_norm']}) at step {step}; "
                 f"stopped without saving. {saved} {hint}")
 
     def _last_sealed(self) -> int | None:

@@ -1,0 +1,179 @@
+"""What one pipeline stage computes in one slot of a tick.
+
+A stage holds a contiguous block of layers (``layers``: the stacked leaves, local to the stage)
+and, for the stages that use them, the non-layer parameters (``top``: the embedding, the final
+norm, the head).  Three kinds of work, each run only where it belongs:
+
+* ``forward`` (every stage but the last): ``h_out = layers(x)`` with ``x`` the embedded tokens on
+  stage 0 (the lookup runs there only) or the activation received from ``s-1``.  What the
+  backward will need goes into the stash ring: the stage input ``x`` when ``recompute`` (the
+  backward recomputes the block from it: memory of one activation per in-flight microbatch), or
+  the block's autodiff residuals otherwise (no recompute: memory of every intermediate the
+  backward reads, as in the unpipelined model).  The weights themselves are never stashed: the
+  backward reads the same weight version from the state.
+* ``backward`` (every stage but the last): the block's vjp with the cotangent received from
+  ``s+1``; on stage 0 the input cotangent is added to the embedding's gradient rows (a lookup's
+  transpose), elsewhere it is sent to ``s-1``.
+* ``last`` (stage ``P-1``, whose forward and backward of a microbatch fall in the same tick): one
+  fused ``vjp`` of block + final norm + head + loss, so its forward is never run twice and the
+  full-vocabulary logits exist on this stage only.
+
+Every function here is per device (inside the engine's ``shard_map``) and pure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from asyncpp_jax.models import dense
+
+Array = jax.Array
+
+
+def split_params(params: dict) -> tuple[dict, dict]:
+    """``(layers, top)``: the stacked layer tree and the rest (embedding, final norm, head)."""
+    return params["layers"], {k: v for k, v in params.items() if k != "layers"}
+
+
+def join_params(layers, top: dict) -> dict:
+    return {**top, "layers": layers}
+
+
+@dataclasses.dataclass(frozen=True)
+class StageFns:
+    """The per-slot computations of one stage for a model config.
+
+    ``moe_scale``: the cotangent of the block's MoE auxiliary loss (``1/M``, as every
+    microbatch's loss is scaled in the accumulated gradient).
+    """
+
+    cfg: Any
+    microbatches: int
+    recompute: bool
+
+    # ------------------------------------------------------------------ the block and the loss
+    def block(self, layers, x):
+        """``((h_out, aux_loss), stats)``: the stage's layers and their MoE terms."""
+        h, aux = dense.apply_layers_with_aux(self.cfg, layers, x)
+        # Varying like h even for a dense block (aux loss 0), so its cotangent has one known type.
+        return (h, _varying_like(dense.aux_loss(self.cfg, aux), h)), block_stats(self.cfg, aux)
+
+    def last_loss(self, layers, top, x, tokens):
+        """``(loss, stats)``: block, final norm, head and next-token loss of one microbatch."""
+        h, aux = dense.apply_layers_with_aux(self.cfg, layers, x)
+        logits = dense.logits_from_hidden(self.cfg, top, h)
+        lm, (ce, z) = dense.cross_entropy(logits, tokens[:, 1:], self.cfg.z_loss)
+        stats = block_stats(self.cfg, aux)
+        stats.update(loss=stats["loss"] + lm, ce=ce, z_loss=z, count=jnp.ones((), jnp.float32))
+        return lm + dense.aux_loss(self.cfg, aux), stats
+
+    def embed(self, top, tokens):
+        return dense.embed(self.cfg, top, tokens[:, :-1])
+
+    # ------------------------------------------------------------------ the three slot kinds
+    def forward(self, layers_c, x, template: "ResidualTemplate"):
+        """``(h_out, stash_entry, stats)``; ``layers_c`` in :func:`dense.compute_view`.  The entry
+        is a list of arrays: ``[x]`` when recomputing, else the residuals (``template`` records
+        where they go back into the vjp closure)."""
+        if self.recompute:
+            (h, _), stats = self.block(layers_c, x)
+            return h, [x], stats
+        (h, _), vjp_fn, stats = jax.vjp(self.block, layers_c, x, has_aux=True)
+        template.record(vjp_fn, layers_c)
+        return h, residuals_of(vjp_fn, layers_c), stats
+
+    def backward(self, layers_c, entry: list, x_recompute: Callable[[], Array], ct: Array,
+                 template: "ResidualTemplate"):
+        """``(grad of layers, cotangent of x)`` from the stash entry; ``x_recompute()`` gives the
+        block's input when recomputing (the stashed ``x``, or the embedding on stage 0)."""
+        if self.recompute:
+            x = x_recompute()
+            _, vjp_fn, _ = jax.vjp(self.block, layers_c, x, has_aux=True)
+        else:
+            vjp_fn = template.rebuild(entry, layers_c)
+        return vjp_fn((ct, self._loss_ct(ct)))
+
+    def last(self, layers_c, top_c, x, tokens):
+        """``(grad of layers, grad of top, cotangent of x, stats)`` of one microbatch."""
+        fn = lambda lp, tp, h: self.last_loss(lp, tp, h, tokens)  # noqa: E731
+        _, vjp_fn, stats = jax.vjp(fn, layers_c, top_c, x, has_aux=True)
+        g_l, g_t, g_x = vjp_fn(self._loss_ct(x))
+        return g_l, g_t, g_x, stats
+
+    def _loss_ct(self, like: Array) -> Array:
+        """The cotangent of a microbatch's loss, ``1/M``, device-varying like ``like``."""
+        return _varying_like(jnp.asarray(1.0 / self.microbatches, jnp.float32), like)
+
+
+def _varying_like(x: Array, like: Array) -> Array:
+    missing = tuple(a for a in jax.typeof(like).manual_axis_type.varying
+                    if a not in jax.typeof(x).manual_axis_type.varying)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def block_stats(cfg, aux) -> dict:
+    """The loss statistics a block contributes: its MoE loss terms (in ``loss``) and MoE metrics."""
+    stats = {"loss": dense.aux_loss(cfg, aux), "ce": jnp.zeros((), jnp.float32),
+             "z_loss": jnp.zeros((), jnp.float32), "count": jnp.zeros((), jnp.float32)}
+    if dense.uses_moe(cfg):
+        stats.update({k: aux[k] for k in dense.MOE_METRICS})
+        stats["moe_dropped"] = aux["moe_dropped"] / (cfg.n_layers // cfg.moe.every)
+    return stats
+
+
+def stat_names(cfg) -> list[str]:
+    return ["loss", "ce", "z_loss", "count"] + (list(dense.MOE_METRICS) if dense.uses_moe(cfg) else [])
+
+
+# ------------------------------------------------------------------------------------------
+# Kept residuals: a vjp closure is a pytree whose leaves are the residuals.  The ring stores the
+# leaves that are not the weights themselves; the backward puts the weights of the microbatch's
+# version back in their places and rebuilds the closure.
+# ------------------------------------------------------------------------------------------
+
+
+def residuals_of(vjp_fn, layers_c) -> list:
+    weights = {id(w) for w in jax.tree.leaves(layers_c)}
+    return [leaf for leaf in jax.tree.leaves(vjp_fn) if id(leaf) not in weights]
+
+
+@dataclasses.dataclass
+class ResidualTemplate:
+    """How to rebuild a block's vjp closure from stashed residuals plus the weights.
+
+    ``treedef`` and ``where`` (for each closure leaf: ``('w', i)`` the i-th weight leaf, or
+    ``('r', i)`` the i-th stashed residual) are read off the forward slot's trace; the backward
+    slot, traced after it in the same tick, uses them.
+    """
+
+    treedef: Any = None
+    where: tuple = ()
+
+    def record(self, vjp_fn, layers_c) -> None:
+        weights = {id(w): i for i, w in enumerate(jax.tree.leaves(layers_c))}
+        leaves, self.treedef = jax.tree.flatten(vjp_fn)
+        where, r = [], 0
+        for leaf in leaves:
+            if id(leaf) in weights:
+                where.append(("w", weights[id(leaf)]))
+            else:
+                where.append(("r", r))
+                r += 1
+        self.where = tuple(where)
+
+    def rebuild(self, residuals: list, layers_c):
+        weights = jax.tree.leaves(layers_c)
+        leaves = [weights[i] if kind == "w" else residuals[i] for kind, i in self.where]
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+def residual_shapes(fns: StageFns, layers_c, x) -> list:
+    """Shapes and dtypes of the residuals one forward slot stashes (abstract evaluation)."""
+    if fns.recompute:
+        return [jax.ShapeDtypeStruct(x.shape, x.dtype)]
+    return jax.eval_shape(lambda lp, h: residuals_of(jax.vjp(fns.block, lp, h, has_aux=True)[1], lp),
+                          layers_c, x)
