@@ -26,22 +26,49 @@ _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Build the model abstractly, lowe
 _WORKDIR = flags.DEFINE_string("workdir", None, "Output directory (checkpoints, metrics, config). "
                                "Default: runs/<config.name>. An existing run there is resumed.")
 
+class _OneLineLibraryErrors(logging.Filter):
+    """orbax logs each failed background write with its traceback (five for one full disk); the
+    trainer reports the cause in one message, so the library's records keep their first line only."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "orbax" in (record.pathname or ""):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
 def _fail(message: str, code: int = 2):
     print(f"error: {message}", file=sys.stderr)
     sys.exit(code)
 
 
+def _load_config():
+    """The --config file with its overrides, or a one-line error (ml_collections raises an OSError
+    wrapping the import failure when the file is missing or broken)."""
+    try:
+        return configs.resolve(_CONFIG.value)  # the flag's value is lazy: the failure shows on first use
+    except OSError as e:
+        path = flags.FLAGS["config"].config_filename
+        reason = "no such file" if not os.path.isfile(path) else str(e.__cause__ or e).strip().splitlines()[-1]
+        _fail(f"--config={path} could not be loaded ({reason}); pass a config file such as "
+              f"{os.path.relpath(configs.DEFAULT_CONFIG)} (the presets are in configs/).")
+
+
 def main(argv):
     if len(argv) > 1:
         _fail(f"unexpected arguments {argv[1:]}; settings go in --config.section.field=value")
-    config = configs.resolve(_CONFIG.value)
+    config = _load_config()
+    workdir = _WORKDIR.value or os.path.join("runs", config.name)
     try:
         configs.validate(config)
+        if host_setup.cpu_only_host():
+            configs.check_cpu_host(config)
+        configs.check_workdir(workdir)
     except configs.ConfigError as e:
         _fail(str(e))
     host_setup.prepare(configs.devices_needed(config), config.optimizer.name)
     # Our own progress at INFO; the libraries' (orbax logs every checkpoint step) at WARNING.
     absl_logging.set_verbosity(absl_logging.WARNING)
+    logging.getLogger("absl").addFilter(_OneLineLibraryErrors())
     logging.getLogger("asyncpp_jax").setLevel(logging.INFO)
 
     if _DRY_RUN.value:  # fake CPU devices on this host: never joins a cluster
@@ -55,10 +82,10 @@ def main(argv):
     # Imported here, after XLA_FLAGS is final: this is where JAX starts.
     from asyncpp_jax import distributed
     from asyncpp_jax.data import CorpusError
+    from asyncpp_jax.train.checkpoint import CheckpointError
     from asyncpp_jax.train.trainer import Trainer, TrainingDiverged
 
     distributed.maybe_initialize()  # SLURM / Open MPI / TPU pod: before anything touches devices
-    workdir = _WORKDIR.value or os.path.join("runs", config.name)
     try:
         trainer = Trainer(config, workdir)
         try:
@@ -67,7 +94,7 @@ def main(argv):
             trainer.close()
     except (configs.ConfigError, CorpusError) as e:
         _fail(str(e))
-    except TrainingDiverged as e:
+    except (TrainingDiverged, CheckpointError) as e:
         _fail(str(e), code=1)
 
     print(f"\n{result.status} at step {result.step}/{config.train.steps}; outputs in {workdir}")

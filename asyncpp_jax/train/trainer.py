@@ -2,11 +2,15 @@
 
 Guarantees (each is tested):
 - resume is exact: a run interrupted at a checkpoint and restarted ends with bit-identical params;
-- SIGTERM (preemption) saves a checkpoint at the current step and returns cleanly; with several
-  processes, SIGTERM to any one stops every process at the same saved step (``train.preemption``);
+- SIGTERM (preemption) or SIGINT (Ctrl-C) saves a checkpoint at the current step and returns
+  cleanly; a second signal stops at once; with several processes, SIGTERM to any one stops every
+  process at the same saved step (``train.preemption``);
 - a non-finite loss stops the run with :class:`TrainingDiverged` before anything is saved, so the
   last good checkpoint is what remains;
-- an exception waits for in-flight checkpoint writes, so no saved work is lost.
+- an exception waits for in-flight checkpoint writes, so no saved work is lost;
+- checkpoints are verified before a restore (the newest intact one is used) and a checkpoint that
+  cannot be written stops the run at once with :class:`CheckpointError` (see checkpoint.py);
+- a resume whose state layout differs from the checkpoints' is refused before the workdir changes.
 """
 
 from __future__ import annotations
@@ -32,10 +36,14 @@ from asyncpp_jax.train import preemption
 from asyncpp_jax.train import runner as runner_lib
 from asyncpp_jax.train import step as step_lib
 from asyncpp_jax.train.batch_layout import batch_layout, from_host
-from asyncpp_jax.train.checkpoint import Checkpointer
+from asyncpp_jax.train.checkpoint import CheckpointError, Checkpointer
 from asyncpp_jax.train.metrics import MetricWriter
+from asyncpp_jax.train.resume import check_resume
 
 log = logging.getLogger("asyncpp_jax")
+
+
+EARLY_STEPS = 2  # updates after which a non-finite loss can be the learning rate's doing
 
 
 class TrainingDiverged(RuntimeError):
@@ -49,6 +57,17 @@ class Result:
     val_loss: float | None = None  # nats per token
     val_loss_per_byte: float | None = None  # nats per byte
     unigram: dict | None = None  # baselines in nats per byte
+
+
+@dataclasses.dataclass
+class _Progress:
+    """Where a run stands; the last validation figures and the step they belong to."""
+
+    start: int
+    step: int
+    status: str = "finished"
+    val: dict = dataclasses.field(default_factory=dict)
+    val_step: int | None = None
 
 
 def _without_fill_loss(metrics: dict) -> dict:
@@ -65,6 +84,7 @@ class Trainer:
         config = configs.resolve(config)
         configs.validate(config)
         self.config = config
+        configs.check_workdir(workdir)
         self.workdir = pathlib.Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         c = config
@@ -93,19 +113,20 @@ class Trainer:
         )
         group = r.eval_group()
         self.eval_batches = [np.concatenate(batches[i:i + group]) for i in range(0, len(batches), group)]
+        # Before anything in the workdir changes (orbax's manager cleans up on creation).
+        changed = check_resume(self.workdir, c, r.abstract_state(jax.random.key(c.seed)))
         self.checkpointer = Checkpointer(self.workdir / "checkpoints", c.train.keep_checkpoints,
                                          c.train.async_checkpoint)
-        self._write_config()
+        self._write_config(changed)
 
     # ------------------------------------------------------------------------------------------
-    def _write_config(self) -> None:
+    def _write_config(self, changed: list[str]) -> None:
+        """config.json records the settings a run started with: written on a fresh start only."""
         path = self.workdir / "config.json"
-        new = json.loads(configs.to_json(self.config))
-        if path.exists():
-            changed = configs.diff(json.loads(path.read_text()), new)
-            if changed:
-                log.warning("config differs from the one saved in %s:\n  %s", path, "\n  ".join(changed))
-        if jax.process_index() == 0:
+        if changed:
+            log.warning("resuming with settings that differ from %s (kept as it is):\n  %s", path,
+                        "\n  ".join(changed))
+        if jax.process_index() == 0 and not self.checkpointer.has_checkpoints():
             path.write_text(configs.to_json(self.config))
             (self.workdir / "routing.txt").write_text(self.routing + "\n")
 
@@ -122,14 +143,26 @@ class Trainer:
         """
         key = jax.random.key(self.config.seed)
         iterator = self._new_iterator()
-        latest = self.checkpointer.latest_step()
+        step = self._intact_step()
         abstract = self.runner.abstract_state(key)
-        if latest is None:
+        if step is None:
             shardings = jax.tree.map(lambda x: x.sharding, abstract)
             return jax.jit(self.runner.init_fn(), out_shardings=shardings)(key), iterator
-        state, iterator = self.checkpointer.restore(latest, abstract, iterator)
-        log.info("resumed from %s at step %d", self.checkpointer.directory, latest)
+        state, iterator = self.checkpointer.restore(step, abstract, iterator)
+        log.info("resumed from %s at step %d", self.checkpointer.directory / str(step), step)
         return state, iterator
+
+    def _intact_step(self) -> int | None:
+        """The newest checkpoint that passes its checksums; newer broken ones are set aside."""
+        step, rejected = self.checkpointer.select_intact()
+        if rejected:
+            newest = rejected[0][0]
+            for s, why in rejected:
+                log.warning("checkpoint %s is unusable: %s", self.checkpointer.directory / str(s), why)
+            where = self.checkpointer.set_aside([s for s, _ in rejected])
+            log.warning("resuming from step %d instead of step %d: %d step(s) will be redone; the unusable "
+                        "checkpoint(s) were moved to %s", step, newest, newest - step, where)
+        return step
 
     def evaluate(self, params) -> dict:
         total = count = 0.0
@@ -143,9 +176,16 @@ class Trainer:
         self.checkpointer.close()
 
     def _write_status(self, status: str, step: int, **extra) -> None:
-        if jax.process_index() == 0:
-            payload = {"status": status, "step": step, **extra}
-            (self.workdir / "status.json").write_text(json.dumps(payload, indent=2))
+        """status.json, replaced atomically; every figure in it belongs to ``step``."""
+        if jax.process_index() != 0:
+            return
+        path = self.workdir / "status.json"
+        try:
+            tmp = path.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps({"status": status, "step": step, **extra}, indent=2))
+            os.replace(tmp, path)
+        except OSError as e:  # e.g. the disk that refused the checkpoint refuses this too
+            log.error("could not write %s (%s); the run's status is %r at step %d", path, e, status, step)
 
     # ------------------------------------------------------------------------------------------
     def run(self, until_step: int | None = None) -> Result:
@@ -157,73 +197,125 @@ class Trainer:
         c = self.config
         stop_at = c.train.steps if until_step is None else min(until_step, c.train.steps)
         state, iterator = self.restore_or_init()
-        start = int(state.step)
-        writer = MetricWriter(self.workdir)
+        p = _Progress(start=int(state.step), step=int(state.step))
+        writer = MetricWriter(self.workdir, resume_step=p.start)
+        if writer.dropped:
+            log.info("metrics.jsonl: dropped %d row(s) logged after step %d; those steps are redone",
+                     writer.dropped, p.start)
         unigram = self.corpus.unigram_entropy_nats_per_byte()
-        if start == 0:
-            log.info("model: %s parameters; data parallel over %d device(s); %d tokens per update; "
-                     "%.3g model FLOPs per token (6N + attention)", f"{count_params(state.params):,}",
-                     self.data_size, c.train.global_batch_size * c.data.seq_len, self.flops_per_token)
-            log.info("optimizer %s; parameter routing (also in routing.txt):\n%s", c.optimizer.name, self.routing)
-        tokens_per_step = c.train.global_batch_size * c.data.seq_len
-        val: dict = {}
-        bar = tqdm(total=c.train.steps, initial=start, desc=c.name, unit="step", dynamic_ncols=True,
+        if p.start == 0:
+            self._log_model(state)
+        bar = tqdm(total=c.train.steps, initial=p.start, desc=c.name, unit="step", dynamic_ncols=True,
                    disable=not c.train.progress_bar or jax.process_index() != 0)
-        step = start
-        status = "finished"
         try:
-            with preemption.Preemption(self.checkpointer.manager) as preemption_watch:
-                last_t = time.perf_counter()
-                # Also primes every process's preemption sync counter before the first step.
-                preempted = preemption_watch.reached(step)
-                status = "preempted" if preempted and step < c.train.steps else status
-                while step < stop_at and not preempted:
-                    batch = self.batch_layout.assemble(next(iterator))
-                    state, metrics = self.train_step(state, batch)
-                    metrics = jax.device_get(metrics)  # one small sync per step: guards every update
-                    step += 1
-                    now = time.perf_counter()
-                    metrics["step_time"], last_t = now - last_t, now
-                    metrics["tokens_per_sec"] = tokens_per_step / metrics["step_time"]
-                    metrics["model_tflops_per_sec"] = metrics["tokens_per_sec"] * self.flops_per_token / 1e12
-                    if c.train.peak_tflops_per_device:
-                        metrics["mfu"] = metrics["model_tflops_per_sec"] / (
-                            c.train.peak_tflops_per_device * self.mesh.devices.size)
-                    metrics = _without_fill_loss(metrics)
-                    if not (math.isfinite(metrics.get("loss", 0.0)) and math.isfinite(metrics["grad_norm"])):
-                        raise TrainingDiverged(
-                            f"non-finite loss ({metrics['loss']}) or grad norm ({metrics['grad_norm']}) at step "
-                            f"{step}; stopped without saving. The last good checkpoint is step "
-                            f"{self.checkpointer.latest_step()} in {self.checkpointer.directory}. Lower "
-                            "config.optimizer.lr, raise warmup_steps, or set config.optimizer.grad_clip."
-                        )
-                    evaluated = step % c.train.eval_every == 0 or step == c.train.steps
-                    if evaluated:
-                        val = self.evaluate(state.params)
-                        metrics.update(val)
-                    if evaluated or step % c.train.log_every == 0:
-                        writer.write(step, metrics)
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.3f}", **({"val": f"{val['val_loss']:.3f}"} if val else {}))
-                    preempted = preemption_watch.reached(step)  # every process, every step
-                    stopping = step < c.train.steps and (preempted or step == stop_at)
-                    if stopping or step % c.train.checkpoint_every == 0 or step == c.train.steps:
-                        self.checkpointer.save(step, state, iterator)
-                    if stopping:
-                        status = "preempted" if preempted else "paused"
-                        if preempted:
-                            log.warning("SIGTERM: saved a checkpoint at step %d; rerun the same command to resume", step)
-                        break
+            self.checkpointer.check_writable()  # an unwritable directory stops the run now, not at the first save
+            state = self._loop(state, iterator, stop_at, p, writer, bar)
+            self.checkpointer.wait()  # in-flight async saves land and are sealed
         except TrainingDiverged:
-            self._write_status("diverged", step)
+            self._write_status("diverged", p.step, last_checkpoint=self._last_sealed())
+            raise
+        except CheckpointError as e:
+            self._settle_checkpoints()
+            self._write_status("checkpoint_failed", p.step, error=str(e), last_checkpoint=self._last_sealed())
+            raise
+        except BaseException:
+            self._settle_checkpoints()  # in-flight saves land, also on a crash or a second Ctrl-C
             raise
         finally:
             bar.close()
             writer.close()
-            self.checkpointer.wait()  # in-flight async saves land, also on an exception
-        if status == "finished" and not val and step == c.train.steps:
-            val = self.evaluate(state.params)  # a run resumed at its last step still reports
+        if p.status == "finished" and p.val_step != p.step and p.step == c.train.steps:
+            p.val, p.val_step = self.evaluate(state.params), p.step  # a run resumed at its last step still reports
         self.state = state
-        self._write_status(status, step, **val, unigram=unigram)
-        return Result(status, step, val.get("val_loss"), val.get("val_loss_per_byte"), unigram)
+        val = p.val if p.val_step == p.step else {}  # never a validation loss of another step beside this one
+        self._write_status(p.status, p.step, **val, unigram=unigram)
+        return Result(p.status, p.step, val.get("val_loss"), val.get("val_loss_per_byte"), unigram)
 
+    def _loop(self, state, iterator, stop_at: int, p: "_Progress", writer: MetricWriter, bar):
+        """Steps until ``stop_at``, a stop signal, or an error; ``p`` follows along (also on an error)."""
+        c = self.config
+        with preemption.Preemption(self.checkpointer.manager) as stop:
+            last_t = time.perf_counter()
+            # Also primes every process's preemption sync counter before the first step.
+            stop_now = stop.reached(p.step) and p.step < c.train.steps
+            if stop_now:
+                p.status = "preempted"
+            while p.step < stop_at and not stop_now:
+                batch = self.batch_layout.assemble(next(iterator))
+                state, metrics = self.train_step(state, batch)
+                metrics = jax.device_get(metrics)  # one small sync per step: guards every update
+                p.step += 1
+                last_t = self._add_speed(metrics, last_t)
+                metrics = _without_fill_loss(metrics)
+                if not (math.isfinite(metrics.get("loss", 0.0)) and math.isfinite(metrics["grad_norm"])):
+                    self._settle_checkpoints()  # the message names the last checkpoint that landed
+                    raise TrainingDiverged(self._divergence_message(metrics, p.step, p.start))
+                self._record(state, metrics, p, writer, bar)
+                self.checkpointer.poll()
+                stop_now = stop.reached(p.step)  # every process, every step
+                stopping = p.step < c.train.steps and (stop_now or p.step == stop_at)
+                if stopping or p.step % c.train.checkpoint_every == 0 or p.step == c.train.steps:
+                    self.checkpointer.save(p.step, state, iterator)
+                if stopping:
+                    p.status = "preempted" if stop_now else "paused"
+                    if stop_now:
+                        log.warning("stopped: saved a checkpoint at step %d; rerun the same command to resume", p.step)
+                    break
+        return state
+
+    def _record(self, state, metrics: dict, p: "_Progress", writer: MetricWriter, bar) -> None:
+        c, step = self.config, p.step
+        evaluated = step % c.train.eval_every == 0 or step == c.train.steps
+        if evaluated:
+            p.val, p.val_step = self.evaluate(state.params), step
+            metrics.update(p.val)
+        if evaluated or step % c.train.log_every == 0:
+            writer.write(step, metrics)
+        bar.update(1)
+        bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.3f}",
+                        **({"val": f"{p.val['val_loss']:.3f}"} if p.val else {}))
+
+    # ------------------------------------------------------------------------------------------
+    def _log_model(self, state) -> None:
+        c = self.config
+        log.info("model: %s parameters; data parallel over %d device(s); %d tokens per update; "
+                 "%.3g model FLOPs per token (6N + attention)", f"{count_params(state.params):,}",
+                 self.data_size, c.train.global_batch_size * c.data.seq_len, self.flops_per_token)
+        log.info("optimizer %s; parameter routing (also in routing.txt):\n%s", c.optimizer.name, self.routing)
+
+    def _add_speed(self, metrics: dict, last_t: float) -> float:
+        c = self.config
+        now = time.perf_counter()
+        metrics["step_time"] = now - last_t
+        metrics["tokens_per_sec"] = c.train.global_batch_size * c.data.seq_len / metrics["step_time"]
+        metrics["model_tflops_per_sec"] = metrics["tokens_per_sec"] * self.flops_per_token / 1e12
+        if c.train.peak_tflops_per_device:
+            metrics["mfu"] = metrics["model_tflops_per_sec"] / (c.train.peak_tflops_per_device * self.mesh.devices.size)
+        return now
+
+    def _divergence_message(self, metrics: dict, step: int, start: int) -> str:
+        """Where the run stands and the likely cause.  The loss of update 1 is that of the initial
+        weights, and update 2 follows one warmup-sized step: non-finite there is the initialization
+        or a setting, not the learning rate."""
+        latest = self._last_sealed()
+        saved = (f"The last good checkpoint is step {latest} in {self.checkpointer.directory}." if latest is not None
+                 else "No checkpoint had been saved yet.")
+        if start == 0 and step <= EARLY_STEPS:
+            hint = (f"It happened within the first {EARLY_STEPS} updates of a fresh run, so the likely cause is the "
+                    "initialization or a setting (config.model.init_std, norm_eps, z_loss, the data), not the "
+                    f"learning rate; check the settings in {self.workdir / 'config.json'}.")
+        else:
+            hint = "Lower config.optimizer.lr, raise warmup_steps, or set config.optimizer.grad_clip."
+        return (f"non-finite loss ({metrics.get('loss')}) or grad norm ({metrics['grad_norm']}) at step {step}; "
+                f"stopped without saving. {saved} {hint}")
+
+    def _last_sealed(self) -> int | None:
+        steps = self.checkpointer.sealed_steps()
+        return max(steps) if steps else None
+
+    def _settle_checkpoints(self) -> None:
+        """Let in-flight saves land while another error is already on its way out."""
+        try:
+            self.checkpointer.wait()
+        except CheckpointError as e:
+            log.error("%s", e)

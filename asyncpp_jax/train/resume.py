@@ -1,0 +1,69 @@
+"""Resume checks that run before anything in the workdir changes.
+
+A workdir with checkpoints is resumed only if the state this config builds has exactly the layout
+(leaf paths, shapes, dtypes) recorded in the checkpoints' manifests: a changed model, optimizer,
+staleness scheme or pipeline layout would otherwise surface as an orbax shape error halfway
+through a restore, or worse, restore into a different meaning.  ``config.json`` is the record of
+the settings the run started with; it is written only when a run starts fresh.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+from asyncpp_jax import configs
+from asyncpp_jax.train.checkpoint import saved_layout, state_layout, step_dirs
+
+_SHOWN = 8  # differing leaves listed in the message
+
+
+class ResumeRefused(configs.ConfigError):
+    """The workdir holds a run whose saved state does not fit this config."""
+
+
+def _layout_differences(saved: dict, now: dict) -> list[str]:
+    out = []
+    for path in sorted(set(saved) | set(now)):
+        a, b = saved.get(path), now.get(path)
+        if a != b:
+            fmt = lambda x: "absent" if x is None else f"{tuple(x[0])} {x[1]}"  # noqa: E731
+            out.append(f"{path}: saved {fmt(a)}, now {fmt(b)}")
+    return out
+
+
+def saved_config(workdir: pathlib.Path) -> dict | None:
+    try:
+        return json.loads((workdir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def check_resume(workdir: pathlib.Path, config, abstract_state) -> list[str]:
+    """Raise :class:`ResumeRefused` if the workdir's checkpoints do not fit ``abstract_state``.
+
+    Returns the settings that differ from the saved ``config.json`` (for a warning) when the
+    resume is allowed; an empty list for a fresh start.
+    """
+    ckpt_dir = workdir / "checkpoints"
+    if not step_dirs(ckpt_dir):
+        return []
+    old = saved_config(workdir)
+    changed = configs.diff(old, json.loads(configs.to_json(config))) if old is not None else []
+    saved = saved_layout(ckpt_dir)
+    if saved is None:  # no sealed checkpoint: the integrity check will report it
+        return changed
+    differences = _layout_differences(saved, state_layout(abstract_state))
+    if not differences:
+        return changed
+    settings = ("\n    ".join(changed) if changed else
+                "(none: the settings equal config.json, so the code's state layout itself changed)")
+    leaves = "\n    ".join(differences[:_SHOWN]) + (
+        f"\n    ... {len(differences) - _SHOWN} more" if len(differences) > _SHOWN else "")
+    raise ResumeRefused(
+        f"refusing to resume the run in {workdir}: its checkpoints hold a state of a different layout.\n"
+        f"  settings that differ from {workdir / 'config.json'}:\n    {settings}\n"
+        f"  state leaves that differ ({len(differences)}):\n    {leaves}\n"
+        "Fix: rerun with the saved settings (those in config.json) to resume, or pass a new --workdir to "
+        "start a new run with these. Nothing in the workdir was changed."
+    )
