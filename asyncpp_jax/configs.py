@@ -555,10 +555,6 @@ def staleness_correction_errors(c: ml_collections.ConfigDict, engine_2bw: bool) 
         if c.optimizer.name not in NESTEROV_OPTIMIZERS:
             errs.append(f"config.staleness.nesterov=True is defined for config.optimizer.name in "
                         f"{NESTEROV_OPTIMIZERS}, not {c.optimizer.name!r}; pick one of those or set nesterov=False.")
-        if not 0 <= st.nesterov_b1 < 1:
-            errs.append(f"config.staleness.nesterov_b1={st.nesterov_b1} must lie in [0, 1) (the paper uses 0.99).")
-        if not st.nesterov_momentum_decay >= 0:
-            errs.append(f"config.staleness.nesterov_momentum_decay={st.nesterov_momentum_decay} must be >= 0.")
     if st.weight_prediction:
         if uses_pipeline(c):
             errs.append("config.staleness.weight_prediction=True is not supported by the pipeline engine yet "
@@ -567,9 +563,12 @@ def staleness_correction_errors(c: ml_collections.ConfigDict, engine_2bw: bool) 
         elif mode == "pipedream":
             errs.append("config.staleness.weight_prediction=True needs config.staleness.mode=2bw: with "
                         "PipeDream's per-stage delays each stage would need its own extrapolation distance.")
-        if not 0 <= st.weight_prediction_smoothing < 1:
-            errs.append(f"config.staleness.weight_prediction_smoothing={st.weight_prediction_smoothing} "
-                        "must lie in [0, 1).")
+    # Domains, checked whether or not the correction is switched on.
+    _number(errs, "staleness.nesterov_b1", st.nesterov_b1, ge=0, lt=1, why=" (the paper uses 0.99)")
+    _number(errs, "staleness.nesterov_momentum_decay", st.nesterov_momentum_decay, ge=0)
+    _number(errs, "staleness.weight_prediction_smoothing", st.weight_prediction_smoothing, ge=0, lt=1)
+    _flag(errs, "staleness.nesterov", st.nesterov)
+    _flag(errs, "staleness.weight_prediction", st.weight_prediction)
     k = st.lr_rescheduling_steps
     if not (isinstance(k, int) and not isinstance(k, bool) and k >= 0):
         errs.append(f"config.staleness.lr_rescheduling_steps={k!r} must be an integer >= 0 (0 disables it).")

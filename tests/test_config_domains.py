@@ -133,6 +133,12 @@ BAD = [
     ("staleness.sync_start_steps", -1, {}, ">= 0"),
     ("staleness.sync_cooldown_steps", -3, {}, ">= 0"),
     ("staleness.sync_start_steps", 400, {"staleness.sync_cooldown_steps": 200}, "exceeds config.train.steps"),
+    ("staleness.nesterov_b1", 1.0, {}, "[0, 1)"),
+    ("staleness.nesterov_momentum_decay", -0.004, {}, ">= 0"),
+    ("staleness.weight_prediction_smoothing", -0.5, {}, "[0, 1)"),
+    ("staleness.lr_rescheduling_steps", -1, {}, ">= 0"),
+    ("staleness.nesterov", True, {}, "there is none"),
+    ("staleness.weight_prediction", True, {"staleness.mode": "2bw", "pipeline.stages": 2}, "pipeline engine"),
     # pipeline
     ("pipeline.stages", 0, {}, "positive integer"),
     ("pipeline.stages", 3, {}, "not divisible"),

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -310,6 +311,13 @@ def test_cli_dry_run_of_moe10b_fits_its_mesh():
     assert "10,119,907,328 total" in out.stdout
     assert "XLA memory analysis" in out.stdout and "schedule bubble 0%" in out.stdout
     assert "fits: H100 80GB yes, H200 141GB yes, TPU v5p 95GB yes" in out.stdout
+    # The in-flight state and checkpoint as multiples of the params, both recompute settings'
+    # stash, and the eval step (forward through the stages) in the verdict.
+    assert re.search(r"in-flight state per device [\d.]+ GB = [\d.]+x the params on a device; checkpoint "
+                     r"[\d.]+ GB = [\d.]+x the params", out.stdout)
+    assert re.search(r"stash per device: [\d.]+ GB with config.pipeline.recompute=True, [\d.]+ GB with False",
+                     out.stdout)
+    assert "eval step peak" in out.stdout
 
 
 def test_cli_dry_run_works_for_the_default_config():
