@@ -152,7 +152,7 @@ def slot_costs(args, P: int, recompute: bool) -> dict:
     params = dense.compute_view(cfg, dense.init_params(cfg, jax.random.key(0)))
     layers, top = stage.split_params(params)
     mine = dense.slice_layers(layers, 0, args.layers // P)
-    head = {k: top[k] for k in ("final_norm", "embed")}
+    head = dense.head_params(cfg, top)
     fns = stage.StageFns(cfg, 1, recompute)
     toks = tokens(args, 1)[0]
     x = dense.embed(cfg, top, toks[:, :-1])

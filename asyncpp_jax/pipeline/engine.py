@@ -143,8 +143,12 @@ class OneStepDelay:
     def live(self, j):
         return (j != schedules.IDLE) & ((j >= 0) | self.prev_live)
 
-    def weights(self, j, cur, prev):
-        return _select(j < 0, prev, cur) if self.is_async else cur
+    def run(self, j, fn, cur, prev):
+        """``fn(weights of microbatch j)``, reading the version in place (a ``lax.cond`` on the
+        version, not an elementwise select over the weights at every slot)."""
+        if not self.is_async:
+            return fn(cur)
+        return jax.lax.cond(j < 0, lambda: fn(prev), lambda: fn(cur))
 
     def accumulator(self, j):
         return (j >= 0).astype(jnp.int32) if self.is_async else jnp.int32(0)
@@ -197,10 +201,6 @@ def pipeline_state_specs(params, pstate: PipelineState | None, expert_parallel: 
         prev_params=param_specs(params, expert_parallel), stash=[DEVICE] * len(pstate.stash), fwd_buf=DEVICE,
         bwd_buf=DEVICE, grad_partial=update_specs(params, n_stages, expert_parallel),
         stats_partial={k: P() for k in pstate.stats_partial}, prev_batch=BATCH_SPEC)
-
-
-def _select(pred, a, b):
-    return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
 
 
 def _vary(tree, axes=("data", "stage")):
@@ -283,7 +283,7 @@ def _make_grads_fn(model_cfg, mesh, table: schedules.TickTable, is_async: bool, 
             return jnp.where(j < 0, prev_batch[m], batch[m])
 
         def embed(j, tokens):
-            return fns.embed(delay.weights(j, cur_t, prev_t), tokens).astype(act_dtype)
+            return delay.run(j, lambda top: fns.embed(top, tokens), cur_t, prev_t).astype(act_dtype)
 
         def tick(carry, row):
             stash, fwd_buf, bwd_buf, acc_l, acc_t, sums = carry
@@ -292,7 +292,7 @@ def _make_grads_fn(model_cfg, mesh, table: schedules.TickTable, is_async: bool, 
             def forward(stash, sums):
                 tokens = tokens_of(jf)
                 x = jax.lax.cond(is_first, lambda: embed(jf, tokens), lambda: fwd_buf)
-                h, entry, stats = fns.forward(delay.weights(jf, cur_l, prev_l), x, template)
+                h, entry, stats = delay.run(jf, lambda lp: fns.forward(lp, x, template), cur_l, prev_l)
                 slot = jnp.mod(step * M + jf, S)
                 stash = [ring.at[slot].set(e.astype(ring.dtype)) for ring, e in zip(stash, entry)]
                 return stash, _add_at(sums, delay.accumulator(jf), stats), h.astype(act_dtype)
@@ -306,7 +306,7 @@ def _make_grads_fn(model_cfg, mesh, table: schedules.TickTable, is_async: bool, 
                 tokens, i = tokens_of(jb), delay.accumulator(jb)
                 entry = [ring[jnp.mod(step * M + jb, S)] for ring in stash]
                 x_again = lambda: jax.lax.cond(is_first, lambda: embed(jb, tokens), lambda: entry[0])  # noqa: E731
-                g_l, g_x = fns.backward(delay.weights(jb, cur_l, prev_l), entry, x_again, bwd_buf, template)
+                g_l, g_x = delay.run(jb, lambda lp: fns.backward(lp, entry, x_again, bwd_buf, template), cur_l, prev_l)
                 table_acc = acc_t["embed"]["embedding"]
                 table_acc = jax.lax.cond(
                     is_first, lambda: dense.embed_transpose_add(table_acc, tokens[:, :-1], g_x, (i,)),
@@ -316,8 +316,9 @@ def _make_grads_fn(model_cfg, mesh, table: schedules.TickTable, is_async: bool, 
 
             def last(acc_l, acc_t, sums):
                 i = delay.accumulator(jb)
-                head = delay.weights(jb, cur_h, prev_h)
-                g_l, g_h, g_x, stats = fns.last(delay.weights(jb, cur_l, prev_l), head, fwd_buf, tokens_of(jb))
+                tokens = tokens_of(jb)
+                g_l, g_h, g_x, stats = delay.run(jb, lambda w: fns.last(w[0], w[1], fwd_buf, tokens),
+                                                 (cur_l, cur_h), (prev_l, prev_h))
                 acc_t = {**acc_t, "head": _add_at(acc_t["head"], i, g_h)}
                 return _add_at(acc_l, i, g_l), acc_t, _add_at(sums, i, stats), g_x.astype(act_dtype)
 
