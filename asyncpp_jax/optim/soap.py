@@ -54,6 +54,7 @@ import optax
 from jax import lax
 
 from asyncpp_jax.optim.adamw import with_adamw_side
+from asyncpp_jax.optim.linalg import eigh_vectors, qr_q
 from asyncpp_jax.optim.routing import DEFAULT_ADAMW_PATTERN
 
 # Reference defaults (SOAP README and soap.py): lr 3e-3, betas (0.95, 0.95), shampoo_beta -1 (use b2),
@@ -119,8 +120,9 @@ def _project_back(x, q_left, q_right, rot_l, rot_r):
 
 def _eigenbasis(gg: jax.Array) -> jax.Array:
     # The reference adds 1e-30 I before eigh and flips the columns to descending eigenvalue order.
+    # On XLA:CPU both calls avoid jaxlib 0.10.2's batched-LAPACK deadlock (``linalg`` module).
     eye = jnp.eye(gg.shape[-1], dtype=gg.dtype)
-    _, vecs = jnp.linalg.eigh(gg + 1e-30 * eye)
+    vecs = eigh_vectors(gg + 1e-30 * eye)
     return jnp.flip(vecs, axis=-1)
 
 
@@ -130,7 +132,7 @@ def _power_qr(gg: jax.Array, q: jax.Array) -> tuple[jax.Array, jax.Array]:
     est_eig = jnp.sum(q * lq, axis=-2)  # diag(Q^T L Q), batched
     order = jnp.argsort(-est_eig, axis=-1)
     power_iter = jnp.take_along_axis(lq, order[..., None, :], axis=-1)  # == L @ Q[:, order]
-    q_new, _ = jnp.linalg.qr(power_iter)
+    q_new = qr_q(power_iter)
     return q_new, order
 
 
