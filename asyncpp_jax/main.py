@@ -39,7 +39,7 @@ def main(argv):
         configs.validate(config)
     except configs.ConfigError as e:
         _fail(str(e))
-    host_setup.prepare(configs.devices_needed(config), config.optimizer.name)
+    host_setup.prepare(configs.devices_needed(config))
     # Our own progress at INFO; the libraries' (orbax logs every checkpoint step) at WARNING.
     absl_logging.set_verbosity(absl_logging.WARNING)
     logging.getLogger("asyncpp_jax").setLevel(logging.INFO)
