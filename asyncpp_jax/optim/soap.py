@@ -39,6 +39,10 @@ Reference behaviours reproduced here:
   correction and ``eps`` placement, as the reference does for 1-D tensors without
   ``precondition_1d``. In this project routing sends such leaves to AdamW anyway.
 
+On XLA:CPU the ``eigh`` and the QR avoid jaxlib 0.10.2's batched-LAPACK deadlock
+(:mod:`asyncpp_jax.optim.linalg`: Householder QR from matmuls, host ``eigh``); the refresh factors all
+leaves' matrices of one shape in a single QR call.
+
 Not reproduced: ``merge_dims``, ``precondition_1d``, ``normalize_grads`` (all off by default in the
 reference), and the reference's preconditioning of conv/ND tensors along every axis (leading axes
 are batch axes here).
