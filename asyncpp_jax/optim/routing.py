@@ -108,7 +108,7 @@ def partition(
         warn_suspects(params, adamw_pattern)
         return inner.init(params)
 
-    return optax.GradientTransformation(init_fn, inner.update)
+    return optax.GradientTransformationExtraArgs(init_fn, inner.update)
 
 
 def describe(params, adamw_pattern: str = DEFAULT_ADAMW_PATTERN, branch_names: dict | None = None) -> str:
