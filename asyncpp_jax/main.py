@@ -65,7 +65,7 @@ def main(argv):
         configs.check_workdir(workdir)
     except configs.ConfigError as e:
         _fail(str(e))
-    host_setup.prepare(configs.devices_needed(config), config.optimizer.name)
+    host_setup.prepare(configs.devices_needed(config))
     # Our own progress at INFO; the libraries' (orbax logs every checkpoint step) at WARNING.
     absl_logging.set_verbosity(absl_logging.WARNING)
     logging.getLogger("absl").addFilter(_OneLineLibraryErrors())

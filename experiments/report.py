@@ -1,6 +1,13 @@
 """Markdown report with tables and plots from one or more studies' ``results.jsonl``.
 
     python -m experiments.report runs/studies/optimizers/results.jsonl [...] [--out report_dir]
+    python -m experiments.report --check experiments/results/cpu     # regenerate, compare tables
+
+The report directory always receives the rows it was made from, as ``results.jsonl`` beside
+``report.md`` (the input lines, verbatim, in order), and ``report.md`` names that file's SHA-256. So a
+committed report regenerates from the repository alone; ``--check DIR`` does that into a temporary
+directory and compares ``report.md`` exactly (plots are not compared: their bytes depend on
+matplotlib's version).
 
 Per study: a table of final validation loss (nats/byte), mean ± std over seeds, per variant; the
 study's derived quantity (delay gap ``2bw - sync`` per optimizer, per momentum, per depth, per
@@ -14,9 +21,13 @@ from __future__ import annotations
 
 import argparse
 import collections
+import difflib
+import hashlib
 import json
 import pathlib
 import re
+import sys
+import tempfile
 
 import numpy as np
 
@@ -25,13 +36,46 @@ FAR_LARGER = 2.0  # "AdamW's gap is far larger than Muon's": at least this ratio
 LARGE_PART = 0.5  # "EF recovers a large part of the gap": at least this fraction
 
 
+RESULTS = "results.jsonl"
+# The first line of a committed report whose results.jsonl was not kept (it cannot be regenerated).
+NOT_REGENERABLE = "> **Not regenerable:**"
+_NEEDED = ("study", "variant", "seed", "final_val", "val_curve")
+
+
+class ReportInputError(ValueError):
+    """An input that is not a study's results.jsonl; the message names the file and the fix."""
+
+
+def read_lines(paths) -> list[str]:
+    """The non-empty lines of every input, checked to be study results (``experiments.sweep`` rows)."""
+    lines = []
+    for path in map(pathlib.Path, paths):
+        if not path.is_file():
+            raise ReportInputError(f"{path}: no such file. Give the results.jsonl that `python -m "
+                                   "experiments.sweep STUDY` writes (runs/studies/STUDY/results.jsonl).")
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ReportInputError(f"{path}:{n}: not JSON ({e.msg})") from None
+            missing = [k for k in _NEEDED if not isinstance(row, dict) or k not in row]
+            if missing:
+                raise ReportInputError(
+                    f"{path}:{n}: not a study result (missing {', '.join(missing)}). Give the results.jsonl "
+                    "that `python -m experiments.sweep STUDY` writes, not a run's metrics.jsonl.")
+            lines.append(line)
+    if not lines:
+        raise ReportInputError(f"no study results in {', '.join(map(str, paths))}")
+    return lines
+
+
 def load(paths) -> dict[str, list[dict]]:
     studies = collections.defaultdict(list)
-    for path in paths:
-        for line in pathlib.Path(path).read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                studies[row["study"]].append(row)
+    for line in read_lines(paths):
+        row = json.loads(line)
+        studies[row["study"]].append(row)
     return dict(studies)
 
 
@@ -251,13 +295,24 @@ def analyse(name: str, rows: list[dict], out: pathlib.Path, claims: dict) -> lis
 
 
 def report(paths, out: pathlib.Path) -> pathlib.Path:
+    """Write ``out/report.md``, its plots, and ``out/results.jsonl`` (the rows it was made from)."""
+    out = pathlib.Path(out)
+    rows = read_lines(paths)  # before writing: an input may be out/results.jsonl itself
     out.mkdir(parents=True, exist_ok=True)
-    studies = load(paths)
+    data = "\n".join(rows) + "\n"
+    (out / RESULTS).write_text(data)
+    studies = collections.defaultdict(list)
+    for line in rows:
+        row = json.loads(line)
+        studies[row["study"]].append(row)
     claims: dict[str, tuple[bool, str]] = {}
     body = []
     for name in sorted(studies):
         body += analyse(name, studies[name], out, claims)
-    lines = ["# Async PP study report", "", "Final validation loss in nats/byte; mean ± sample std over seeds; "
+    digest = hashlib.sha256(data.encode()).hexdigest()[:16]
+    lines = ["# Async PP study report", "", f"Made from `{RESULTS}` beside this file ({len(rows)} runs, sha256 "
+             f"`{digest}`); regenerate with `python -m experiments.report --check <this directory>`.", "",
+             "Final validation loss in nats/byte; mean ± sample std over seeds; "
              "a delay gap is async minus sync (± its standard error).", "", "## The paper's claims at this scale", ""]
     if claims:
         lines += _table(["claim", "reproduced here?", "measured"],
@@ -270,13 +325,44 @@ def report(paths, out: pathlib.Path) -> pathlib.Path:
     return path
 
 
+def check(report_dir) -> str:
+    """Regenerate ``report_dir/report.md`` from the ``results.jsonl`` beside it; '' if identical, else a diff."""
+    report_dir = pathlib.Path(report_dir)
+    committed = report_dir / "report.md"
+    if not committed.is_file():
+        raise ReportInputError(f"{committed}: no such file")
+    text = committed.read_text()
+    if text.startswith(NOT_REGENERABLE) or f"\n{NOT_REGENERABLE}" in text:
+        raise ReportInputError(f"{committed} says it is not regenerable: its {RESULTS} was not kept")
+    if not (report_dir / RESULTS).is_file():
+        raise ReportInputError(f"{report_dir / RESULTS}: no such file; a committed report must sit beside the "
+                               f"{RESULTS} it was made from (python -m experiments.report ... --out {report_dir})")
+    with tempfile.TemporaryDirectory() as tmp:
+        fresh = report([report_dir / RESULTS], pathlib.Path(tmp)).read_text()
+    return "".join(difflib.unified_diff(text.splitlines(True), fresh.splitlines(True), str(committed), "regenerated"))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("results", nargs="+")
-    ap.add_argument("--out", default=None, help="directory for report.md and plots (default: next to the first file)")
+    ap.add_argument("results", nargs="*", help="results.jsonl files written by `python -m experiments.sweep`")
+    ap.add_argument("--out", default=None, help="directory for report.md, its plots and a copy of the input rows "
+                    "(default: next to the first file)")
+    ap.add_argument("--check", metavar="DIR", default=None, help="regenerate DIR/report.md from DIR/results.jsonl "
+                    "and compare")
     a = ap.parse_args(argv)
-    out = pathlib.Path(a.out) if a.out else pathlib.Path(a.results[0]).parent / "report"
-    print(report(a.results, out))
+    try:
+        if a.check:
+            diff = check(a.check)
+            if diff:
+                sys.exit(f"{a.check}/report.md differs from its regeneration:\n{diff}")
+            print(f"{a.check}/report.md regenerates exactly from {RESULTS}")
+            return
+        if not a.results:
+            ap.error("give one or more results.jsonl files, or --check DIR")
+        out = pathlib.Path(a.out) if a.out else pathlib.Path(a.results[0]).parent / "report"
+        print(report(a.results, out))
+    except ReportInputError as e:
+        sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":

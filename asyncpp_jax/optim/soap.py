@@ -39,6 +39,10 @@ Reference behaviours reproduced here:
   correction and ``eps`` placement, as the reference does for 1-D tensors without
   ``precondition_1d``. In this project routing sends such leaves to AdamW anyway.
 
+On XLA:CPU the ``eigh`` and the QR avoid jaxlib 0.10.2's batched-LAPACK deadlock
+(:mod:`asyncpp_jax.optim.linalg`: Householder QR from matmuls, host ``eigh``); the refresh factors all
+leaves' matrices of one shape in a single QR call.
+
 Not reproduced: ``merge_dims``, ``precondition_1d``, ``normalize_grads`` (all off by default in the
 reference), and the reference's preconditioning of conv/ND tensors along every axis (leading axes
 are batch axes here).
@@ -50,10 +54,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
 from asyncpp_jax.optim.adamw import with_adamw_side
+from asyncpp_jax.optim.linalg import eigh_vectors, qr_q
 from asyncpp_jax.optim.routing import DEFAULT_ADAMW_PATTERN
 
 # Reference defaults (SOAP README and soap.py): lr 3e-3, betas (0.95, 0.95), shampoo_beta -1 (use b2),
@@ -119,19 +125,36 @@ def _project_back(x, q_left, q_right, rot_l, rot_r):
 
 def _eigenbasis(gg: jax.Array) -> jax.Array:
     # The reference adds 1e-30 I before eigh and flips the columns to descending eigenvalue order.
+    # On XLA:CPU both calls avoid jaxlib 0.10.2's batched-LAPACK deadlock (``linalg`` module).
     eye = jnp.eye(gg.shape[-1], dtype=gg.dtype)
-    _, vecs = jnp.linalg.eigh(gg + 1e-30 * eye)
+    vecs = eigh_vectors(gg + 1e-30 * eye)
     return jnp.flip(vecs, axis=-1)
 
 
-def _power_qr(gg: jax.Array, q: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """One power iteration + QR from basis ``q``; also the column order applied before it."""
+def _power_iteration(gg: jax.Array, q: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One power iteration ``L Q[:, order]`` (QR-factored later) with ``order`` sorting ``diag(Q^T L Q)`` descending."""
     lq = _mm(gg, q)
     est_eig = jnp.sum(q * lq, axis=-2)  # diag(Q^T L Q), batched
     order = jnp.argsort(-est_eig, axis=-1)
-    power_iter = jnp.take_along_axis(lq, order[..., None, :], axis=-1)  # == L @ Q[:, order]
-    q_new, _ = jnp.linalg.qr(power_iter)
-    return q_new, order
+    return jnp.take_along_axis(lq, order[..., None, :], axis=-1), order
+
+
+def _grouped_qr(mats: list[jax.Array]) -> list[jax.Array]:
+    """``qr_q`` of each matrix batch, with all batches of one matrix shape and dtype in a single call.
+
+    One call per shape instead of one per leaf and side: fewer, larger batched matmuls, and on CPU
+    (where ``qr_q`` unrolls its Householder blocks) a fraction of the compile time.
+    """
+    groups: dict = {}
+    for i, x in enumerate(mats):
+        groups.setdefault((x.shape[-2:], x.dtype), []).append(i)
+    out: list = [None] * len(mats)
+    for (mat, _), idx in groups.items():
+        flat = [mats[i].reshape((-1,) + mat) for i in idx]
+        q = qr_q(jnp.concatenate(flat, axis=0)) if len(flat) > 1 else qr_q(flat[0])
+        for i, piece in zip(idx, jnp.split(q, np.cumsum([f.shape[0] for f in flat])[:-1], axis=0)):
+            out[i] = piece.reshape(mats[i].shape)
+    return out
 
 
 def scale_by_soap(
@@ -216,16 +239,28 @@ def scale_by_soap(
         # The statistics take this gradient only after it was used for the step (reference order).
         gg_left, gg_right = accumulate(gf, gg_left, gg_right, rot_l, rot_r)
 
+        pending = {}  # side -> L Q[:, order], QR-factored for all leaves at once (``_grouped_qr``)
         if refresh_basis and (rot_l or rot_r) and not freeze_basis_identity:
-            m_param = _project_back(m, q_left, q_right, rot_l, rot_r)
+            m = _project_back(m, q_left, q_right, rot_l, rot_r)  # to parameter space; rotated in ``refreshed``
             if rot_l:
-                q_left, order = _power_qr(gg_left, q_left)
+                pending["left"], order = _power_iteration(gg_left, q_left)
                 v = jnp.take_along_axis(v, order[..., :, None], axis=-2)
             if rot_r:
-                q_right, order = _power_qr(gg_right, q_right)
+                pending["right"], order = _power_iteration(gg_right, q_right)
                 v = jnp.take_along_axis(v, order[..., None, :], axis=-1)
-            m = _project(m_param, q_left, q_right, rot_l, rot_r)
-        return u.astype(g.dtype), m, v, gg_left, gg_right, q_left, q_right
+        return (u.astype(g.dtype), m, v, gg_left, gg_right, q_left, q_right), pending
+
+    def refreshed(outs):
+        """Each leaf's new basis ``Q <- qr(L Q_sorted)``, and its first moment rotated into it."""
+        qs = iter(_grouped_qr([p for _, pending in outs for p in pending.values()]))
+        result = []
+        for (u, m, v, gg_left, gg_right, q_left, q_right), pending in outs:
+            if pending:
+                q_left = next(qs) if "left" in pending else q_left
+                q_right = next(qs) if "right" in pending else q_right
+                m = _project(m, q_left, q_right, "left" in pending, "right" in pending)
+            result.append((u, m, v, gg_left, gg_right, q_left, q_right))
+        return result
 
     def update_fn(updates, state, params=None):
         del params
@@ -237,7 +272,7 @@ def scale_by_soap(
             return [first_leaf(*leaf) for leaf in leaves]
 
         def later(refresh_basis):
-            return lambda _: [later_leaf(state.count, *leaf, refresh_basis=refresh_basis) for leaf in leaves]
+            return lambda _: refreshed([later_leaf(state.count, *leaf, refresh_basis=refresh_basis) for leaf in leaves])
 
         # One switch over the three kinds of call: first (eigh, zero update), plain, refresh (QR).
         branch = jnp.where(state.count == 0, 0, jnp.where(state.count % precondition_frequency == 0, 2, 1))

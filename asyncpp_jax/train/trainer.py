@@ -19,7 +19,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import pathlib
 import time
 
@@ -94,10 +93,6 @@ class Trainer:
         self.corpus = load_corpus(corpus_dir, verify=d.verify_checksums)
         configs.check_against_tokenizer(c, self.corpus.vocab_size)
 
-        if c.optimizer.name == "soap" and jax.default_backend() == "cpu" and len(os.sched_getaffinity(0)) > 1:
-            log.warning("SOAP on XLA:CPU with more than one core can deadlock (jaxlib 0.10.2); call "
-                        "asyncpp_jax.host_setup.prepare(optimizer_name='soap') before JAX starts, as "
-                        "asyncpp_jax.main does.")
         self.runner = r = runner_lib.build(c, devices if devices is not None else jax.devices())
         self.mesh, self.data_size, self.pipelined, self.shapes = r.mesh, r.data_size, r.pipelined, r.shapes
         self.optimizer, self.schedule, self.train_step = r.optimizer, r.schedule, r.train_step
