@@ -19,6 +19,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import pathlib
 import time
 
