@@ -165,22 +165,23 @@ def slot_costs(args, P: int, recompute: bool) -> dict:
             "last": _timed(last, mine, head, x, toks), "embed": _timed(emb, top, toks)}
 
 
+def _slot_seconds(table: schedules.TickTable, c: dict, k: int, s: int) -> float:
+    f, b = table.forward[k, s] != schedules.IDLE, table.backward[k, s] != schedules.IDLE
+    if s == table.n_stages - 1:
+        return c["last"] if b else 0.0
+    return (c["F"] + (c["embed"] if s == 0 else 0.0)) * f + c["bwd_slot"] * b
+
+
+def total_slot_seconds(table: schedules.TickTable, c: dict) -> float:
+    """The work of one step as the sum of its slots' costs measured one by one: what a step would
+    take on one core with no pipeline overhead (no accumulators, no transfers, no optimizer)."""
+    return sum(_slot_seconds(table, c, k, s) for k in range(table.ticks) for s in range(table.n_stages))
+
+
 def predicted_step_seconds(table: schedules.TickTable, c: dict) -> float:
     """Critical path of the tick table: the stages wait for each other at every tick's ppermute,
     so a tick lasts as long as its busiest stage."""
-    P = table.n_stages
-    total = 0.0
-    for k in range(table.ticks):
-        busiest = 0.0
-        for s in range(P):
-            f, b = table.forward[k, s] != schedules.IDLE, table.backward[k, s] != schedules.IDLE
-            if s == P - 1:
-                cost = c["last"] if b else 0.0
-            else:
-                cost = (c["F"] + (c["embed"] if s == 0 else 0.0)) * f + c["bwd_slot"] * b
-            busiest = max(busiest, cost)
-        total += busiest
-    return total
+    return sum(max(_slot_seconds(table, c, k, s) for s in range(table.n_stages)) for k in range(table.ticks))
 
 
 # ------------------------------------------------------------------------------------------ modes
@@ -191,17 +192,22 @@ def work(args) -> None:
     print(f"work ratio: {jax.device_count()} fake devices on {len(os.sched_getaffinity(0))} core; "
           f"vocab {args.vocab}, d_model {args.d_model}, {args.layers} layers, P={P}, M={M}, "
           f"microbatch {args.rows} x {args.seq} tokens\n")
-    print("| schedule | recompute | engine / simulate step | bound |")
-    print("|---|---|---|---|")
+    print("| schedule | recompute | engine / simulate step | slot work / simulate step | bound |")
+    print("|---|---|---|---|---|")
     costs = slot_costs(args, P, True)
     f_share = costs["F"] / (costs["F"] + costs["B"])
     for recompute in (False, True):
         runs = {"simulate": Simulated(args, M), "sync": Pipelined(args, P, M, "sync", recompute),
                 "2bw": Pipelined(args, P, M, "2bw", recompute)}
         t = time_side_by_side(runs, args.rounds, args.steps)
+        c = slot_costs(args, P, recompute)
         bound = 1.10 if not recompute else 1 + f_share + 0.10
         for name in ("sync", "2bw"):
-            print(f"| {name} | {recompute} | {t[name] / t['simulate']:.3f} | <= {bound:.2f} |", flush=True)
+            make = schedules.sync_table if name == "sync" else schedules.async_table
+            slot_work = total_slot_seconds(make(P, M), c)
+            print(f"| {name} | {recompute} | {t[name] / t['simulate']:.3f} | {slot_work / t['simulate']:.3f} "
+                  f"| <= {bound:.2f} |", flush=True)
+        print(f"(simulate step {t['simulate']:.2f} s)", flush=True)
     print(f"\nmeasured F/(F+B) of one stage's block = {f_share:.3f} (F {costs['F'] * 1e3:.1f} ms, "
           f"B {costs['B'] * 1e3:.1f} ms, last stage's fused slot {costs['last'] * 1e3:.1f} ms)")
 
