@@ -195,7 +195,7 @@ def tiny(**staleness):
 @pytest.mark.parametrize("overrides, needle", [
     (dict(nesterov=True), "config.staleness.nesterov corrects a gradient delay, but there is none"),
     (dict(mode="2bw", nesterov=True, _opt="lion"), "config.staleness.nesterov=True is defined for"),
-    (dict(mode="2bw", nesterov=True, nesterov_b1=1.0), "config.staleness.nesterov_b1=1.0 must lie in [0, 1)"),
+    (dict(mode="2bw", nesterov=True, nesterov_b1=1.0), "config.staleness.nesterov_b1=1.0 must be a finite number in [0, 1)"),
     (dict(mode="2bw", weight_prediction=True, _pipe=2), "weight_prediction=True is not supported by the pipeline"),
     (dict(mode="pipedream", weight_prediction=True), "weight_prediction=True needs config.staleness.mode=2bw"),
     (dict(mode="2bw", weight_prediction=True, weight_prediction_smoothing=-0.1), "weight_prediction_smoothing"),
