@@ -42,6 +42,7 @@ class MetricWriter:
         self.enabled = jax.process_index() == 0
         self._jsonl = None
         self._tb = None
+        self.dropped = 0  # rows dropped on resume (process 0 rewrites the file; the others write nothing)
         if not self.enabled:
             return
         workdir = pathlib.Path(workdir)
