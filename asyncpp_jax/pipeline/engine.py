@@ -92,14 +92,6 @@ def update_specs(params, n_stages: int, expert_parallel: bool = False) -> Any:
     return jax.tree_util.tree_map_with_path(spec, params, layer_specs)
 
 
-def _local_shape(x, spec: P, mesh_shape: dict) -> tuple:
-    shape = list(x.shape)
-    for i, axis in enumerate(spec):
-        if axis is not None:
-            shape[i] //= mesh_shape[axis]
-    return tuple(shape)
-
-
 class PipelineState(NamedTuple):
     """What crosses ``train_step`` calls under ``2bw`` (the ``sync`` schedule carries nothing).
 
