@@ -121,6 +121,21 @@ def test_sync_schedule_equals_simulate(P, M):
     assert np.isfinite(metrics[-1]["loss"])
 
 
+@pytest.mark.parametrize("schedule", ["sync", "2bw"])
+@pytest.mark.parametrize("vocab, tie", [(32, True), (32, False), (31, False)])
+def test_top_leaf_layouts_equal_simulate(schedule, vocab, tie):
+    """The embedding and head gradients take a different road for each layout: a tied table is
+    accumulated once in the head's [D, V] layout and reduce-scattered along V (vocab divisible by
+    P) or along D (not divisible); an untied model has two accumulators."""
+    cfg, data = model_cfg(), batches(3, 4, 8, seed=7)
+    cfg.update(vocab_size=vocab, tie_embeddings=tie)
+    data = [d % vocab for d in data]
+    chain = make_opt("adamw") if schedule == "sync" else optax.chain(delay(1), make_opt("adamw"))
+    want, _ = run_simulate(cfg, chain, data)
+    got, _ = run_pipeline(cfg, make_opt("adamw"), data, 2, schedule)
+    assert_params_close(got.params, want.params)
+
+
 def test_sync_schedule_with_data_parallel_equals_one_device():
     cfg, data = model_cfg(), batches(2, 2, 8)
     want, _ = run_simulate(cfg, make_opt("adamw"), data, data_size=1)

@@ -209,27 +209,39 @@ def _add_at(acc, i, tree):
     return jax.tree.map(lambda a, g: a.at[i].add(g.astype(a.dtype)), acc, tree)
 
 
-def _head_on_last(model_cfg, top, is_last):
-    """:func:`dense.head_params` (the tied embedding transposed once per step), on the last stage
-    only; zeros elsewhere, where nothing reads it."""
-    def zeros():
-        shapes = jax.eval_shape(lambda t: dense.head_params(model_cfg, t), top)
-        return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
-    return jax.lax.cond(is_last, lambda: dense.head_params(model_cfg, top), lambda: _vary(zeros()))
+def _table_transpose_add(acc, tokens, ct, i):
+    """``acc[i] += (d embed / d table)^T ct`` for a tied table accumulated in the head's ``[D, V]``
+    layout: the lookup's transpose adds each cotangent row to its token's column (``b x T`` columns;
+    the advanced index puts the ``[b, T]`` axes first, so ``ct`` [b, T, D] fits as it is)."""
+    return acc.at[i, :, tokens].add(ct.astype(acc.dtype))
 
 
-def _reduce_grads(grads, specs, expert_parallel: bool):
+def _reduce_tied_table(w, spec):
+    """The tied table's gradient, summed on stage 0 (lookup) and ``P-1`` (head) in the head's
+    ``[D, V]`` layout -> laid out as its update ``spec`` (:func:`update_specs`).  Split over
+    ``stage`` along ``V``, each device transposes only the shard it receives."""
+    if tuple(spec) == ("stage",):
+        return jax.lax.psum_scatter(w, "stage", scatter_dimension=1, tiled=True).T
+    w = jax.lax.psum(w, "stage").T
+    if "stage" in spec:  # split along D: keep this device's slice
+        n = w.shape[1] // jax.lax.axis_size("stage")
+        return jax.lax.dynamic_slice_in_dim(w, jax.lax.axis_index("stage") * n, n, axis=1)
+    return w
+
+
+def _reduce_grads(grads, specs, expert_parallel: bool, stage_reduced=lambda path: False):
     """A device's gradient sums -> the update's gradient (laid out as ``specs``,
-    :func:`update_specs`): sum the replicated leaves' per-stage uses over ``stage`` (with tied
-    embeddings both uses add up), scattered over ``stage`` where the spec splits the leaf, and
-    average over ``data``."""
+    :func:`update_specs`): sum the replicated leaves' per-stage uses over ``stage``, scattered over
+    ``stage`` where the spec splits the leaf, and average over ``data``.  Leaves for which
+    ``stage_reduced(path)`` already are (the tied table) are only averaged over ``data``."""
     data_size = jax.lax.axis_size("data")
 
     def one(path, g, spec):
-        if path[0].key != "layers" and "stage" in spec:
-            g = jax.lax.psum_scatter(g, "stage", scatter_dimension=list(spec).index("stage"), tiled=True)
-        elif path[0].key != "layers":
-            g = jax.lax.psum(g, "stage")
+        if path[0].key != "layers" and not stage_reduced(path):
+            if "stage" in spec:
+                g = jax.lax.psum_scatter(g, "stage", scatter_dimension=list(spec).index("stage"), tiled=True)
+            else:
+                g = jax.lax.psum(g, "stage")
         if expert_parallel and is_expert_weight(path):
             # This device's experts already got every data shard's tokens (all_to_all's
             # transpose sums them): divide for the mean, no reduction.
@@ -250,6 +262,14 @@ def _make_grads_fn(model_cfg, mesh, table: schedules.TickTable, is_async: bool, 
     act_dtype = dense.dtype_of(model_cfg.compute_dtype)
     pspec = param_specs(params_abstract, expert_parallel)
     uspec = update_specs(params_abstract, n_stages, expert_parallel)
+    tied = model_cfg.tie_embeddings
+
+    def _lookup_transpose_add(acc_t, tokens, ct, i):
+        """Stage 0's embedding gradient: the lookup's transpose, added to accumulator ``i``."""
+        if tied:
+            return {**acc_t, "head": {**acc_t["head"], "w": _table_transpose_add(acc_t["head"]["w"], tokens, ct, i)}}
+        table = dense.embed_transpose_add(acc_t["embed"]["embedding"], tokens, ct, (i,))
+        return {**acc_t, "embed": {"embedding": table}}
 
     def local(cur, prev, batch, pstate, prev_live, step):
         s = jax.lax.axis_index("stage")
@@ -257,7 +277,10 @@ def _make_grads_fn(model_cfg, mesh, table: schedules.TickTable, is_async: bool, 
         delay = OneStepDelay(is_async, prev_live)
         cur_l, cur_t = split_params(_vary(dense.compute_view(model_cfg, cur)))
         prev_l, prev_t = split_params(_vary(dense.compute_view(model_cfg, prev)))
-        cur_h, prev_h = _head_on_last(model_cfg, cur_t, is_last), _head_on_last(model_cfg, prev_t, is_last)
+        # The head as [D, V] (the tied table transposed once per step), on every stage: on CPU a
+        # cond would fill a [D, V] buffer on the others and copy the transpose out of its branch.
+        cur_h = dense.head_params(model_cfg, cur_t)
+        prev_h = dense.head_params(model_cfg, prev_t) if is_async else cur_h
         strip = lambda x: x[0, 0]  # noqa: E731
         b, T = batch.shape[1], batch.shape[2] - 1
         if carries_state:
@@ -299,11 +322,8 @@ def _make_grads_fn(model_cfg, mesh, table: schedules.TickTable, is_async: bool, 
                 entry = [ring[jnp.mod(step * M + jb, S)] for ring in stash]
                 x_again = lambda: jax.lax.cond(is_first, lambda: embed(jb, tokens), lambda: entry[0])  # noqa: E731
                 g_l, g_x = delay.run(jb, lambda lp: fns.backward(lp, entry, x_again, bwd_buf, template), cur_l, prev_l)
-                table_acc = acc_t["embed"]["embedding"]
-                table_acc = jax.lax.cond(
-                    is_first, lambda: dense.embed_transpose_add(table_acc, tokens[:, :-1], g_x, (i,)),
-                    lambda: table_acc)
-                acc_t = {**acc_t, "embed": {**acc_t["embed"], "embedding": table_acc}}
+                acc_t = jax.lax.cond(is_first, lambda: _lookup_transpose_add(acc_t, tokens[:, :-1], g_x, i),
+                                     lambda: acc_t)
                 return _add_at(acc_l, i, g_l), acc_t, sums, g_x.astype(act_dtype)
 
             def last(acc_l, acc_t, sums):
@@ -328,17 +348,22 @@ def _make_grads_fn(model_cfg, mesh, table: schedules.TickTable, is_async: bool, 
         sums0 = _vary({k: jnp.zeros((n_acc,), jnp.float32) for k in stat_names(model_cfg)})
         rows = jnp.stack([jnp.take(jnp.asarray(table.forward), s, axis=1),
                           jnp.take(jnp.asarray(table.backward), s, axis=1)], axis=1)
-        # The embedding's lookup gradient (stage 0) and the head's (stage P-1, as [D, V]).
-        carry = (stash, fwd_buf, bwd_buf, zeros(cur_l), zeros({"embed": cur_t["embed"], "head": cur_h}), sums0)
+        # The embedding's lookup gradient (stage 0) and the head's (stage P-1, as [D, V]); a tied
+        # table has one accumulator, in the head's layout, for both.
+        top_acc = {"head": cur_h} if tied else {"embed": cur_t["embed"], "head": cur_h}
+        carry = (stash, fwd_buf, bwd_buf, zeros(cur_l), zeros(top_acc), sums0)
         (stash, fwd_buf, bwd_buf, acc_l, acc_t, sums), _ = jax.lax.scan(tick, carry, rows)
 
         def reduce(k):  # accumulator k -> (gradient, loss sums) of its batch, over the whole mesh
-            top = dense.grads_from_head(model_cfg, jax.tree.map(lambda a: a[k], acc_t["head"]))
-            if model_cfg.tie_embeddings:  # both uses of the tied table add up
-                top["embed"]["embedding"] = top["embed"]["embedding"] + acc_t["embed"]["embedding"][k]
+            head = jax.tree.map(lambda a: a[k], acc_t["head"])
+            if tied:  # both uses of the table, summed over stage in the head's layout
+                table = _reduce_tied_table(head["w"], uspec["embed"]["embedding"])
+                top = {"final_norm": head["final_norm"], "embed": {"embedding": table}}
             else:
+                top = dense.grads_from_head(model_cfg, head)
                 top["embed"] = {"embedding": acc_t["embed"]["embedding"][k]}
-            grads = _reduce_grads(join_params(jax.tree.map(lambda a: a[k], acc_l), top), uspec, expert_parallel)
+            grads = _reduce_grads(join_params(jax.tree.map(lambda a: a[k], acc_l), top), uspec, expert_parallel,
+                                  stage_reduced=lambda path: tied and path[0].key == "embed")
             return grads, {n: jax.lax.pmean(jax.lax.psum(v[k], "stage"), "data") for n, v in sums.items()}
 
         grads, totals = reduce(0)
@@ -391,6 +416,9 @@ def make_pipeline_train_step(model_cfg, optimizer, schedule: optax.Schedule, mes
         async_fn = _make_grads_fn(model_cfg, mesh, schedules.async_table(n_stages, microbatches), True, **kw)
         delay_schedule = delay_schedule or DelaySchedule(1)
 
+    update_shardings = jax.tree.map(functools.partial(NamedSharding, mesh),
+                                    update_specs(params_abstract, n_stages, expert_parallel))
+
     def train_step(state: TrainState, batch):
         ps = state.runner_state
         if async_fn is None:
@@ -401,6 +429,10 @@ def make_pipeline_train_step(model_cfg, optimizer, schedule: optax.Schedule, mes
             prev_live = delay_schedule.in_force(state.step - 1)
             grads, stats, ps = jax.lax.cond(
                 on, lambda: async_fn(*args, prev_live, state.step), lambda: sync_fn(*args, prev_live, state.step))
+        # The update runs where its gradient lives: each replicated leaf's weights are sliced to
+        # their split layout (local, no transfer), so the optimizer's elementwise work on them runs
+        # once over the mesh; only the new weights are gathered, by the constraint below.
+        state = state.replace(params=jax.lax.with_sharding_constraint(state.params, update_shardings))
         state, metrics = apply_update(state, grads, stats, ps, optimizer, schedule, delay_schedule)
         # Keep the layout fixed across steps: weights where the stages read them, the optimizer
         # state of the replicated leaves split over ``stage`` (:func:`update_specs`).
@@ -469,7 +501,7 @@ def make_pipeline_eval_step(model_cfg, mesh, params_abstract, microbatch_rows: i
         s = jax.lax.axis_index("stage")
         is_first, is_last = s == 0, s == n_stages - 1
         layers, top = split_params(_vary(dense.compute_view(model_cfg, params)))
-        head = _head_on_last(model_cfg, top, is_last)
+        head = dense.head_params(model_cfg, top)  # on every stage: see the train step
         rows, width = batch.shape
         b = min(microbatch_rows, rows)
         mbs = batch.reshape(rows // b, b, width)
