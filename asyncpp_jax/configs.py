@@ -7,6 +7,7 @@ once in one :class:`ConfigError` whose lines each name the offending field and t
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import pathlib
@@ -35,6 +36,24 @@ MAX_CPU_DEVICES = 1024  # measured on XLA:CPU: 512 start in ~1 s, 4096 in ~9 s, 
 
 class ConfigError(ValueError):
     """An impossible or unsupported setting; the message names each field and how to fix it."""
+
+
+def load_file(path) -> ml_collections.ConfigDict:
+    """The ``get_config()`` of a config file, loaded by path as ``--config=FILE`` loads it.
+
+    The files in ``configs/`` are files of the repository, not an installed package: load them by
+    path, never with ``import configs``.  A relative path that does not exist from the current
+    directory is taken from the repository root (``load_file("configs/tiny.py")``).
+    """
+    p = pathlib.Path(path).expanduser()
+    if not p.is_absolute() and not p.exists():
+        p = REPO_ROOT / p
+    if not p.is_file():
+        raise FileNotFoundError(f"config file {str(path)!r} does not exist (the presets are in configs/).")
+    spec = importlib.util.spec_from_file_location(f"_asyncpp_config_{p.stem}", p)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
 
 
 def base_config() -> ml_collections.ConfigDict:

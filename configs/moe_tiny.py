@@ -3,7 +3,14 @@
     python -m asyncpp_jax.main --config=configs/moe_tiny.py
 """
 
-from configs.tiny import get_config as tiny
+import pathlib
+
+from asyncpp_jax.configs import load_file
+
+
+def tiny():
+    # A config file is loaded by path (configs/ is not a package), so reach the sibling file by path.
+    return load_file(pathlib.Path(__file__).with_name("tiny.py"))
 
 
 def get_config():

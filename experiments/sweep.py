@@ -166,8 +166,7 @@ def run_config(study: Study, run: Run):
     """The resolved config ``run`` trains with (the config file plus its overrides)."""
     from asyncpp_jax import configs
 
-    module = importlib.import_module(study.config.removesuffix(".py").replace("/", "."))
-    c = module.get_config()
+    c = configs.load_file(study.config)  # a config file, by path (configs/ is not a package)
     for key, value in run.overrides.items():
         section, _, field = key.rpartition(".")
         target = c

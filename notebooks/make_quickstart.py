@@ -15,14 +15,17 @@ Trains the same small model three ways and plots the validation loss:
 
 Runs on Colab (TPU or GPU) or a CPU. The preset is picked from the accelerator found."""),
     code("""# Install (skipped when the package is already importable, e.g. in CI or a local checkout).
-# On Colab set ASYNCPP_REPO to the git URL of your copy of this repository (or upload it and
-# `pip install -e` it); the configs/ files come with the package.
+# On Colab set ASYNCPP_REPO to the git URL of your copy of this repository: it is cloned and
+# installed editable, because the runs below read their config files from its configs/ directory
+# (config files are not part of the installed package).
 import importlib.util, os, subprocess, sys
 ASYNCPP_REPO = os.environ.get("ASYNCPP_REPO", "")
 if importlib.util.find_spec("asyncpp_jax") is None:
     if not ASYNCPP_REPO:
         raise SystemExit("asyncpp_jax is not installed: set ASYNCPP_REPO to its git URL and rerun this cell")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", f"git+{ASYNCPP_REPO}"], check=True)"""),
+    subprocess.run(["git", "clone", "-q", ASYNCPP_REPO, "asyncpp_jax_repo"], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", "asyncpp_jax_repo"], check=True)
+    sys.path.insert(0, os.path.abspath("asyncpp_jax_repo"))  # this kernel started before the install"""),
     code("""# Pick a preset from the accelerator. QUICKSTART_STEPS (set by CI) shrinks everything.
 import json, pathlib, tempfile
 import jax

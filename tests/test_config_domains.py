@@ -6,7 +6,6 @@ message names the field; the coverage test makes sure no numeric field of the ba
 left without a bad value in the table.
 """
 
-import importlib
 import math
 import os
 import subprocess
@@ -154,7 +153,7 @@ BAD = [
 
 def _config_for(field):
     name = "moe_tiny" if field.startswith("model.moe.") else "tiny"
-    return importlib.import_module(f"configs.{name}").get_config()
+    return configs.load_file(f"configs/{name}.py")
 
 
 def _set(c, field, value):
@@ -198,7 +197,7 @@ def test_the_table_covers_every_numeric_field():
 def test_sections_are_checked_separately():
     """One check per config section, each a small function (a bad model setting is found by the
     model check alone)."""
-    c = configs.resolve(importlib.import_module("configs.tiny").get_config())
+    c = configs.resolve(configs.load_file("configs/tiny.py"))
     c.model.init_std = 0.0
     c.optimizer.adamw.eps = -1.0
     by_check = {check.__name__: check(c) for check in configs.SECTION_CHECKS}
@@ -236,7 +235,7 @@ def test_cli_messages_for_missing_config_and_workdir_file(tmp_path):
 
 
 def test_cpu_host_refuses_more_fake_devices_than_it_can_make():
-    c = importlib.import_module("configs.tiny").get_config()
+    c = configs.load_file("configs/tiny.py")
     c.train.global_batch_size = 2048
     c.mesh.data = 2048
     configs.validate(c)  # a real cluster can have 2048 devices

@@ -1,6 +1,5 @@
 """Config files load, validate, and bad settings fail early with the field named."""
 
-import importlib
 import pathlib
 
 import pytest
@@ -12,9 +11,20 @@ CONFIG_FILES = sorted(p.stem for p in (configs.REPO_ROOT / "configs").glob("*.py
 
 @pytest.mark.parametrize("name", CONFIG_FILES)
 def test_every_config_file_validates(name):
-    c = importlib.import_module(f"configs.{name}").get_config()
+    c = configs.load_file(f"configs/{name}.py")
     configs.validate(c)
     assert c.name == name
+
+
+def test_configs_dir_is_files_not_an_installed_package():
+    import tomllib
+
+    project = tomllib.loads((configs.REPO_ROOT / "pyproject.toml").read_text())
+    assert project["tool"]["setuptools"]["packages"]["find"]["include"] == ["asyncpp_jax*"]
+    assert not (configs.REPO_ROOT / "configs" / "__init__.py").exists()
+    assert configs.load_file("configs/moe_tiny.py").model.d_model == configs.load_file("configs/tiny.py").model.d_model
+    with pytest.raises(FileNotFoundError, match="configs/nope.py"):
+        configs.load_file("configs/nope.py")
 
 
 def test_default_config_is_tiny():
@@ -43,7 +53,7 @@ def test_default_config_is_tiny():
     ],
 )
 def test_validation_names_the_field(field, value, needle):
-    c = importlib.import_module("configs.tiny").get_config()
+    c = configs.load_file("configs/tiny.py")
     section, _, key = field.rpartition(".")
     (c[section] if section else c)[key] = value
     with pytest.raises(configs.ConfigError) as e:
@@ -52,7 +62,7 @@ def test_validation_names_the_field(field, value, needle):
 
 
 def test_all_problems_reported_at_once():
-    c = importlib.import_module("configs.tiny").get_config()
+    c = configs.load_file("configs/tiny.py")
     c.optimizer.name = "nope"
     c.optimizer.lr = -1.0
     with pytest.raises(configs.ConfigError) as e:
@@ -61,7 +71,7 @@ def test_all_problems_reported_at_once():
 
 
 def test_device_and_tokenizer_checks():
-    c = importlib.import_module("configs.tiny").get_config()
+    c = configs.load_file("configs/tiny.py")
     c.mesh.data = 8
     with pytest.raises(configs.ConfigError, match="config.mesh.data=8 x config.pipeline.stages=1 asks for 8 devices but 2"):
         configs.check_against_devices(c, 2)
@@ -73,7 +83,7 @@ def test_device_and_tokenizer_checks():
 
 
 def test_pipeline_settings_resolve_and_fail_clearly():
-    c = importlib.import_module("configs.tiny").get_config()
+    c = configs.load_file("configs/tiny.py")
     c.pipeline.update(stages=4, schedule="2bw")
     r = configs.resolve(c)
     assert r.train.microbatches == 8  # smallest divisor of 32 that is >= 2*(4-1)

@@ -5,7 +5,6 @@ gradients; PipeMare's factor written out by hand; and a hand-written weight-pred
 keeps its own velocity, fills and schedule, against the real simulate runner.
 """
 
-import importlib
 import subprocess
 import sys
 
@@ -187,7 +186,7 @@ def test_weight_prediction_rejects_bad_smoothing():
 
 
 def tiny(**staleness):
-    c = importlib.import_module("configs.tiny").get_config()
+    c = configs.load_file("configs/tiny.py")
     c.staleness.update(**staleness)
     return c
 

@@ -1,6 +1,5 @@
 """MoE layer against a NumPy re-derivation of token-choice top-k routing; configs' parameter counts."""
 
-import importlib
 import math
 
 import jax
@@ -8,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from asyncpp_jax import configs
 from asyncpp_jax.configs import base_config
 from asyncpp_jax.models import dense
 from asyncpp_jax.models.flops import active_matmul_params, flops_per_token
@@ -110,7 +110,7 @@ def test_moe_every_k_layers_and_aux_in_the_loss():
 
 
 def test_moe10b_counts():
-    c = importlib.import_module("configs.moe10b").get_config()
+    c = configs.load_file("configs/moe10b.py")
     assert dense.count_params(dense.abstract_params(c.model)) == 10_119_907_328
     # Active: all but 56 of 64 experts per layer; the input lookup does no matmul.
     assert active_matmul_params(c.model) == 1_563_527_168
@@ -118,7 +118,7 @@ def test_moe10b_counts():
 
 
 def test_dense_flops_per_token_is_6n_plus_attention():
-    c = importlib.import_module("configs.dense135m").get_config()
+    c = configs.load_file("configs/dense135m.py")
     assert active_matmul_params(c.model) == 134_515_008  # tied: the table is the output projection
     assert flops_per_token(c.model, 2048) == 6 * 134_515_008 + 12 * 30 * 2048 * 576
 
@@ -176,9 +176,7 @@ def test_expert_parallel_equals_single_device_per_group():
     ("gating", "relu", "config.model.moe.gating='relu' is unknown"),
 ])
 def test_bad_moe_settings_name_the_field(field, value, needle):
-    from asyncpp_jax import configs
-
-    c = importlib.import_module("configs.moe_tiny").get_config()
+    c = configs.load_file("configs/moe_tiny.py")
     c.model.moe[field] = value
     c.pipeline.stages = 2
     with pytest.raises(configs.ConfigError) as e:

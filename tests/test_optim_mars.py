@@ -6,6 +6,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
+from asyncpp_jax.optim.adamw import AdamWBranch
 from asyncpp_jax.optim.mars import mars, scale_by_mars
 
 B1, B2, GAMMA, EPS = 0.95, 0.99, 0.025, 1e-8
@@ -185,8 +186,8 @@ def test_routing_on_model_params(model_params):
     grads = _model_grads(params, n)
     adamw_lr = lambda k: 0.5 * _lr(k)
     tx = mars(
-        LR_SCHEDULE, weight_decay=0.2, adamw_learning_rate=optax.linear_schedule(0.005, 0.015, 3),
-        adamw_weight_decay=0.1,
+        LR_SCHEDULE, weight_decay=0.2,
+        side=AdamWBranch(learning_rate=optax.linear_schedule(0.005, 0.015, 3), weight_decay=0.1),
     )
     got, _, _ = _run(tx, params, grads, jit=True)
     theta, gs = _flat(params), [_flat(g) for g in grads]
@@ -215,7 +216,7 @@ def test_jit(problem):
 def test_orbax_round_trip(model_params, tmp_path):
     params = model_params
     grads = _model_grads(params, 3)
-    tx = mars(LR_SCHEDULE, weight_decay=0.2, adamw_weight_decay=0.1)
+    tx = mars(LR_SCHEDULE, weight_decay=0.2, side=AdamWBranch(weight_decay=0.1))
     _, state, p = _run(tx, params, grads[:2], jit=True)
     ckpt = ocp.StandardCheckpointer()
     ckpt.save(tmp_path / "opt", state)

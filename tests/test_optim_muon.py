@@ -13,7 +13,7 @@ import pytest
 
 from asyncpp_jax.configs import base_config
 from asyncpp_jax.models import dense
-from asyncpp_jax.optim.adamw import decay_mask
+from asyncpp_jax.optim.adamw import AdamWBranch, decay_mask
 from asyncpp_jax.optim.muon import MuonState, muon, orthogonalize, scale_by_muon
 
 COEFFS = (3.4445, -4.7750, 2.0315)
@@ -226,8 +226,8 @@ def model_params():
 
 def test_model_params_route_embeddings_and_norms_to_adamw_kernels_to_muon(model_params):
     params = model_params
-    kw = dict(adamw_learning_rate=1e-3, adamw_b1=0.8, adamw_b2=0.9, adamw_eps=1e-6, adamw_weight_decay=0.05)
-    _, _, got = run_steps(muon(3e-3, weight_decay=0.1, **kw), params, 3)
+    side = AdamWBranch(learning_rate=1e-3, b1=0.8, b2=0.9, eps=1e-6, weight_decay=0.05)
+    _, _, got = run_steps(muon(3e-3, weight_decay=0.1, side=side), params, 3)
     _, _, want_adamw = run_steps(
         optax.adamw(1e-3, b1=0.8, b2=0.9, eps=1e-6, weight_decay=0.05, mask=decay_mask), params, 3)
     want_muon_tx = optax.chain(scale_by_muon(), optax.add_decayed_weights(0.1),

@@ -9,10 +9,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from asyncpp_jax import optim
+from asyncpp_jax import configs, optim
 from asyncpp_jax.models import dense
 from asyncpp_jax.optim import routing
-from configs import moe_tiny, tiny
 
 
 class AutoNamedMLP(nn.Module):
@@ -63,13 +62,23 @@ def test_init_warns_once_per_layout(mlp_params, caplog, make):
     assert "|^Dense_0$|^Dense_11$'" in warnings[0]  # the suggested adamw_pattern
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="asyncpp_jax.optim.routing"):
-        make(1e-3, adamw_pattern=routing.DEFAULT_ADAMW_PATTERN + "|^Dense_0$|^Dense_11$").init(mlp_params)
+        make(1e-3, side=optim.AdamWBranch(pattern=routing.DEFAULT_ADAMW_PATTERN + "|^Dense_0$|^Dense_11$")
+             ).init(mlp_params)
     assert not caplog.records
 
 
-@pytest.mark.parametrize("config", [tiny, moe_tiny], ids=["dense", "moe"])
+@pytest.mark.parametrize("make", [optim.muon, optim.soap, optim.mars])
+def test_old_side_keywords_name_the_side_branch(make):
+    with pytest.raises(TypeError, match=r"no longer takes adamw_b1, adamw_pattern: .*"
+                                        r"side=AdamWBranch\(b1=0.8, pattern='norm'\)"):
+        make(1e-3, adamw_b1=0.8, adamw_pattern="norm")
+    with pytest.raises(TypeError, match="side must be an asyncpp_jax.optim.AdamWBranch"):
+        make(1e-3, side={"b1": 0.8})
+
+
+@pytest.mark.parametrize("config", ["tiny", "moe_tiny"])
 def test_project_models_have_no_suspects(config):
-    assert routing.suspects(dense.abstract_params(config.get_config().model)) == {}
+    assert routing.suspects(dense.abstract_params(configs.load_file(f"configs/{config}.py").model)) == {}
 
 
 def test_print_routing_prints_the_table(mlp_params, capsys):

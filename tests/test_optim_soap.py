@@ -24,6 +24,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
+from asyncpp_jax.optim.adamw import AdamWBranch
 from asyncpp_jax.optim.soap import ScaleBySoapState, scale_by_soap, soap
 
 
@@ -314,8 +315,8 @@ def test_soap_constructor_on_model_params():
 
     params = _model_params()
     lr = optax.linear_schedule(1e-2, 5e-3, 4)
-    tx = soap(lr, weight_decay=0.1, precondition_frequency=2, adamw_learning_rate=2e-3,
-              adamw_b1=0.8, adamw_b2=0.9, adamw_weight_decay=0.05)
+    tx = soap(lr, weight_decay=0.1, precondition_frequency=2,
+              side=AdamWBranch(learning_rate=2e-3, b1=0.8, b2=0.9, weight_decay=0.05))
     labels = jax.tree.leaves(label_params(params))
     paths = jax.tree_util.tree_leaves_with_path(params)
     names = ["/".join(str(getattr(k, "key", k)) for k in p) for p, _ in paths]

@@ -12,7 +12,7 @@ from __future__ import annotations
 import optax
 
 from asyncpp_jax.optim import routing
-from asyncpp_jax.optim.adamw import adamw
+from asyncpp_jax.optim.adamw import AdamWBranch, adamw
 from asyncpp_jax.optim.adan import adan
 from asyncpp_jax.optim.lion import lion
 from asyncpp_jax.optim.mars import mars
@@ -35,12 +35,17 @@ from asyncpp_jax.optim.staleness import (
 MATRIX_OPTIMIZERS = ("muon", "soap", "mars")
 
 
-def _side_kwargs(o, schedule) -> dict:
+def side_branch(o, schedule) -> AdamWBranch:
+    """The AdamW side branch under ``config.optimizer``: ``side.*`` and ``adamw_pattern``.
+
+    Its lr is ``side.lr_ratio`` times the main schedule; ``side.weight_decay = -1`` follows
+    ``optimizer.weight_decay``.
+    """
     s = o.side
     side_lr = schedule if s.lr_ratio == 1.0 else (lambda step: s.lr_ratio * schedule(step))
     side_wd = o.weight_decay if s.weight_decay == -1 else s.weight_decay
-    return dict(adamw_learning_rate=side_lr, adamw_b1=s.b1, adamw_b2=s.b2, adamw_eps=s.eps,
-                adamw_weight_decay=side_wd, adamw_pattern=o.adamw_pattern)
+    return AdamWBranch(learning_rate=side_lr, b1=s.b1, b2=s.b2, eps=s.eps, weight_decay=side_wd,
+                       pattern=o.adamw_pattern)
 
 
 def build_main(o, schedule) -> optax.GradientTransformation:
@@ -58,16 +63,16 @@ def build_main(o, schedule) -> optax.GradientTransformation:
     if name == "muon":
         m = o.muon
         return muon(schedule, mu=m.mu, nesterov=m.nesterov, ns_steps=m.ns_steps, scaling=m.scaling,
-                    weight_decay=wd, **_side_kwargs(o, schedule))
+                    weight_decay=wd, side=side_branch(o, schedule))
     if name == "soap":
         s = o.soap
         return soap(schedule, b1=s.b1, b2=s.b2, shampoo_beta=s.shampoo_beta, eps=s.eps, weight_decay=wd,
                     precondition_frequency=s.precondition_frequency, max_precond_dim=s.max_precond_dim,
-                    **_side_kwargs(o, schedule))
+                    side=side_branch(o, schedule))
     if name == "mars":
         m = o.mars
         return mars(schedule, b1=m.b1, b2=m.b2, gamma=m.gamma, eps=m.eps, weight_decay=wd,
-                    **_side_kwargs(o, schedule))
+                    side=side_branch(o, schedule))
     raise ValueError(
         f"config.optimizer.name={name!r} is unknown; choose one of adamw, muon, soap, adan, lion, mars"
     )
@@ -84,15 +89,15 @@ def build_nesterov_main(o, schedule, st) -> optax.GradientTransformation:
     if o.name == "adamw":
         return nesterov_lookahead(schedule, b2=o.adamw.b2, eps=o.adamw.eps, weight_decay=o.weight_decay, **look)
     if o.name == "muon":
-        m, side = o.muon, _side_kwargs(o, schedule)
+        m, side = o.muon, side_branch(o, schedule)
         hidden = optax.chain(
             scale_by_muon(mu=st.nesterov_b1, nesterov=True, ns_steps=m.ns_steps, scaling=m.scaling),
             optax.add_decayed_weights(o.weight_decay),
             optax.scale_by_learning_rate(schedule),
         )
-        adamw_side = nesterov_lookahead(side["adamw_learning_rate"], b2=side["adamw_b2"], eps=side["adamw_eps"],
-                                        weight_decay=side["adamw_weight_decay"], **look)
-        return routing.partition(hidden, adamw_side, o.adamw_pattern)
+        adamw_side = nesterov_lookahead(side.learning_rate, b2=side.b2, eps=side.eps,
+                                        weight_decay=side.weight_decay, **look)
+        return routing.partition(hidden, adamw_side, side.pattern)
     raise ValueError(f"config.staleness.nesterov=True is defined for adamw and muon, not {o.name!r}.")
 
 

@@ -27,7 +27,7 @@ Conventions, checked against the official code (``MARS/optimizers/mars.py`` in A
   :func:`mars` does that through :func:`asyncpp_jax.optim.routing.partition`, which also sends
   embeddings, the LM head, norm scales and biases to AdamW (the official code uses MARS on every
   2-D tensor, embeddings included). The official AdamW side defaults to weight decay 0.1; this
-  project's ``adamw_weight_decay`` defaults to 0.
+  project's side branch (``side=AdamWBranch(...)``) defaults to 0.
 """
 
 from __future__ import annotations
@@ -38,8 +38,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from asyncpp_jax.optim.adamw import with_adamw_side
-from asyncpp_jax.optim.routing import DEFAULT_ADAMW_PATTERN
+from asyncpp_jax.optim.adamw import AdamWBranch, takes_side_branch, with_adamw_side
 
 
 class MarsState(NamedTuple):
@@ -100,6 +99,7 @@ def scale_by_mars(
     return optax.GradientTransformation(init_fn, update_fn)
 
 
+@takes_side_branch
 def mars(
     learning_rate: optax.ScalarOrSchedule = 3e-3,
     b1: float = 0.95,
@@ -107,26 +107,20 @@ def mars(
     gamma: float = 0.025,
     eps: float = 1e-8,
     weight_decay: float = 0.0,
-    adamw_learning_rate: optax.ScalarOrSchedule | None = None,
-    adamw_b1: float = 0.9,
-    adamw_b2: float = 0.95,
-    adamw_eps: float = 1e-8,
-    adamw_weight_decay: float = 0.0,
-    adamw_pattern: str = DEFAULT_ADAMW_PATTERN,
+    side: AdamWBranch = AdamWBranch(),
 ) -> optax.GradientTransformation:
     """MARS-AdamW on hidden weight matrices, AdamW on everything else (Yuan et al. 2024, arXiv:2411.10438).
 
     Hidden matrices: ``θ <- θ - η_t (u_t + λ θ)`` with ``u_t`` from :func:`scale_by_mars` and
     decoupled weight decay ``λ = weight_decay`` (Loshchilov & Hutter 2019). Embeddings, heads, norm
-    scales, biases and all leaves below 2-D (as chosen by ``adamw_pattern``, see
-    :func:`asyncpp_jax.optim.routing.partition`) get ``optax.adamw`` with the ``adamw_*`` settings,
-    ``adamw_learning_rate`` defaulting to ``learning_rate``, and no decay on norm scales and biases.
-    Learning rates may be floats or ``optax.Schedule``s.
+    scales, biases and all leaves below 2-D (as chosen by ``side.pattern``, see
+    :func:`asyncpp_jax.optim.routing.partition`) get the :class:`AdamWBranch` ``side``, its learning
+    rate defaulting to ``learning_rate``, its weight decay to 0, and no decay on norm scales and
+    biases. Learning rates may be floats or ``optax.Schedule``s.
     """
     hidden = optax.chain(
         scale_by_mars(b1=b1, b2=b2, gamma=gamma, eps=eps),
         optax.add_decayed_weights(weight_decay),
         optax.scale_by_learning_rate(learning_rate),
     )
-    return with_adamw_side(hidden, learning_rate, adamw_learning_rate, adamw_b1, adamw_b2, adamw_eps,
-                           adamw_weight_decay, adamw_pattern)
+    return with_adamw_side(hidden, learning_rate, side, default_weight_decay=0.0)

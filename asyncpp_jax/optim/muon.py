@@ -43,8 +43,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from asyncpp_jax.optim.adamw import with_adamw_side
-from asyncpp_jax.optim.routing import DEFAULT_ADAMW_PATTERN
+from asyncpp_jax.optim.adamw import AdamWBranch, takes_side_branch, with_adamw_side
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 SCALINGS = ("moonlight", "keller")
@@ -145,6 +144,7 @@ def scale_by_muon(
     return optax.GradientTransformation(init_fn, update_fn)
 
 
+@takes_side_branch
 def muon(
     learning_rate: float | optax.Schedule,
     mu: float = 0.95,
@@ -152,19 +152,15 @@ def muon(
     ns_steps: int = 5,
     scaling: str = "moonlight",
     weight_decay: float = 0.1,
-    adamw_learning_rate: float | optax.Schedule | None = None,
-    adamw_b1: float = 0.9,
-    adamw_b2: float = 0.95,
-    adamw_eps: float = 1e-8,
-    adamw_weight_decay: float = 0.1,
-    adamw_pattern: str = DEFAULT_ADAMW_PATTERN,
+    side: AdamWBranch = AdamWBranch(),
 ) -> optax.GradientTransformation:
     """Muon on hidden matrices, AdamW on embeddings, heads, norms and biases (``routing.partition``).
 
-    Hidden side: ``W <- W - lr (s NS(D) + weight_decay W)``. AdamW side: ``optax.adamw`` with
-    ``adamw_learning_rate`` (default: ``learning_rate``), no decay on norm scales and biases. The
-    defaults (wd 0.1 on both sides, AdamW betas (0.9, 0.95)) are Moonlight's, whose ``'moonlight'``
-    scaling is what lets one lr and wd serve both sides.
+    Hidden side: ``W <- W - lr (s NS(D) + weight_decay W)``. AdamW side: :class:`AdamWBranch`
+    ``side``, with learning rate ``side.learning_rate`` (default: ``learning_rate``), weight decay
+    ``side.weight_decay`` (default: 0.1), no decay on norm scales and biases. The defaults (wd 0.1
+    on both sides, AdamW betas (0.9, 0.95)) are Moonlight's, whose ``'moonlight'`` scaling is what
+    lets one lr and wd serve both sides.
     """
 
     hidden = optax.chain(
@@ -172,5 +168,4 @@ def muon(
         optax.add_decayed_weights(weight_decay),
         optax.scale_by_learning_rate(learning_rate),
     )
-    return with_adamw_side(hidden, learning_rate, adamw_learning_rate, adamw_b1, adamw_b2, adamw_eps,
-                           adamw_weight_decay, adamw_pattern)
+    return with_adamw_side(hidden, learning_rate, side, default_weight_decay=0.1)

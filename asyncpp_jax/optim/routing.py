@@ -9,7 +9,8 @@ Stacked layer leaves ``[layers, fan_in, fan_out]`` stay one leaf: the matrix opt
 leading axes as a batch of matrices, never flattening them into one matrix.
 
 Routing is by name, so a model with automatic names (Flax's ``Dense_0 ... Dense_N``) sends its input
-layer and output head to the matrix optimizer unless ``adamw_pattern`` names them. ``print_routing``
+layer and output head to the matrix optimizer unless ``adamw_pattern`` names them (for Muon, SOAP and
+MARS it is the ``pattern`` of their ``side=AdamWBranch(...)``, :mod:`asyncpp_jax.optim.adamw`). ``print_routing``
 shows the table for any tree, and ``partition`` logs a warning, once per tree layout, when its
 ``init`` sees a hidden 2-D leaf that looks like a head or an embedding (``suspects``): Muon's and
 SOAP's authors keep those on AdamW (Jordan et al. 2024; Vyas et al. 2024).
@@ -85,8 +86,9 @@ def warn_suspects(params, adamw_pattern: str = DEFAULT_ADAMW_PATTERN) -> dict[st
         _WARNED.add(key)
         log.warning(
             "the matrix optimizer (Muon/SOAP/MARS) gets %d leaf(s) that look like an embedding or an output "
-            "head: %s. Send them to the AdamW side with adamw_pattern (now %r), e.g. adamw_pattern=%r; "
-            "asyncpp_jax.optim.print_routing(params, adamw_pattern) shows the table.", len(found),
+            "head: %s. Send them to the AdamW side with its pattern (now %r), e.g. "
+            "side=AdamWBranch(pattern=%r) or config.optimizer.adamw_pattern; "
+            "asyncpp_jax.optim.print_routing(params, pattern) shows the table.", len(found),
             ", ".join(f"{k} ({v})" for k, v in found.items()), adamw_pattern,
             "|".join([adamw_pattern] * bool(adamw_pattern) + [f"^{k.split('/')[-2]}$" for k in found
                                                                  if len(k.split("/")) > 1]))

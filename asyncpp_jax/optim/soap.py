@@ -58,9 +58,8 @@ import numpy as np
 import optax
 from jax import lax
 
-from asyncpp_jax.optim.adamw import with_adamw_side
+from asyncpp_jax.optim.adamw import AdamWBranch, takes_side_branch, with_adamw_side
 from asyncpp_jax.optim.linalg import eigh_vectors, qr_q
-from asyncpp_jax.optim.routing import DEFAULT_ADAMW_PATTERN
 
 # Reference defaults (SOAP README and soap.py): lr 3e-3, betas (0.95, 0.95), shampoo_beta -1 (use b2),
 # eps 1e-8, weight_decay 0.01, precondition_frequency 10, max_precond_dim 10000.
@@ -307,6 +306,7 @@ def _decoupled_weight_decay_after_first_step(weight_decay: float) -> optax.Gradi
     return optax.GradientTransformation(init_fn, update_fn)
 
 
+@takes_side_branch
 def soap(
     learning_rate: optax.ScalarOrSchedule = 3e-3,
     b1: float = 0.95,
@@ -317,12 +317,7 @@ def soap(
     precondition_frequency: int = 10,
     max_precond_dim: int = 10000,
     correct_bias: bool = True,
-    adamw_learning_rate: optax.ScalarOrSchedule | None = None,
-    adamw_b1: float = 0.9,
-    adamw_b2: float = 0.95,
-    adamw_eps: float = 1e-8,
-    adamw_weight_decay: float = 0.0,
-    adamw_pattern: str = DEFAULT_ADAMW_PATTERN,
+    side: AdamWBranch = AdamWBranch(),
     *,
     freeze_basis_identity: bool = False,
 ) -> optax.GradientTransformation:
@@ -332,8 +327,8 @@ def soap(
     the first call, when the weight decay is skipped too, as in the reference). The reference decays
     after the step, ``W <- (W - lr c_t U')(1 - lr wd)``; the decoupled form used here differs from it
     only by ``lr^2 wd c_t U'``. ``lr_k`` is the schedule at the optax call count ``k`` (the first Adam
-    step is call ``k = 1``). AdamW side: ``optax.adamw`` with ``adamw_learning_rate`` (default:
-    ``learning_rate``), no decay on norm scales and biases. ``freeze_basis_identity`` is the
+    step is call ``k = 1``). AdamW side: the :class:`AdamWBranch` ``side``, its learning rate
+    defaulting to ``learning_rate``, its weight decay to 0, no decay on norm scales and biases. ``freeze_basis_identity`` is the
     testing/ablation switch of ``scale_by_soap``.
     """
 
@@ -352,5 +347,4 @@ def soap(
     if weight_decay:
         hidden.append(_decoupled_weight_decay_after_first_step(weight_decay))
     hidden.append(optax.scale_by_learning_rate(learning_rate))
-    return with_adamw_side(optax.chain(*hidden), learning_rate, adamw_learning_rate, adamw_b1, adamw_b2, adamw_eps,
-                           adamw_weight_decay, adamw_pattern)
+    return with_adamw_side(optax.chain(*hidden), learning_rate, side, default_weight_decay=0.0)

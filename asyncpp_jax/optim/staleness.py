@@ -15,7 +15,8 @@
 All three take the same schedule keywords (``steps``, ``sync_start_steps``, ``sync_cooldown_steps``,
 ``total_steps``, or one ``schedule=DelaySchedule(...)``) and the same optional ``leaf_delays``, and
 each counts updates itself, so a chain built with the same keywords agrees on when the delay is in
-force and on which steps are fill steps.
+force and on which steps are fill steps.  Their per-leaf histories (past gradients, past params,
+the previous update) and :class:`WeightVersions`' past weights are all kept by :class:`LeafRings`.
 """
 
 from __future__ import annotations
@@ -30,11 +31,6 @@ import numpy as np
 import optax
 
 from asyncpp_jax.optim.routing import path_names
-
-# A leaf's delay after normalisation: (ring length m, delay) where the delay is an int, or an int
-# vector over the leaf's leading axis whose entries are not all equal; m is the largest delay.
-_Spec = tuple
-
 
 @dataclasses.dataclass(frozen=True)
 class DelaySchedule:
@@ -123,7 +119,17 @@ def _resolve(steps, sync_start_steps, sync_cooldown_steps, total_steps, schedule
     return schedule
 
 
-def _leaf_spec(d, leaf) -> _Spec:
+# ------------------------------------------------------------------------------- per-leaf rings
+
+
+class LeafDelay(NamedTuple):
+    """One leaf's delay after normalisation (see :class:`LeafRings`)."""
+
+    depth: int  # m, the ring length: the largest delay of the leaf's slices; 0 = no ring
+    delay: Any  # d: an int, or an int32 vector over the leading axis whose entries are not all equal
+
+
+def _leaf_delay(d, leaf) -> LeafDelay:
     d = np.asarray(d)
     if not np.issubdtype(d.dtype, np.integer) or d.ndim > 1 or (d.size and d.min() < 0):
         raise ValueError(f"A leaf delay must be a non-negative int or an int vector, got {d!r}.")
@@ -135,18 +141,8 @@ def _leaf_spec(d, leaf) -> _Spec:
         if np.all(d == d[0]):
             d = d[0]
     if d.ndim == 0:
-        return int(d), int(d)
-    return int(d.max()), d.astype(np.int32)
-
-
-def _specs(treedef, schedule: DelaySchedule, leaf_delays, leaves) -> list[_Spec]:
-    if leaf_delays is None:
-        return [(schedule.steps, schedule.steps)] * len(leaves)
-    try:
-        delays = treedef.flatten_up_to(leaf_delays)
-    except (ValueError, TypeError) as e:
-        raise ValueError(f"leaf_delays must have the tree structure of the params: {e}") from e
-    return [_leaf_spec(d, x) for d, x in zip(delays, leaves)]
+        return LeafDelay(int(d), int(d))
+    return LeafDelay(int(d.max()), d.astype(np.int32))
 
 
 def _per_slice(x, d, ndim):
@@ -154,21 +150,97 @@ def _per_slice(x, d, ndim):
     return x if np.ndim(d) == 0 else jnp.reshape(x, (-1,) + (1,) * (ndim - 1))
 
 
-def _ring_init(leaf, m: int):
+class LeafRings:
+    """Ring buffers of past values, one per leaf of a params-shaped tree, each as deep as its delay.
+
+    The one piece of bookkeeping behind :func:`delay` (past gradients), :func:`taylor_compensation`
+    (past params), :func:`error_feedback` (the previous update) and :class:`WeightVersions` (past
+    weights).  Every leaf has a delay ``d``: the schedule's ``steps``, or its entry of
+    ``leaf_delays`` (an int, or an int vector over the leaf's leading axis, one delay per stacked
+    layer).  A leaf whose largest delay is ``m > 0`` gets a ring ``[m, *leaf.shape]``; the value
+    pushed at update ``s`` sits in slot ``s mod m``, so at update ``t`` :meth:`read` returns, slice
+    by slice, the value pushed ``d`` updates ago (the oldest one kept when ``d = m``).  A leaf with
+    ``m = 0`` keeps a scalar placeholder, because orbax refuses zero-size arrays, and :meth:`map`
+    passes it through untouched.
+
+    Rings and counters live in the caller's optax state; this class holds only the (static)
+    schedule and delays, so it is safe to build at trace time.
+    """
+
+    def __init__(self, schedule: DelaySchedule, leaf_delays=None):
+        self.schedule = schedule
+        self.leaf_delays = leaf_delays
+
+    def delays(self, tree) -> tuple[list, Any, list[LeafDelay]]:
+        """``(leaves, treedef, [LeafDelay per leaf])`` of a params-shaped tree."""
+        leaves, treedef = jax.tree.flatten(tree)
+        if self.leaf_delays is None:
+            steps = self.schedule.steps
+            return leaves, treedef, [LeafDelay(steps, steps)] * len(leaves)
+        try:
+            delays = treedef.flatten_up_to(self.leaf_delays)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"leaf_delays must have the tree structure of the params: {e}") from e
+        return leaves, treedef, [_leaf_delay(d, x) for d, x in zip(delays, leaves)]
+
+    def init(self, tree):
+        """Zero rings ``[m, *leaf.shape]`` in each leaf's dtype (scalar placeholders where ``m = 0``)."""
+        leaves, treedef, lds = self.delays(tree)
+        return treedef.unflatten([_placeholder(x, ld.depth) for x, ld in zip(leaves, lds)])
+
+    def init_slot(self, tree):
+        """One zero copy of each delayed leaf (scalar placeholders where ``m = 0``): a ring of depth 1
+        without the ring axis, for values kept one update (error feedback's ``u_{t-1}``, an EMA)."""
+        leaves, treedef, lds = self.delays(tree)
+        return treedef.unflatten([jnp.zeros_like(x) if ld.depth else _placeholder(x, 0)
+                                  for x, ld in zip(leaves, lds)])
+
+    @staticmethod
+    def read(ring, count, ld: LeafDelay):
+        """The value pushed ``d`` updates before update ``count`` (slot ``(count - d) mod m``), per slice."""
+        m, d = ld
+        if np.ndim(d) == 0:
+            return jax.lax.dynamic_index_in_dim(ring, (count - d) % m, keepdims=False)
+        return ring[(count - jnp.asarray(d)) % m, jnp.arange(d.shape[0])]
+
+    @staticmethod
+    def push(ring, count, x, ld: LeafDelay):
+        """The ring with ``x`` (cast to the ring's dtype) in slot ``count mod m``."""
+        return jax.lax.dynamic_update_index_in_dim(ring, x.astype(ring.dtype), count % ld.depth, 0)
+
+    def gates(self, count, ld: LeafDelay, ndim: int, lag: int = 0):
+        """``(delayed, ready)`` per slice at update ``count``, each broadcastable to the leaf.
+
+        ``delayed``: the delay is in force at ``count`` and the slice's ``d > 0``.  ``ready``: the
+        delay was already in force at ``count - lag - d``, so with ``lag = 0`` the value pushed
+        ``d`` updates ago is a delayed one; ``delayed & ~ready`` is a fill step (see :func:`delay`).
+        """
+        d = ld.delay
+        dv = jnp.asarray(d)
+        delayed = self.schedule.in_force(count) & _per_slice(dv > 0, d, ndim)
+        ready = _per_slice(self.schedule.in_force(count - lag - dv if lag else count - dv), d, ndim)
+        return delayed, ready
+
+    def map(self, fn, tree, *others, keep=(0,)):
+        """Apply ``fn(leaf_delay, x, *other_leaves)`` to each leaf of ``tree`` that has a ring.
+
+        ``others`` are trees with ``tree``'s structure down to its leaves (rings, slots, params), or
+        None for "no tree here" (``fn`` gets None).  ``fn`` returns ``len(keep)`` values; a leaf with
+        ``m = 0`` instead passes through its inputs at positions ``keep`` (0 is ``x``).  Returns one
+        tree per output, as a tuple.
+        """
+        leaves, treedef, lds = self.delays(tree)
+        flat = [[None] * len(leaves) if o is None else treedef.flatten_up_to(o) for o in others]
+        rows = []
+        for ld, *xs in zip(lds, leaves, *flat):
+            rows.append(tuple(fn(ld, *xs)) if ld.depth else tuple(xs[i] for i in keep))
+        columns = list(zip(*rows)) if rows else [()] * len(keep)
+        return tuple(treedef.unflatten(list(c)) for c in columns)
+
+
+def _placeholder(leaf, m: int):
     # Orbax refuses zero-size arrays, so a leaf that never needs a ring keeps a scalar placeholder.
     return jnp.zeros((m,) + tuple(leaf.shape) if m else (), leaf.dtype)
-
-
-def _ring_read(ring, count, spec: _Spec):
-    """The entry written ``d`` updates ago (slot ``(count - d) mod m``), per slice for a vector d."""
-    m, d = spec
-    if np.ndim(d) == 0:
-        return jax.lax.dynamic_index_in_dim(ring, (count - d) % m, keepdims=False)
-    return ring[(count - jnp.asarray(d)) % m, jnp.arange(d.shape[0])]
-
-
-def _ring_write(ring, count, x, spec: _Spec):
-    return jax.lax.dynamic_update_index_in_dim(ring, x.astype(ring.dtype), count % spec[0], 0)
 
 
 def _count_only_init(params):
@@ -245,35 +317,25 @@ def delay(
     if sched.steps == 0:
         return _counting_identity(lambda count: DelayState(count, ()))
 
+    rings = LeafRings(sched, leaf_delays)
+
     def init_fn(params):
-        leaves, treedef = jax.tree.flatten(params)
-        specs = _specs(treedef, sched, leaf_delays, leaves)
-        ring = [_ring_init(x, spec[0]) for x, spec in zip(leaves, specs)]
-        return DelayState(jnp.zeros([], jnp.int32), treedef.unflatten(ring))
+        return DelayState(jnp.zeros([], jnp.int32), rings.init(params))
 
     def update_fn(updates, state, params=None):
         del params
-        leaves, treedef = jax.tree.flatten(updates)
-        specs = _specs(treedef, sched, leaf_delays, leaves)
-        rings = treedef.flatten_up_to(state.gradient_ring)
         count = state.count
-        on = sched.in_force(count)
-        out, new_rings = [], []
-        for g, ring, spec in zip(leaves, rings, specs):
-            m, d = spec
-            if m == 0:
-                out.append(g)
-                new_rings.append(ring)
-                continue
-            stale = _ring_read(ring, count, spec).astype(g.dtype)
+
+        def leaf(ld, g, ring):
+            stale = rings.read(ring, count, ld).astype(g.dtype)
             # g_{t-d} is waiting in the ring only if the delay was already in force when it came in;
             # otherwise it was applied fresh (or never existed) and this is a fill step.
-            ready = _per_slice(sched.in_force(count - jnp.asarray(d)), d, g.ndim)
-            delayed = on & _per_slice(jnp.asarray(d) > 0, d, g.ndim)
-            out.append(jnp.where(delayed, jnp.where(ready, stale, jnp.zeros_like(g)), g))
-            new_rings.append(_ring_write(ring, count, g, spec))
-        state = DelayState(optax.safe_increment(count), treedef.unflatten(new_rings))
-        return treedef.unflatten(out), state
+            delayed, ready = rings.gates(count, ld, g.ndim)
+            out = jnp.where(delayed, jnp.where(ready, stale, jnp.zeros_like(g)), g)
+            return out, rings.push(ring, count, g, ld)
+
+        out, ring = rings.map(leaf, updates, state.gradient_ring, keep=(0, 1))
+        return out, DelayState(optax.safe_increment(count), ring)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -355,55 +417,36 @@ class WeightVersions:
     def __init__(self, leaf_delays, schedule: DelaySchedule):
         self.leaf_delays = leaf_delays
         self.schedule = _resolve(1, 0, 0, None, schedule, leaf_delays)
-
-    def _flat(self, tree):
-        leaves, treedef = jax.tree.flatten(tree)
-        return leaves, treedef, _specs(treedef, self.schedule, self.leaf_delays, leaves)
+        self.rings = LeafRings(self.schedule, leaf_delays)
 
     def init(self, params) -> WeightVersionsState:
-        leaves, treedef, specs = self._flat(params)
-        ring = [_ring_init(x, spec[0]) for x, spec in zip(leaves, specs)]
-        return WeightVersionsState(jnp.zeros([], jnp.int32), treedef.unflatten(ring))
-
-    def _slices(self, count, spec, ndim):
-        m, d = spec
-        dv = jnp.asarray(d)
-        delayed = self.schedule.in_force(count) & _per_slice(dv > 0, d, ndim)
-        ready = _per_slice(self.schedule.in_force(count - dv), d, ndim)
-        return delayed, ready
+        return WeightVersionsState(jnp.zeros([], jnp.int32), self.rings.init(params))
 
     def mixed_point(self, params, state: WeightVersionsState):
         """``w_mix[t]``: ``w[t - d_s]`` on slices whose delay is in force and past its fill, else ``w[t]``."""
-        leaves, treedef, specs = self._flat(params)
-        rings = treedef.flatten_up_to(state.weight_ring)
-        out = []
-        for w, ring, spec in zip(leaves, rings, specs):
-            if spec[0] == 0:
-                out.append(w)
-                continue
-            delayed, ready = self._slices(state.count, spec, w.ndim)
-            out.append(jnp.where(delayed & ready, _ring_read(ring, state.count, spec).astype(w.dtype), w))
-        return treedef.unflatten(out)
+        rings, count = self.rings, state.count
+
+        def leaf(ld, w, ring):
+            delayed, ready = rings.gates(count, ld, w.ndim)
+            return (jnp.where(delayed & ready, rings.read(ring, count, ld).astype(w.dtype), w),)
+
+        return rings.map(leaf, params, state.weight_ring)[0]
 
     def mask_fill(self, grads, state: WeightVersionsState):
         """Zero the gradient on slices in a fill step (their stage has no finished backward yet)."""
-        leaves, treedef, specs = self._flat(grads)
-        out = []
-        for g, spec in zip(leaves, specs):
-            if spec[0] == 0:
-                out.append(g)
-                continue
-            delayed, ready = self._slices(state.count, spec, g.ndim)
-            out.append(jnp.where(delayed & ~ready, jnp.zeros_like(g), g))
-        return treedef.unflatten(out)
+        rings, count = self.rings, state.count
+
+        def leaf(ld, g):
+            delayed, ready = rings.gates(count, ld, g.ndim)
+            return (jnp.where(delayed & ~ready, jnp.zeros_like(g), g),)
+
+        return rings.map(leaf, grads)[0]
 
     def push(self, params, state: WeightVersionsState) -> WeightVersionsState:
         """Record ``w[t]`` (the weights before update ``t``) and advance the counter."""
-        leaves, treedef, specs = self._flat(params)
-        rings = treedef.flatten_up_to(state.weight_ring)
-        new = [ring if spec[0] == 0 else _ring_write(ring, state.count, w, spec)
-               for w, ring, spec in zip(leaves, rings, specs)]
-        return WeightVersionsState(optax.safe_increment(state.count), treedef.unflatten(new))
+        rings, count = self.rings, state.count
+        ring = rings.map(lambda ld, w, r: (rings.push(r, count, w, ld),), params, state.weight_ring, keep=(1,))[0]
+        return WeightVersionsState(optax.safe_increment(count), ring)
 
 
 # ---------------------------------------------------------------------------------- error feedback
@@ -446,32 +489,23 @@ def error_feedback(
     if strength == 0 or sched.steps == 0:
         return _counting_identity(lambda count: ErrorFeedbackState(count, ()))
 
+    rings = LeafRings(sched, leaf_delays)
+
     def init_fn(params):
-        leaves, treedef = jax.tree.flatten(params)
-        specs = _specs(treedef, sched, leaf_delays, leaves)
-        prev = [jnp.zeros_like(x) if spec[0] else _ring_init(x, 0) for x, spec in zip(leaves, specs)]
-        return ErrorFeedbackState(jnp.zeros([], jnp.int32), treedef.unflatten(prev))
+        return ErrorFeedbackState(jnp.zeros([], jnp.int32), rings.init_slot(params))
 
     def update_fn(updates, state, params=None):
         del params
-        leaves, treedef = jax.tree.flatten(updates)
-        specs = _specs(treedef, sched, leaf_delays, leaves)
-        prevs = treedef.flatten_up_to(state.previous_update)
         count = state.count
-        on = sched.in_force(count)
-        out, new_prevs = [], []
-        for u, prev, (m, d) in zip(leaves, prevs, specs):
-            if m == 0:
-                out.append(u)
-                new_prevs.append(prev)
-                continue
-            dv = jnp.asarray(d)
-            active = on & _per_slice(sched.in_force(count - 1 - dv) & (dv > 0), d, u.ndim)
+
+        def leaf(ld, u, prev):
+            # Active when u_{t-1} too came from a delayed, non-fill gradient: in force at t - 1 - d.
+            delayed, ready = rings.gates(count, ld, u.ndim, lag=1)
             prev = prev.astype(u.dtype)
-            out.append(jnp.where(active, u + strength * (u - prev), u))
-            new_prevs.append(u)
-        state = ErrorFeedbackState(optax.safe_increment(count), treedef.unflatten(new_prevs))
-        return treedef.unflatten(out), state
+            return jnp.where(delayed & ready, u + strength * (u - prev), u), u
+
+        out, prev = rings.map(leaf, updates, state.previous_update, keep=(0, 1))
+        return out, ErrorFeedbackState(optax.safe_increment(count), prev)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -526,50 +560,31 @@ def taylor_compensation(
     if (lam == 0 and not adaptive) or sched.steps == 0:
         return _counting_identity(lambda count: TaylorState(count, (), ()))
 
+    rings = LeafRings(sched, leaf_delays)
+
     def init_fn(params):
-        leaves, treedef = jax.tree.flatten(params)
-        specs = _specs(treedef, sched, leaf_delays, leaves)
-        ring = [_ring_init(x, spec[0]) for x, spec in zip(leaves, specs)]
-        ema = ()
-        if adaptive:
-            ema = treedef.unflatten([jnp.zeros_like(x) if spec[0] else _ring_init(x, 0)
-                                     for x, spec in zip(leaves, specs)])
-        return TaylorState(jnp.zeros([], jnp.int32), treedef.unflatten(ring), ema)
+        return TaylorState(jnp.zeros([], jnp.int32), rings.init(params),
+                           rings.init_slot(params) if adaptive else ())
 
     def update_fn(updates, state, params=None):
         if params is None:
             raise ValueError("taylor_compensation needs the current params: call update(g, state, params).")
-        leaves, treedef = jax.tree.flatten(updates)
-        specs = _specs(treedef, sched, leaf_delays, leaves)
-        rings = treedef.flatten_up_to(state.param_ring)
-        weights = treedef.flatten_up_to(params)
-        emas = treedef.flatten_up_to(state.grad_sq_ema) if adaptive else [None] * len(leaves)
         count = state.count
-        on = sched.in_force(count)
-        out, new_rings, new_emas = [], [], []
-        for g, ring, w, ema, spec in zip(leaves, rings, weights, emas, specs):
-            m, d = spec
-            if m == 0:
-                out.append(g)
-                new_rings.append(ring)
-                new_emas.append(ema)
-                continue
-            dv = jnp.asarray(d)
-            w_stale = _ring_read(ring, count, spec)
-            ready = _per_slice(sched.in_force(count - dv), d, g.ndim)
-            delayed = on & _per_slice(dv > 0, d, g.ndim)
+
+        def leaf(ld, g, ring, ema, w):
+            w_stale = rings.read(ring, count, ld)
+            delayed, ready = rings.gates(count, ld, g.ndim)
             if adaptive:
                 filling = delayed & ~ready
                 ema = jnp.where(filling, ema, ema_decay * ema + (1.0 - ema_decay) * g * g)
                 coeff = lam0 / jnp.sqrt(ema + eps)
-                new_emas.append(ema)
             else:
                 coeff = lam
             corrected = g + coeff * g * g * (w - w_stale).astype(g.dtype)
-            out.append(jnp.where(delayed & ready, corrected, g))
-            new_rings.append(_ring_write(ring, count, w, spec))
-        new_ema = treedef.unflatten(new_emas) if adaptive else ()
-        state = TaylorState(optax.safe_increment(count), treedef.unflatten(new_rings), new_ema)
-        return treedef.unflatten(out), state
+            return jnp.where(delayed & ready, corrected, g), rings.push(ring, count, w, ld), ema
+
+        emas = state.grad_sq_ema if adaptive else None
+        out, ring, ema = rings.map(leaf, updates, state.param_ring, emas, params, keep=(0, 1, 2))
+        return out, TaylorState(optax.safe_increment(count), ring, ema if adaptive else ())
 
     return optax.GradientTransformation(init_fn, update_fn)

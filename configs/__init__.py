@@ -1,1 +1,0 @@
-"""Experiment configs: each module has ``get_config() -> ml_collections.ConfigDict``."""
