@@ -157,7 +157,9 @@ def decide(raw, measure: Callable, budget: int | None, search: Search | None = N
     """
     resolved = configs.resolve(raw)
     if budget is None:
-        return Decision(resolved, None, None, True, [], 0)
+        chosen = [f"config.train.microbatches=-1 -> {resolved.train.microbatches}"] if (
+            raw.train.microbatches == -1) else []
+        return Decision(resolved, None, None, True, chosen, 0)
     search = search or Search(measure, budget)
     auto_m = raw.train.microbatches == -1
     auto_r = bool(raw.train.auto_remat) and not raw.model.remat
