@@ -50,8 +50,12 @@ class Measurement:
 
 
 def accelerator_budget_bytes(devices) -> int | None:
-    """The memory XLA lets one accelerator use (``bytes_limit``), or None on CPU / when unknown."""
-    d = devices[0]
+    """The memory XLA lets one accelerator use (``bytes_limit``), or None on CPU / when unknown.
+    Read from a device of this process (another process's cannot be asked); every process of a
+    job has the same kind of device, so each decides the same."""
+    import jax
+
+    d = next((x for x in devices if x.process_index == jax.process_index()), devices[0])
     if d.platform == "cpu":
         return None
     try:
