@@ -32,6 +32,11 @@ DEFAULT_CONFIG = REPO_ROOT / "configs" / "tiny.py"
 # the largest made of fake XLA:CPU devices on a host without an accelerator.
 MAX_MESH_DEVICES = 65536
 MAX_CPU_DEVICES = 1024  # measured on XLA:CPU: 512 start in ~1 s, 4096 in ~9 s, 100000 hang
+# ``config.hardware``: what a config is for, and the memory per device (GB, 1e9 bytes) the dry run
+# holds it to (train/fit.py).  'cpu' is a workstation's share per fake device.  A T4 exposes
+# about 15 GB of its 16.
+HARDWARE_GB = {"cpu": 8.0, "t4-16gb": 15.0, "tpu-v5e-16gb": 16.0, "a100-40gb": 40.0, "h100-80gb": 80.0,
+               "tpu-v5p-95gb": 95.0, "h200-141gb": 141.0}
 
 
 class ConfigError(ValueError):
@@ -61,6 +66,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.name = "base"
     c.seed = 0
     c.runner = "auto"  # auto: the pipeline engine when config.pipeline.stages > 1, else simulate
+    # The accelerator the config is meant for (a key of HARDWARE_GB): the dry run checks that the
+    # step fits its memory, and decides train.microbatches=-1 / model.remat='auto' against it.
+    c.hardware = "cpu"
 
     c.model = ml_collections.ConfigDict(
         dict(
@@ -78,7 +86,7 @@ def base_config() -> ml_collections.ConfigDict:
             z_loss=0.0,
             compute_dtype="float32",
             param_dtype="float32",
-            remat=False,
+            remat=False,  # see also train.auto_remat
             # Mixture of experts (models/moe.py); num_experts = 0 is a dense model.
             moe=dict(
                 num_experts=0,
@@ -113,9 +121,15 @@ def base_config() -> ml_collections.ConfigDict:
         dict(
             steps=1000,
             global_batch_size=32,  # sequences per optimizer update, over all devices and microbatches
-            # gradient accumulation steps per update; -1 = auto: 1, or under the pipeline engine the
-            # smallest divisor of the per-replica batch that is >= 2*(stages-1) (2bw's minimum)
+            # gradient accumulation steps per update; -1 = auto: the smallest divisor of the
+            # per-replica batch (>= 2*(stages-1) under the engine's 2bw) whose compiled step fits
+            # the memory budget below (train/fit.py); with no budget, the smallest divisor
             microbatches=-1,
+            # memory budget per device in GB (1e9 bytes); 0 = the accelerator's own limit in a run
+            # (none on CPU), config.hardware's memory in a dry run
+            device_memory_gb=0.0,
+            # True: under a memory budget, turn model.remat on when no microbatch count fits without it
+            auto_remat=False,
             eval_every=100,
             eval_batches=8,
             log_every=10,
@@ -290,6 +304,7 @@ def _flag(errs: list, name: str, v) -> None:
 def _check_top(c) -> list[str]:
     errs: list[str] = []
     _choice(errs, "runner", c.runner, RUNNERS)
+    _choice(errs, "hardware", c.hardware, tuple(HARDWARE_GB))
     _number(errs, "seed", c.seed, ge=0, lt=2**32, integer=True)
     if not (isinstance(c.name, str) and c.name and "/" not in c.name):
         errs.append(f"config.name={c.name!r} must be a non-empty name without '/' (it names runs/<name>).")
@@ -384,6 +399,9 @@ def _check_train(c) -> list[str]:
         if not (_is_int(t[f]) and t[f] > 0):
             errs.append(f"config.train.{f}={t[f]!r} must be a positive integer.")
     _number(errs, "train.peak_tflops_per_device", t.peak_tflops_per_device, ge=0, why=" (0: MFU not reported)")
+    _number(errs, "train.device_memory_gb", t.device_memory_gb, ge=0,
+            why=" (0: the accelerator's limit in a run, config.hardware's memory in a dry run)")
+    _flag(errs, "train.auto_remat", t.auto_remat)
     _flag(errs, "train.async_checkpoint", t.async_checkpoint)
     _flag(errs, "train.progress_bar", t.progress_bar)
     return errs
@@ -548,10 +566,15 @@ SECTION_CHECKS = (_check_top, _check_model, _check_moe, _check_data, _check_trai
                   _check_staleness, _check_pipeline, _check_mesh)
 
 
+def validate_errors(c: ml_collections.ConfigDict) -> list[str]:
+    """Every impossible setting in ``c``, section by section (empty: valid)."""
+    c = resolve(c)
+    return [msg for check in SECTION_CHECKS for msg in check(c)]
+
+
 def validate(c: ml_collections.ConfigDict) -> None:
     """Raise one ConfigError listing every impossible setting in ``c``, section by section."""
-    c = resolve(c)
-    errs = [msg for check in SECTION_CHECKS for msg in check(c)]
+    errs = validate_errors(c)
     if errs:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errs))
 

@@ -12,6 +12,7 @@ import sys
 
 from absl import app, flags
 from absl import logging as absl_logging
+import ml_collections
 from ml_collections import config_flags
 
 from asyncpp_jax import configs, host_setup
@@ -42,10 +43,12 @@ def _fail(message: str, code: int = 2):
 
 
 def _load_config():
-    """The --config file with its overrides, or a one-line error (ml_collections raises an OSError
+    """The --config file with its overrides (its automatic fields unresolved: the trainer and the dry
+    run decide them against a memory budget), or a one-line error (ml_collections raises an OSError
     wrapping the import failure when the file is missing or broken)."""
     try:
-        return configs.resolve(_CONFIG.value)  # the flag's value is lazy: the failure shows on first use
+        # An unlocked copy; the flag's value is lazy: the failure shows on first use.
+        return ml_collections.ConfigDict(_CONFIG.value.to_dict())
     except OSError as e:
         path = flags.FLAGS["config"].config_filename
         reason = "no such file" if not os.path.isfile(path) else str(e.__cause__ or e).strip().splitlines()[-1]
@@ -65,19 +68,28 @@ def main(argv):
         configs.check_workdir(workdir)
     except configs.ConfigError as e:
         _fail(str(e))
-    host_setup.prepare(configs.devices_needed(config))
+    needed = configs.devices_needed(config)
+    # The dry run may compile its suggestions (2x/4x data or stages) on more fake devices.
+    chosen_count = host_setup.FORCE_DEVICES in os.environ.get("XLA_FLAGS", "")
+    host_setup.prepare(min(4 * needed, configs.MAX_CPU_DEVICES) if _DRY_RUN.value else needed)
     # Our own progress at INFO; the libraries' (orbax logs every checkpoint step) at WARNING.
     absl_logging.set_verbosity(absl_logging.WARNING)
     logging.getLogger("absl").addFilter(_OneLineLibraryErrors())
     logging.getLogger("asyncpp_jax").setLevel(logging.INFO)
 
     if _DRY_RUN.value:  # fake CPU devices on this host: never joins a cluster
+        import jax
+
         from asyncpp_jax.train.dry_run import dry_run, format_report
 
+        devices = jax.devices() if chosen_count else jax.devices()[:needed]
         try:
-            print(format_report(dry_run(config)))
+            report = dry_run(config, devices, spare_devices=jax.devices())
         except configs.ConfigError as e:
             _fail(str(e))
+        print(format_report(report))
+        if not report["fits_budget"]:
+            sys.exit(1)
         return
     # Imported here, after XLA_FLAGS is final: this is where JAX starts.
     from asyncpp_jax import distributed

@@ -9,7 +9,8 @@ DeepSeekMoE, rather than Mixtral's 2 of 8 coarse ones.
 
 Trained with Async PP: 4 pipeline stages x 16-way data parallel on a 64-accelerator slice, experts
 sharded over the data axis (4 per device, all_to_all dispatch), the bubble-free 2bw schedule,
-Muon with error feedback.  Meant for TPU/GPU meshes:
+Muon with error feedback.  Target hardware: 64 H100 80GB (``config.hardware='h100-80gb'``; the
+per-device peak also fits TPU v5p and H200), remat on, 8 microbatches:
 
     python -m asyncpp_jax.main --config=configs/moe10b.py \\
         --config.data.tokenizer=/path/to/tokenizer.json --config.data.source=hf:HuggingFaceFW/fineweb-edu:sample-10BT
@@ -25,6 +26,7 @@ def get_config():
         vocab_size=49152, d_model=2048, n_layers=24, n_heads=16, n_kv_heads=4, d_ff=1024,
         rope_theta=10000.0, tie_embeddings=False, compute_dtype="bfloat16", remat=True,
     )
+    c.hardware = "h100-80gb"
     c.model.moe.update(num_experts=64, top_k=8, expert_d_ff=1024, gating="softmax", capacity_factor=1.25,
                        every=1, lb_loss_coef=0.01, router_z_loss_coef=0.001)
     c.data.seq_len = 4096

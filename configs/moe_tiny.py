@@ -1,4 +1,5 @@
 """A CPU-sized MoE: the tiny dense model with 8 SwiGLU experts (top-2) on every other layer.
+Target hardware: a CPU (``config.hardware='cpu'``, from configs/tiny.py).
 
     python -m asyncpp_jax.main --config=configs/moe_tiny.py
 """

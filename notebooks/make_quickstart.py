@@ -31,10 +31,16 @@ import json, pathlib, tempfile
 import jax
 
 backend = jax.default_backend()
+# Each preset names the smallest accelerator it is for (config.hardware; a Colab T4 or TPU v5e has
+# 16 GB): dense135m with remat and 32 microbatches of 8 sequences (tests/test_shipped_configs_fit.py
+# checks its dry-run peak against that memory). On a larger device train.microbatches=-1 would
+# choose fewer microbatches from the device's own memory.
 PRESETS = {
-    "tpu": dict(config="configs/dense135m.py", steps=2000, overrides=[]),
-    "gpu": dict(config="configs/dense135m.py", steps=2000, overrides=[]),
-    "cpu": dict(config="configs/tiny.py", steps=300, overrides=[]),
+    "tpu": {"config": "configs/dense135m.py", "steps": 2000, "overrides": [
+        "--config.hardware=tpu-v5e-16gb", "--config.model.remat=True", "--config.train.microbatches=32"]},
+    "gpu": {"config": "configs/dense135m.py", "steps": 2000, "overrides": [
+        "--config.hardware=t4-16gb", "--config.model.remat=True", "--config.train.microbatches=32"]},
+    "cpu": {"config": "configs/tiny.py", "steps": 300, "overrides": []},
 }
 preset = PRESETS.get(backend, PRESETS["cpu"])
 if os.environ.get("QUICKSTART_STEPS"):

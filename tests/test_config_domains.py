@@ -20,6 +20,7 @@ NAN, INF = math.nan, math.inf
 # (field, bad value, extra settings the case needs, text the message must contain besides the field)
 BAD = [
     ("runner", "magic", {}, "is unknown"),
+    ("hardware", "h100", {}, "is unknown"),
     ("seed", -1, {}, "[0, 4294967296)"),
     ("name", "", {}, "non-empty"),
     # model
@@ -76,6 +77,8 @@ BAD = [
     ("train.checkpoint_every", 0, {}, "positive integer"),
     ("train.keep_checkpoints", 0, {}, "positive integer"),
     ("train.peak_tflops_per_device", -1.0, {}, ">= 0"),
+    ("train.device_memory_gb", -1.0, {}, ">= 0"),
+    ("train.device_memory_gb", float("nan"), {}, "finite"),
     # optimizer
     ("optimizer.name", "sgdx", {}, "is unknown"),
     ("optimizer.schedule", "step", {}, "is unknown"),

@@ -311,6 +311,11 @@ def test_cli_dry_run_of_moe10b_fits_its_mesh():
     assert "10,119,907,328 total" in out.stdout
     assert "XLA memory analysis" in out.stdout and "schedule bubble 0%" in out.stdout
     assert "fits: H100 80GB yes, H200 141GB yes, TPU v5p 95GB yes" in out.stdout
+    # Its stated target (configs/moe10b.py's docstring and config.hardware), checked as for every
+    # config in tests/test_shipped_configs_fit.py.
+    assert re.search(r"target config.hardware='h100-80gb', budget 80.00 GB per device: .*peak [\d.]+ GB per "
+                     r"device of a 80.00 GB budget \(fits;", out.stdout), out.stdout
+    print(out.stdout)
     # The in-flight state and checkpoint as multiples of the params, both recompute settings'
     # stash, and the eval step (forward through the stages) in the verdict.
     assert re.search(r"in-flight state per device [\d.]+ GB = [\d.]+x the params on a device; checkpoint "

@@ -4,7 +4,10 @@ Builds the same runner as training (:mod:`asyncpp_jax.train.runner`) on the conf
 (fake, on CPU) devices, makes the train state and a batch as sharded ``ShapeDtypeStruct``s, and
 lowers and compiles the real ``train_step``.  Reports per device: parameter, optimizer-state and
 runner-state bytes (from the shardings), XLA's memory analysis of the compiled step, the
-schedule's bubble fraction, and whether the step fits named accelerators.
+schedule's bubble fraction, and whether the step fits named accelerators.  The automatic fields
+(``train.microbatches=-1``, ``train.auto_remat``) are decided against ``config.hardware``'s memory
+(or ``train.device_memory_gb``) as a run on that hardware would (:mod:`asyncpp_jax.train.fit`);
+a config that does not fit gets the smallest change that does, each candidate compiled here.
 
 XLA:CPU compiles the program here; a GPU/TPU compiler fuses and lays out differently, so the
 temporary-buffer figure is an estimate of the accelerator's, while the argument (state) bytes are
@@ -19,10 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from asyncpp_jax import configs
 from asyncpp_jax.models import count_params
 from asyncpp_jax.models.flops import active_matmul_params, flops_per_token
 from asyncpp_jax.models.moe import with_expert_parallel
 from asyncpp_jax.pipeline import engine, schedules
+from asyncpp_jax.train import fit
 from asyncpp_jax.train import runner as runner_lib
 from asyncpp_jax.train import step as step_lib
 
@@ -77,8 +82,10 @@ def _stash_bytes(runner) -> dict:
     return out
 
 
-def dry_run(c, devices=None) -> dict:
-    runner = runner_lib.build(c, devices if devices is not None else jax.devices())
+def _measure(c, devices, budget: int | None) -> fit.Measurement:
+    """Lower and compile ``c``'s train step on ``devices`` from abstract shapes; the eval step too
+    unless the train step alone is already over ``budget``."""
+    runner = runner_lib.build(c, devices)
     state = runner.abstract_state(jax.random.key(c.seed))
     M, B = c.train.microbatches, c.train.global_batch_size
     batch = jax.ShapeDtypeStruct((M, B // M, c.data.seq_len + 1), jnp.int32, sharding=runner.batch_sharding())
@@ -88,6 +95,40 @@ def dry_run(c, devices=None) -> dict:
     compiled = lowered.compile()
     t2 = time.perf_counter()
     mem = compiled.memory_analysis()
+    if mem is not None:
+        train_peak = _peak(mem)
+    else:
+        train_peak = sum(_bytes_per_device(x) for x in (state.params, state.opt_state, state.runner_state))
+    detail = {"runner": runner, "state": state, "mem": mem, "lower_seconds": t1 - t0, "compile_seconds": t2 - t1}
+    m = fit.Measurement(int(train_peak), None, detail)
+    if budget is None or train_peak <= budget:
+        _add_eval(m)
+    return m
+
+
+def _add_eval(m: fit.Measurement) -> None:
+    m.detail["eval"] = _eval_memory(m.detail["runner"], m.detail["state"])
+    m.eval_peak = m.detail["eval"].get("eval_peak_bytes_per_device", 0)
+
+
+def dry_run(c, devices=None, spare_devices=None) -> dict:
+    """Report on ``c`` (its automatic fields decided against ``config.hardware``'s memory, or
+    ``train.device_memory_gb``) compiled on ``devices``; when it does not fit, the smallest change
+    that does, compiled on up to ``spare_devices`` (default: ``devices``)."""
+    devices = list(devices if devices is not None else jax.devices())
+    pool = list(spare_devices) if spare_devices is not None else devices
+    budget = fit.budget_bytes(c, dry_run=True)
+
+    def measure(cfg):
+        n = len(devices) if cfg.mesh.data == -1 else configs.devices_needed(cfg)
+        return _measure(cfg, pool[:n] if n > len(devices) else devices, budget)
+
+    decision = fit.decide(c, measure, budget)
+    suggestion = [] if decision.fits else fit.suggest(decision, max_devices=len(pool))
+    c, m = decision.config, decision.measurement
+    if m.eval_peak is None:
+        _add_eval(m)
+    runner, state, mem = m.detail["runner"], m.detail["state"], m.detail["mem"]
     table = runner.tick_table()
     report = {
         "config": c.name,
@@ -103,8 +144,16 @@ def dry_run(c, devices=None) -> dict:
         "checkpoint_bytes": _global_bytes(state),
         "stash_bytes_per_device": _stash_bytes(runner),
         "bubble_fraction": 0.0 if table is None else 1.0 - table.useful_fraction(),
-        "lower_seconds": t1 - t0,
-        "compile_seconds": t2 - t1,
+        "lower_seconds": m.detail["lower_seconds"],
+        "compile_seconds": m.detail["compile_seconds"],
+        "hardware": c.hardware,
+        "budget_bytes_per_device": decision.budget,
+        "microbatches": c.train.microbatches,
+        "remat": bool(c.model.remat),
+        "decision": decision.describe(),
+        "compiles": decision.search.compiles if decision.search else 0,
+        "fits_budget": decision.fits,
+        "suggestion": suggestion,
     }
     if mem is not None:
         report.update(
@@ -113,13 +162,9 @@ def dry_run(c, devices=None) -> dict:
             xla_alias_bytes=int(mem.alias_size_in_bytes),
             xla_temp_bytes=int(mem.temp_size_in_bytes),
         )
-        peak = _peak(mem)
-    else:
-        peak = report["param_bytes_per_device"] + report["optimizer_bytes_per_device"] + \
-            report["runner_state_bytes_per_device"]
-    report["train_peak_bytes_per_device"] = int(peak)
-    report.update(_eval_memory(runner, state))
-    peak = max(peak, report.get("eval_peak_bytes_per_device", 0))
+    report["train_peak_bytes_per_device"] = int(m.train_peak)
+    report.update(m.detail["eval"])
+    peak = m.peak
     report["peak_bytes_per_device"] = int(peak)
     report["fits"] = {name: peak <= gb * 1e9 for name, gb in ACCELERATORS_GB.items()}
     return report
@@ -154,4 +199,13 @@ def format_report(r: dict) -> str:
                  f"{r['bubble_fraction']:.0%}; lowered in {r['lower_seconds']:.0f} s, compiled in "
                  f"{r['compile_seconds']:.0f} s")
     lines.append("  fits: " + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in r["fits"].items()))
+    lines.append(f"  target config.hardware={r['hardware']!r}, budget {gb(r['budget_bytes_per_device'])} per device: "
+                 f"{r['decision']}")
+    if not r["fits_budget"]:
+        if r["suggestion"]:
+            lines.append("  DOES NOT FIT; smallest change that fits (each compiled to check): "
+                         + " ".join(f"--{s}" for s in r["suggestion"]))
+        else:
+            lines.append("  DOES NOT FIT, and neither do more microbatches, remat, or 2x/4x data or pipeline "
+                         "parallelism; lower config.train.global_batch_size or config.data.seq_len")
     return "\n".join(lines)

@@ -32,7 +32,7 @@ from asyncpp_jax.data import load_corpus, make_eval_batches, make_train_iterator
 from asyncpp_jax.models import count_params, dense
 from asyncpp_jax.models.flops import flops_per_token
 from asyncpp_jax.optim import describe_routing
-from asyncpp_jax.train import preemption
+from asyncpp_jax.train import fit, preemption
 from asyncpp_jax.train import runner as runner_lib
 from asyncpp_jax.train import step as step_lib
 from asyncpp_jax.train.batch_layout import batch_layout, from_host
@@ -79,11 +79,27 @@ def _without_fill_loss(metrics: dict) -> dict:
     return {k: v for k, v in metrics.items() if k not in dropped}
 
 
+def _fit(config, devices):
+    """``config`` resolved, its microbatches / remat decided against the device memory budget
+    (train/fit.py): on an accelerator, or with ``train.device_memory_gb`` set, by compiling the
+    step; with no budget (CPU) nothing is compiled.  A setting that does not fit is a ConfigError."""
+    from asyncpp_jax.train import dry_run
+
+    budget = fit.budget_bytes(config, devices)
+    decision = fit.decide(config, lambda c: dry_run._measure(c, devices, budget), budget)
+    if not decision.fits:
+        raise fit.not_fitting_error(decision, fit.suggest(decision, max_devices=len(devices)),
+                                    f"compiled for {devices[0].platform}")
+    if decision.budget is not None or config.train.microbatches == -1:
+        log.info("memory: %s", decision.describe())
+    return decision.config
+
+
 class Trainer:
     def __init__(self, config, workdir: str | pathlib.Path, devices=None):
-        config = configs.resolve(config)
         configs.validate(config)
-        self.config = config
+        devices = list(devices if devices is not None else jax.devices())
+        config = self.config = _fit(config, devices)
         configs.check_workdir(workdir)
         self.workdir = pathlib.Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -94,7 +110,7 @@ class Trainer:
         self.corpus = load_corpus(corpus_dir, verify=d.verify_checksums)
         configs.check_against_tokenizer(c, self.corpus.vocab_size)
 
-        self.runner = r = runner_lib.build(c, devices if devices is not None else jax.devices())
+        self.runner = r = runner_lib.build(c, devices)
         self.mesh, self.data_size, self.pipelined, self.shapes = r.mesh, r.data_size, r.pipelined, r.shapes
         self.optimizer, self.schedule, self.train_step = r.optimizer, r.schedule, r.train_step
         self.routing = describe_routing(c.optimizer, r.shapes)

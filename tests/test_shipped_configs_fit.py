@@ -1,0 +1,101 @@
+"""Every shipped config fits the hardware it states (issue 17).
+
+Each file in configs/ names its target in its docstring and in ``config.hardware``; the dry run of
+it (at its real shape, compiled on fake CPU devices by the CLI) must report a peak per device
+within that target's memory.  So must the studies' ``paper`` presets and the quickstart notebook's
+accelerator presets.  The dry run's peak is XLA:CPU's memory analysis, an estimate of the
+accelerator compiler's (see asyncpp_jax/train/dry_run.py).  The full-size configs compile for one
+to several minutes each on a busy 2-core machine, hence ``slow``.
+"""
+
+import ast
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from asyncpp_jax import configs
+from experiments.studies import common
+
+CONFIG_FILES = sorted(p.name for p in (configs.REPO_ROOT / "configs").glob("*.py") if p.name != "__init__.py")
+BIG = {"dense135m.py", "dense360m.py", "moe10b.py", "moe_tiny.py"}  # over ~30 s each
+
+
+def _notebook_presets() -> dict:
+    """The PRESETS literal of the notebook's preset cell (the notebook is generated, not imported)."""
+    nb = json.loads((configs.REPO_ROOT / "notebooks" / "quickstart.ipynb").read_text())
+    for cell in nb["cells"]:
+        src = "".join(cell["source"])
+        if "PRESETS = {" in src:
+            for node in ast.parse(src).body:
+                if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "PRESETS":
+                    return ast.literal_eval(node.value)
+    raise AssertionError("no PRESETS in notebooks/quickstart.ipynb")
+
+
+def _dry_run(config_file: str, flags: list[str]):
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # the CLI creates the fake devices the mesh needs
+    out = subprocess.run([sys.executable, "-m", "asyncpp_jax.main", f"--config={config_file}", "--dry_run",
+                          *flags], cwd=configs.REPO_ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    target = re.search(r"target config\.hardware='([\w-]+)', budget ([\d.]+) GB per device: (.*)", out.stdout)
+    assert target, out.stdout
+    print(f"\n{config_file} {' '.join(flags)}\n  {target.group(0)}")
+    return target.group(1), float(target.group(2)), target.group(3), out.stdout
+
+
+def _assert_fits(config_file, flags, hardware):
+    got_hw, budget, verdict, stdout = _dry_run(config_file, flags)
+    assert got_hw == hardware and budget == configs.HARDWARE_GB[hardware]
+    peak = re.search(r"peak ([\d.]+) GB per device of a [\d.]+ GB budget \(fits;", verdict)
+    assert peak, stdout
+    assert float(peak.group(1)) <= budget
+    return float(peak.group(1))
+
+
+def _config(name):
+    return importlib.import_module(f"configs.{name.removesuffix('.py')}")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in BIG else n
+                                  for n in CONFIG_FILES if n != "moe10b.py"])
+def test_each_config_fits_its_stated_hardware(name):
+    """moe10b's dry run (64 fake devices) is tests/test_trainer.py::test_cli_dry_run_of_moe10b_fits_its_mesh."""
+    module = _config(name)
+    hardware = module.get_config().hardware
+    assert f"config.hardware='{hardware}'" in module.__doc__, f"configs/{name}'s docstring must name its target"
+    _assert_fits(f"configs/{name}", [], hardware)
+
+
+def test_every_config_states_its_hardware():
+    for name in CONFIG_FILES:
+        module = _config(name)
+        c = module.get_config()
+        assert c.hardware in configs.HARDWARE_GB
+        assert f"config.hardware='{c.hardware}'" in module.__doc__, name
+
+
+def _flags(overrides: dict) -> list[str]:
+    return [f"--config.{k}={v}" for k, v in overrides.items()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", sorted(common.PAPER_MODELS))
+def test_paper_preset_fits(model):
+    """'One run per GPU': each paper preset's run fits its config's target accelerator."""
+    config_file, overrides, _, _ = common.preset("paper", model)
+    hardware = _config(os.path.basename(config_file)).get_config().hardware
+    _assert_fits(config_file, _flags(overrides), hardware)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_notebook_accelerator_preset_fits(backend):
+    preset = _notebook_presets()[backend]
+    hardware = next(f.split("=", 1)[1] for f in preset["overrides"] if f.startswith("--config.hardware="))
+    _assert_fits(preset["config"], preset["overrides"], hardware)
