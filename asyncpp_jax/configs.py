@@ -188,7 +188,7 @@ def base_config() -> ml_collections.ConfigDict:
             nesterov=False,
             nesterov_b1=0.99,
             nesterov_momentum_decay=0.004,
-            # SpecTrain / PipeMare weight prediction: gradient at w_t + d * delta_t (simulate runner only)
+            # SpecTrain / PipeMare weight prediction: gradient at w_t + d * delta_t (simulate runner and 2bw engine)
             weight_prediction=False,
             weight_prediction_smoothing=0.0,  # EMA factor of delta over the updates; 0 = the last update
             # PipeMare learning-rate rescheduling over the first K updates: lr * d^-(1 - min(t/K, 1)); 0 = off
@@ -598,11 +598,7 @@ def staleness_correction_errors(c: ml_collections.ConfigDict, engine_2bw: bool) 
             errs.append(f"config.staleness.nesterov=True is defined for config.optimizer.name in "
                         f"{NESTEROV_OPTIMIZERS}, not {c.optimizer.name!r}; pick one of those or set nesterov=False.")
     if st.weight_prediction:
-        if uses_pipeline(c):
-            errs.append("config.staleness.weight_prediction=True is not supported by the pipeline engine yet "
-                        "(its forward/backward slots use the stashed weights); run it with "
-                        "config.runner=simulate (config.pipeline.stages=1) and config.staleness.mode=2bw.")
-        elif mode == "pipedream":
+        if mode == "pipedream":
             errs.append("config.staleness.weight_prediction=True needs config.staleness.mode=2bw: with "
                         "PipeDream's per-stage delays each stage would need its own extrapolation distance.")
     # Domains, checked whether or not the correction is switched on.

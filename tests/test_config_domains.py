@@ -140,7 +140,7 @@ BAD = [
     ("staleness.weight_prediction_smoothing", -0.5, {}, "[0, 1)"),
     ("staleness.lr_rescheduling_steps", -1, {}, ">= 0"),
     ("staleness.nesterov", True, {}, "there is none"),
-    ("staleness.weight_prediction", True, {"staleness.mode": "2bw", "pipeline.stages": 2}, "pipeline engine"),
+    ("staleness.weight_prediction", True, {"pipeline.stages": 2, "pipeline.schedule": "sync"}, "there is none"),
     # pipeline
     ("pipeline.stages", 0, {}, "positive integer"),
     ("pipeline.stages", 3, {}, "not divisible"),

@@ -195,7 +195,7 @@ def tiny(**staleness):
     (dict(nesterov=True), "config.staleness.nesterov corrects a gradient delay, but there is none"),
     (dict(mode="2bw", nesterov=True, _opt="lion"), "config.staleness.nesterov=True is defined for"),
     (dict(mode="2bw", nesterov=True, nesterov_b1=1.0), "config.staleness.nesterov_b1=1.0 must be a finite number in [0, 1)"),
-    (dict(mode="2bw", weight_prediction=True, _pipe=2), "weight_prediction=True is not supported by the pipeline"),
+    (dict(weight_prediction=True, _pipe="sync"), "config.staleness.weight_prediction corrects a gradient delay"),
     (dict(mode="pipedream", weight_prediction=True), "weight_prediction=True needs config.staleness.mode=2bw"),
     (dict(mode="2bw", weight_prediction=True, weight_prediction_smoothing=-0.1), "weight_prediction_smoothing"),
     (dict(mode="2bw", lr_rescheduling_steps=10), "lr_rescheduling_steps=10 does nothing at a one-step delay"),
@@ -207,7 +207,7 @@ def test_config_rejects_corrections_where_they_cannot_apply(overrides, needle):
     if opt:
         c.optimizer.name = opt
     if pipe:
-        c.pipeline.update(stages=pipe, schedule="2bw")
+        c.pipeline.update(stages=2, schedule=pipe)
         c.train.microbatches = 2
     with pytest.raises(configs.ConfigError) as e:
         configs.validate(c)
@@ -262,10 +262,10 @@ def test_factory_builds_the_look_ahead_for_adamw_and_muon():
     assert float(schedule(50)) == pytest.approx(1e-2) and float(schedule(0)) == pytest.approx(1e-2 / 3)
 
 
-def test_cli_rejects_weight_prediction_on_the_engine(tmp_path):
+def test_cli_rejects_weight_prediction_on_the_engine_without_delay(tmp_path):
     out = subprocess.run([sys.executable, "-m", "asyncpp_jax.main", f"--workdir={tmp_path}/run",
                           "--config.staleness.weight_prediction=True", "--config.pipeline.stages=2",
-                          "--config.pipeline.schedule=2bw"],
+                          "--config.pipeline.schedule=sync"],
                          cwd=configs.REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert "config.staleness.weight_prediction=True is not supported by the pipeline engine" in out.stderr
+    assert "config.staleness.weight_prediction corrects a gradient delay, but there is none" in out.stderr

@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from asyncpp_jax.models import dense
 from asyncpp_jax.models.moe import is_expert_weight, with_expert_parallel
+from asyncpp_jax.optim.prediction import WeightPrediction, WeightPredictionState
 from asyncpp_jax.optim.staleness import DelaySchedule
 from asyncpp_jax.pipeline import schedules
 from asyncpp_jax.pipeline.stage import ResidualTemplate, StageFns, join_params, residual_shapes, split_params, stat_names
@@ -108,6 +109,7 @@ class PipelineState(NamedTuple):
     grad_partial: Any  # the in-flight batch's gradient so far, reduced; sharded like the params
     stats_partial: dict  # the in-flight batch's loss sums so far (``count``: its finished microbatches)
     prev_batch: jax.Array  # [M, B, T+1]: the in-flight batch's tokens (the last stage needs targets)
+    prediction: Any = None  # optim.WeightPredictionState (δ, sharded like the params) with weight prediction
 
 
 class OneStepDelay:
@@ -163,7 +165,8 @@ def _ring_shapes(model_cfg, mesh, params_abstract, microbatch_rows: int, seq_len
 
 
 def init_pipeline_state(model_cfg, params, mesh, microbatches: int, global_batch: int, seq_len: int,
-                        schedule: str = "2bw", recompute: bool = True, expert_parallel: bool = False):
+                        schedule: str = "2bw", recompute: bool = True, expert_parallel: bool = False,
+                        weight_prediction: WeightPrediction | None = None):
     """The in-flight state of a fresh run: ``None`` for ``sync`` (nothing crosses steps)."""
     if schedule != "2bw":
         return None
@@ -182,6 +185,7 @@ def init_pipeline_state(model_cfg, params, mesh, microbatches: int, global_batch
         grad_partial=jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params),
         stats_partial={k: jnp.zeros((), jnp.float32) for k in stat_names(model_cfg)},
         prev_batch=jnp.zeros((microbatches, global_batch // microbatches, seq_len + 1), jnp.int32),
+        prediction=weight_prediction.init(params) if weight_prediction is not None else None,
     )
 
 
@@ -192,7 +196,9 @@ def pipeline_state_specs(params, pstate: PipelineState | None, expert_parallel: 
     return PipelineState(
         prev_params=param_specs(params, expert_parallel), stash=[DEVICE] * len(pstate.stash), fwd_buf=DEVICE,
         bwd_buf=DEVICE, grad_partial=update_specs(params, n_stages, expert_parallel),
-        stats_partial={k: P() for k in pstate.stats_partial}, prev_batch=BATCH_SPEC)
+        stats_partial={k: P() for k in pstate.stats_partial}, prev_batch=BATCH_SPEC,
+        prediction=None if pstate.prediction is None else WeightPredictionState(
+            count=P(), velocity=param_specs(params, expert_parallel)))
 
 
 def _vary(tree, axes=("data", "stage")):
@@ -397,11 +403,20 @@ def _make_grads_fn(model_cfg, mesh, table: schedules.TickTable, is_async: bool, 
 
 def make_pipeline_train_step(model_cfg, optimizer, schedule: optax.Schedule, mesh, params_abstract,
                              microbatches: int, pipeline_schedule: str, delay_schedule: DelaySchedule | None = None,
-                             expert_parallel: bool = False, recompute: bool = True):
+                             expert_parallel: bool = False, recompute: bool = True,
+                             weight_prediction: WeightPrediction | None = None):
     """Jitted ``train_step(state, batch) -> (state, metrics)`` with ``state.runner_state`` a
     :class:`PipelineState` (``2bw``) or ``None`` (``sync``).  Under ``2bw`` the
     ``delay_schedule`` (``optim.delay_schedule``) says which updates are synchronous (start,
-    cooldown): those run the flushed ``sync`` table and drop what is in flight, as ``delay`` does."""
+    cooldown): those run the flushed ``sync`` table and drop what is in flight, as ``delay`` does.
+
+    With ``weight_prediction`` (SpecTrain / PipeMare, :mod:`asyncpp_jax.optim.prediction`) batch
+    ``t``'s microbatches run their forward and backward slots at ``ŵ_t = w_t + δ_t`` instead of
+    ``w_t`` (the version carried as ``prev_params`` is then ``ŵ_t``), so update ``t+1`` applies
+    ``∇L(ŵ_t; batch t)``, exactly the simulate runner's ``delay(1)`` with the same prediction."""
+    if weight_prediction is not None and pipeline_schedule != "2bw":
+        raise ValueError("weight prediction corrects the 2bw delay: config.pipeline.schedule must be '2bw', "
+                         f"not {pipeline_schedule!r} (or set config.staleness.weight_prediction=False).")
     n_stages = mesh.shape["stage"]
     if n_stages < 2:
         raise ValueError(f"the pipeline engine needs config.pipeline.stages >= 2, got {n_stages}.")
@@ -424,16 +439,22 @@ def make_pipeline_train_step(model_cfg, optimizer, schedule: optax.Schedule, mes
         if async_fn is None:
             grads, stats, ps = sync_fn(state.params, state.params, batch, ps, jnp.bool_(False), state.step)
         else:
-            args = (state.params, ps.prev_params, batch, ps)
+            velocity = ps.prediction
+            point = state.params if velocity is None else weight_prediction.predicted_point(state.params, velocity)
+            args = (point, ps.prev_params, batch, ps._replace(prediction=None))
             on = delay_schedule.in_force(state.step)
             prev_live = delay_schedule.in_force(state.step - 1)
             grads, stats, ps = jax.lax.cond(
                 on, lambda: async_fn(*args, prev_live, state.step), lambda: sync_fn(*args, prev_live, state.step))
+        old_params = state.params
         # The update runs where its gradient lives: each replicated leaf's weights are sliced to
         # their split layout (local, no transfer), so the optimizer's elementwise work on them runs
         # once over the mesh; only the new weights are gathered, by the constraint below.
         state = state.replace(params=jax.lax.with_sharding_constraint(state.params, update_shardings))
         state, metrics = apply_update(state, grads, stats, ps, optimizer, schedule, delay_schedule)
+        if weight_prediction is not None:
+            state = state.replace(runner_state=ps._replace(
+                prediction=weight_prediction.push(old_params, state.params, velocity)))
         # Keep the layout fixed across steps: weights where the stages read them, the optimizer
         # state of the replicated leaves split over ``stage`` (:func:`update_specs`).
         return jax.lax.with_sharding_constraint(state, state_shardings(state, mesh, params_abstract,

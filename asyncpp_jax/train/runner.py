@@ -44,11 +44,13 @@ class Runner:
         c = self.config
 
         def init(key):
-            state = step_lib.init_state(c.model, self.optimizer, key, self.weight_versions)
+            state = step_lib.init_state(c.model, self.optimizer, key,
+                                        None if self.pipelined else self.weight_versions)
             if self.pipelined:
                 state = state.replace(runner_state=engine.init_pipeline_state(
                     c.model, state.params, self.mesh, c.train.microbatches, c.train.global_batch_size,
-                    c.data.seq_len, c.pipeline.schedule, c.pipeline.recompute, c.mesh.expert_parallel))
+                    c.data.seq_len, c.pipeline.schedule, c.pipeline.recompute, c.mesh.expert_parallel,
+                    self.weight_versions))
             return state
 
         return init
@@ -95,10 +97,12 @@ def build(c, devices) -> Runner:
                                           delay_in_chain=not pipelined)
     if pipelined:
         versions = None
+        prediction = weight_prediction(staleness, c.train.steps)
         train_step = engine.make_pipeline_train_step(
             c.model, optimizer, schedule, mesh, shapes, c.train.microbatches, c.pipeline.schedule,
             delay_schedule(staleness, c.train.steps), expert_parallel=c.mesh.expert_parallel,
-            recompute=c.pipeline.recompute)
+            recompute=c.pipeline.recompute, weight_prediction=prediction)
+        versions = prediction  # the engine keeps δ in its in-flight state, not in a versions tree
     else:
         versions = weight_versions(staleness, c.train.steps, shapes)
         prediction = weight_prediction(staleness, c.train.steps)
