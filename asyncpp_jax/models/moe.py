@@ -41,6 +41,8 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from asyncpp_jax.models.layers import MLP, dtype_of
+
 Array = jax.Array
 
 
@@ -103,7 +105,6 @@ class MoE(nn.Module):
     @nn.compact
     def __call__(self, x: Array):
         cfg, mcfg = self.cfg, self.cfg.moe
-        from asyncpp_jax.models.dense import MLP, dtype_of
 
         dtype, pdtype = dtype_of(cfg.compute_dtype), dtype_of(cfg.param_dtype)
         E, k, F, D = mcfg.num_experts, mcfg.top_k, mcfg.expert_d_ff, cfg.d_model
