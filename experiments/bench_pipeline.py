@@ -66,6 +66,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from asyncpp_jax.configs import base_config  # noqa: E402
 from asyncpp_jax.models import dense  # noqa: E402
 from asyncpp_jax.pipeline import engine, make_mesh, schedules, stage  # noqa: E402
+from asyncpp_jax import train_state as state_lib  # noqa: E402
 from asyncpp_jax.train import step as step_lib  # noqa: E402
 
 TX = optax.adamw(1e-3)
@@ -92,7 +93,7 @@ class Pipelined:
         mesh = engine.make_pipeline_mesh(1, P)
         abstract = dense.abstract_params(cfg)
         self.step = engine.make_pipeline_train_step(cfg, TX, LR, mesh, abstract, M, schedule, recompute=recompute)
-        state = step_lib.init_state(cfg, TX, jax.random.key(0))
+        state = state_lib.init_state(cfg, TX, jax.random.key(0))
         ps = engine.init_pipeline_state(cfg, state.params, mesh, M, M * args.rows, args.seq, schedule, recompute)
         self.state = engine.place_state(state.replace(runner_state=ps), mesh, abstract)
         self.batch = jax.device_put(tokens(args, M), engine.global_batch_sharding(mesh))
@@ -118,8 +119,8 @@ class Simulated(Pipelined):
         cfg = model_cfg(args)
         mesh = make_mesh(1, jax.devices()[:1])
         self.step = step_lib.make_train_step(cfg, TX, LR, mesh)
-        self.state = jax.device_put(step_lib.init_state(cfg, TX, jax.random.key(0)), step_lib.replicated(mesh))
-        self.batch = jax.device_put(tokens(args, M), NamedSharding(mesh, step_lib.BATCH_SPEC))
+        self.state = jax.device_put(state_lib.init_state(cfg, TX, jax.random.key(0)), state_lib.replicated(mesh))
+        self.batch = jax.device_put(tokens(args, M), NamedSharding(mesh, state_lib.BATCH_SPEC))
 
 
 def time_side_by_side(runs: dict, rounds: int, steps: int) -> dict:

@@ -21,6 +21,7 @@ from asyncpp_jax.models import dense
 from asyncpp_jax.optim import (DelaySchedule, WeightPrediction, build_nesterov_main, build_optimizer, delay,
                                delay_aware_lr, label_params, muon, nesterov_lookahead)
 from asyncpp_jax.pipeline import make_mesh
+from asyncpp_jax import train_state as state_lib
 from asyncpp_jax.train import step as step_lib
 
 # ------------------------------------------------------------------------------ Nesterov look-ahead
@@ -125,9 +126,9 @@ def mesh():
 
 def run_runner(cfg, tx, data, mesh, prediction=None):
     step = step_lib.make_train_step(cfg, tx, optax.constant_schedule(0.0), mesh, weight_prediction=prediction)
-    state = jax.device_put(step_lib.init_state(cfg, tx, jax.random.key(0), prediction), step_lib.replicated(mesh))
+    state = jax.device_put(state_lib.init_state(cfg, tx, jax.random.key(0), prediction), state_lib.replicated(mesh))
     for b in data:
-        state, _ = step(state, jax.device_put(b, NamedSharding(mesh, step_lib.BATCH_SPEC)))
+        state, _ = step(state, jax.device_put(b, NamedSharding(mesh, state_lib.BATCH_SPEC)))
     return state
 
 

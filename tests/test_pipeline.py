@@ -16,6 +16,7 @@ from asyncpp_jax.configs import base_config
 from asyncpp_jax.models import dense
 from asyncpp_jax.optim import DelaySchedule, delay, error_feedback, muon
 from asyncpp_jax.pipeline import engine, make_mesh, schedules
+from asyncpp_jax import train_state as state_lib
 from asyncpp_jax.train import step as step_lib
 
 T = 8
@@ -46,17 +47,17 @@ def run_simulate(cfg, tx, data, data_size=1):
     """``(final state, per-update metrics)`` of the simulate runner."""
     mesh = make_mesh(data_size, jax.devices()[:data_size])
     step = step_lib.make_train_step(cfg, tx, SCHED, mesh)
-    state = jax.device_put(step_lib.init_state(cfg, tx, jax.random.key(0)), step_lib.replicated(mesh))
+    state = jax.device_put(state_lib.init_state(cfg, tx, jax.random.key(0)), state_lib.replicated(mesh))
     metrics = []
     for b in data:
-        state, m = step(state, jax.device_put(b, NamedSharding(mesh, step_lib.BATCH_SPEC)))
+        state, m = step(state, jax.device_put(b, NamedSharding(mesh, state_lib.BATCH_SPEC)))
         metrics.append(jax.device_get(m))
     return state, metrics
 
 
 def init_pipeline(cfg, tx, mesh, M, B, schedule, poison=False, ep=False, recompute=True):
     abstract = dense.abstract_params(cfg)
-    state = step_lib.init_state(cfg, tx, jax.random.key(0))
+    state = state_lib.init_state(cfg, tx, jax.random.key(0))
     ps = engine.init_pipeline_state(cfg, state.params, mesh, M, B, T, schedule, recompute, ep)
     if poison and ps is not None:  # every buffer a bubble slot could read: NaN (tokens stay valid ints)
         ps = ps._replace(**{k: jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), getattr(ps, k))

@@ -18,6 +18,7 @@ import pytest
 from asyncpp_jax import configs
 from asyncpp_jax.optim import build_optimizer
 from asyncpp_jax.pipeline import make_mesh
+from asyncpp_jax import train_state as state_lib
 from asyncpp_jax.train import step as step_lib
 from asyncpp_jax.train.trainer import Trainer, TrainingDiverged
 
@@ -154,7 +155,7 @@ def test_data_parallel_matches_single_device(cache_dir, n_devices):
     def run(devices, opt):
         mesh = make_mesh(len(devices), devices)
         train_step = step_lib.make_train_step(cfg.model, opt, sched, mesh)
-        state = jax.device_put(step_lib.init_state(cfg.model, opt, jax.random.key(0)), step_lib.replicated(mesh))
+        state = jax.device_put(state_lib.init_state(cfg.model, opt, jax.random.key(0)), state_lib.replicated(mesh))
         losses = []
         for b in batches:
             state, m = train_step(state, step_lib.to_global_batch(mesh, b, cfg.train.microbatches))
@@ -181,7 +182,7 @@ def test_microbatching_equals_one_big_batch(cache_dir):
     mesh = make_mesh(1)
     outs = []
     for m in (1, 4):
-        state = step_lib.init_state(cfg.model, opt, jax.random.key(0))
+        state = state_lib.init_state(cfg.model, opt, jax.random.key(0))
         state, metrics = step_lib.make_train_step(cfg.model, opt, sched, mesh)(
             state, step_lib.to_global_batch(mesh, batch, m))
         outs.append((float(metrics["loss"]), state.params))

@@ -42,9 +42,8 @@ from asyncpp_jax.models.moe import is_expert_weight, with_expert_parallel
 from asyncpp_jax.optim.staleness import DelaySchedule
 from asyncpp_jax.pipeline import schedules
 from asyncpp_jax.pipeline.stage import ResidualTemplate, StageFns, join_params, residual_shapes, split_params, stat_names
-from asyncpp_jax.train.step import TrainState, apply_update
+from asyncpp_jax.train_state import BATCH_SPEC, TrainState, apply_update
 
-BATCH_SPEC = P(None, "data")  # [microbatch, batch, time + 1]
 DEVICE = P("data", "stage")  # per-device in-flight state: leading [data, stage] axes
 
 

@@ -15,6 +15,7 @@ import jax
 import optax
 
 from asyncpp_jax import configs
+from asyncpp_jax import train_state as state_lib
 from asyncpp_jax.models import abstract_params
 from asyncpp_jax.optim import build_optimizer, delay_schedule, weight_prediction, weight_versions
 from asyncpp_jax.pipeline import engine, make_mesh, schedules
@@ -44,7 +45,7 @@ class Runner:
         c = self.config
 
         def init(key):
-            state = step_lib.init_state(c.model, self.optimizer, key, self.weight_versions)
+            state = state_lib.init_state(c.model, self.optimizer, key, self.weight_versions)
             if self.pipelined:
                 state = state.replace(runner_state=engine.init_pipeline_state(
                     c.model, state.params, self.mesh, c.train.microbatches, c.train.global_batch_size,
@@ -56,7 +57,7 @@ class Runner:
     def state_shardings(self, abstract_state):
         if self.pipelined:
             return engine.state_shardings(abstract_state, self.mesh, self.shapes, self.config.mesh.expert_parallel)
-        return jax.tree.map(lambda _: step_lib.replicated(self.mesh), abstract_state)
+        return jax.tree.map(lambda _: state_lib.replicated(self.mesh), abstract_state)
 
     def abstract_state(self, key):
         """The train state as sharded ``ShapeDtypeStruct``s: nothing is allocated."""
@@ -79,7 +80,7 @@ class Runner:
         return self.config.train.microbatches if self.pipelined else 1
 
     def batch_sharding(self):
-        return jax.sharding.NamedSharding(self.mesh, step_lib.BATCH_SPEC)
+        return jax.sharding.NamedSharding(self.mesh, state_lib.BATCH_SPEC)
 
 
 def build(c, devices) -> Runner:
