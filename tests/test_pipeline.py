@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 from asyncpp_jax.configs import base_config
 from asyncpp_jax.models import dense
 from asyncpp_jax.optim import DelaySchedule, delay, error_feedback, muon
-from asyncpp_jax.pipeline import engine, make_mesh, schedules
+from asyncpp_jax.pipeline import engine, make_mesh, tick_tables
 from asyncpp_jax import train_state as state_lib
 from asyncpp_jax.train import step as step_lib
 
@@ -89,15 +89,15 @@ def assert_params_close(a, b, rtol=2e-5, atol=2e-5):
 
 @pytest.mark.parametrize("P, M", [(2, 2), (4, 6), (4, 16)])
 def test_tick_tables(P, M):
-    sync, asyn = schedules.sync_table(P, M), schedules.async_table(P, M)
+    sync, asyn = tick_tables.sync_table(P, M), tick_tables.async_table(P, M)
     assert sync.ticks == M + 2 * P - 2
     assert sync.useful_fraction() == pytest.approx(M / (M + 2 * P - 2))
     assert asyn.ticks == M and asyn.useful_fraction() == 1.0  # no bubble in steady state
     for table in (sync, asyn):
         for s in range(P):  # each microbatch once forward and once backward per stage
             f, b = table.forward[:, s], table.backward[:, s]
-            assert sorted(f[f != schedules.IDLE] % M) == list(range(M))
-            assert sorted(b[b != schedules.IDLE] % M) == list(range(M))
+            assert sorted(f[f != tick_tables.IDLE] % M) == list(range(M))
+            assert sorted(b[b != tick_tables.IDLE] % M) == list(range(M))
     # Backward of a microbatch on stage s comes after the one on s+1 (its cotangent), one tick apart.
     k_b = {(int(sync.backward[k, s]), s): k for k in range(sync.ticks) for s in range(P)}
     assert all(k_b[(m, s)] == k_b[(m, s + 1)] + 1 for m in range(M) for s in range(P - 1))
@@ -105,9 +105,9 @@ def test_tick_tables(P, M):
 
 
 def test_2bw_needs_enough_microbatches():
-    assert schedules.min_microbatches_2bw(4) == 6
+    assert tick_tables.min_microbatches_2bw(4) == 6
     with pytest.raises(ValueError, match=r"microbatches=5 is too few .* >= 2\*\(stages-1\) = 6"):
-        schedules.async_table(4, 5)
+        tick_tables.async_table(4, 5)
 
 
 # ------------------------------------------------------------------------------------------ parity

@@ -18,7 +18,7 @@ from asyncpp_jax.optim.lion import lion
 from asyncpp_jax.optim.mars import mars
 from asyncpp_jax.optim.muon import muon
 from asyncpp_jax.optim.soap import soap
-from asyncpp_jax.optim.schedules import make_schedule
+from asyncpp_jax.optim.lr_schedules import make_schedule
 from asyncpp_jax.optim.delay_lr import delay_aware_lr
 from asyncpp_jax.optim.lookahead import nesterov_lookahead
 from asyncpp_jax.optim.muon import scale_by_muon

@@ -18,7 +18,7 @@ from asyncpp_jax import configs
 from asyncpp_jax import train_state as state_lib
 from asyncpp_jax.models import abstract_params
 from asyncpp_jax.optim import build_optimizer, delay_schedule, weight_prediction, weight_versions
-from asyncpp_jax.pipeline import engine, make_mesh, schedules
+from asyncpp_jax.pipeline import engine, make_mesh, tick_tables
 from asyncpp_jax.train import step as step_lib
 
 
@@ -34,11 +34,11 @@ class Runner:
     train_step: Callable
     weight_versions: Any  # what runner_state holds: optim.WeightVersions (exact PipeDream) or WeightPrediction
 
-    def tick_table(self) -> schedules.TickTable | None:
+    def tick_table(self) -> tick_tables.TickTable | None:
         c = self.config
         if not self.pipelined:
             return None
-        make = schedules.async_table if c.pipeline.schedule == "2bw" else schedules.sync_table
+        make = tick_tables.async_table if c.pipeline.schedule == "2bw" else tick_tables.sync_table
         return make(c.pipeline.stages, c.train.microbatches)
 
     def init_fn(self) -> Callable:
