@@ -37,6 +37,25 @@ class ConfigError(ValueError):
     """An impossible or unsupported setting; the message names each field and how to fix it."""
 
 
+# Fields that were renamed: old dotted name -> new one.  Either spelling of the old one, as a
+# command-line override or a key a config file still sets, is rejected with the new name.
+RENAMED_FIELDS = {
+    # It is PipeDream's simulated depth, not config.pipeline.stages (the real engine's stage count).
+    "staleness.stages": "staleness.pipedream_stages",
+}
+
+
+def _renamed_message(old: str) -> str:
+    return f"config.{old} was renamed to config.{RENAMED_FIELDS[old]}; set that instead."
+
+
+def renamed_flag_errors(argv) -> list[str]:
+    """Messages for command-line overrides (``--config.old.name=V``) of renamed fields: ml_collections
+    would otherwise fail on them with a bare ``AttributeError``."""
+    return [_renamed_message(old) for arg in argv for old in RENAMED_FIELDS
+            if arg == f"--config.{old}" or arg.startswith(f"--config.{old}=")]
+
+
 def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.name = "base"
@@ -136,7 +155,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.staleness = ml_collections.ConfigDict(
         dict(
             mode="sync",  # sync | 2bw (one-step delay) | pipedream (per-stage delay P-1-s)
-            stages=4,  # pipedream: pipeline depth P
+            # pipedream: the simulated pipeline depth P (stage s's delay is P-1-s); not
+            # config.pipeline.stages, the real engine's stage count
+            pipedream_stages=4,
             # pipedream: 'mixed' takes the gradient at PipeDream's mixed point (w_s[t-(P-1-s)] per
             # stage; exact, keeps P-1 weight copies); 'per_leaf' delays stage s's slice of a
             # consistent-point gradient by P-1-s (the optax delay(leaf_delays=...) approximation).
@@ -270,6 +291,10 @@ def _flag(errs: list, name: str, v) -> None:
 
 def _check_top(c) -> list[str]:
     errs: list[str] = []
+    for old in RENAMED_FIELDS:
+        section, _, field = old.rpartition(".")
+        if section in c and field in c[section]:
+            errs.append(_renamed_message(old))
     _choice(errs, "runner", c.runner, RUNNERS)
     _number(errs, "seed", c.seed, ge=0, lt=2**32, integer=True)
     if not (isinstance(c.name, str) and c.name and "/" not in c.name):
@@ -441,11 +466,11 @@ def _check_staleness(c) -> list[str]:
         errs.append(f"config.staleness.mitigation={st.mitigation!r} needs a delay; set config.staleness.mode=2bw "
                     "or pipedream, or config.pipeline.schedule=2bw.")
     if st.mode == "pipedream":
-        if not (_is_int(st.stages) and st.stages >= 2):
-            errs.append(f"config.staleness.stages={st.stages!r} must be an integer >= 2 for pipedream.")
-        elif _is_int(c.model.n_layers) and c.model.n_layers % st.stages:
-            errs.append(f"config.model.n_layers={c.model.n_layers} is not divisible by config.staleness.stages="
-                        f"{st.stages}; each stage holds an equal, contiguous slice of layers.")
+        if not (_is_int(st.pipedream_stages) and st.pipedream_stages >= 2):
+            errs.append(f"config.staleness.pipedream_stages={st.pipedream_stages!r} must be an integer >= 2 for pipedream.")
+        elif _is_int(c.model.n_layers) and c.model.n_layers % st.pipedream_stages:
+            errs.append(f"config.model.n_layers={c.model.n_layers} is not divisible by config.staleness.pipedream_stages="
+                        f"{st.pipedream_stages}; each stage holds an equal, contiguous slice of layers.")
     errs += staleness_correction_errors(c, _engine_2bw(c))
     counts_ok = True
     for f in ("sync_start_steps", "sync_cooldown_steps"):
@@ -544,7 +569,7 @@ def staleness_correction_errors(c: ml_collections.ConfigDict, engine_2bw: bool) 
     """Problems with ``config.staleness``'s Nesterov look-ahead, weight prediction and PipeMare lr."""
     st, errs = c.staleness, []
     mode = "2bw" if engine_2bw else st.mode
-    max_delay = {"2bw": 1, "pipedream": st.stages - 1 if isinstance(st.stages, int) else 0}.get(mode, 0)
+    max_delay = {"2bw": 1, "pipedream": st.pipedream_stages - 1 if isinstance(st.pipedream_stages, int) else 0}.get(mode, 0)
     used = [f for f in ("nesterov", "weight_prediction") if st[f]] + (
         ["lr_rescheduling_steps"] if st.lr_rescheduling_steps else [])
     for f in used:
@@ -575,7 +600,7 @@ def staleness_correction_errors(c: ml_collections.ConfigDict, engine_2bw: bool) 
     elif k and mode in ("2bw", "pipedream") and max_delay <= 1:
         errs.append(f"config.staleness.lr_rescheduling_steps={k} does nothing at a one-step delay: PipeMare "
                     "scales the lr by delay^-(1 - t/K), which is 1 at delay 1. Use it with "
-                    "config.staleness.mode=pipedream and stages >= 3, or set it to 0.")
+                    "config.staleness.mode=pipedream and pipedream_stages >= 3, or set it to 0.")
     return errs
 
 

@@ -219,7 +219,7 @@ def test_config_rejects_corrections_where_they_cannot_apply(overrides, needle):
 @pytest.mark.parametrize("staleness", [
     dict(mode="2bw", nesterov=True, mitigation="ef"),
     dict(mode="2bw", weight_prediction=True, weight_prediction_smoothing=0.5),
-    dict(mode="pipedream", stages=4, lr_rescheduling_steps=50),
+    dict(mode="pipedream", pipedream_stages=4, lr_rescheduling_steps=50),
 ])
 def test_config_accepts_corrections(staleness):
     configs.validate(tiny(**staleness))
@@ -257,7 +257,7 @@ def test_factory_builds_the_look_ahead_for_adamw_and_muon():
     for lab, g, h, s in zip(labels, jax.tree.leaves(got), jax.tree.leaves(hidden), jax.tree.leaves(side)):
         np.testing.assert_array_equal(g, h if lab == "hidden" else s)
     # And the whole chain: lr rescheduling wraps the logged schedule.
-    st = tiny(mode="pipedream", stages=4, lr_rescheduling_steps=10).staleness
+    st = tiny(mode="pipedream", pipedream_stages=4, lr_rescheduling_steps=10).staleness
     cfg4 = model_cfg()
     cfg4.n_layers = 4
     _, schedule = build_optimizer(o, 100, st, jax.eval_shape(lambda: dense.init_params(cfg4, jax.random.key(0))))

@@ -265,7 +265,7 @@ def test_cli_sigterm_checkpoints_and_exits_cleanly(cache_dir, tmp_path):
 @pytest.mark.parametrize("mode, mitigation", [("2bw", "ef"), ("pipedream", "taylor")])
 def test_staleness_modes_train_and_log_the_delay(cache_dir, tmp_path, mode, mitigation):
     cfg = small_config(cache_dir, steps=6, eval_every=6, checkpoint_every=6)
-    cfg.staleness.update(mode=mode, stages=2, mitigation=mitigation, sync_start_steps=1, sync_cooldown_steps=2)
+    cfg.staleness.update(mode=mode, pipedream_stages=2, mitigation=mitigation, sync_start_steps=1, sync_cooldown_steps=2)
     t = Trainer(cfg, tmp_path)
     result = t.run()
     t.close()
@@ -281,7 +281,7 @@ def test_runner_state_resumes_exactly(cache_dir, tmp_path, runner):
     weight-prediction velocity."""
     cfg = small_config(cache_dir, steps=6, eval_every=6, checkpoint_every=6)
     if runner == "pipedream_mixed":
-        cfg.staleness.update(mode="pipedream", stages=2, pipedream_gradient="mixed", mitigation="ef")
+        cfg.staleness.update(mode="pipedream", pipedream_stages=2, pipedream_gradient="mixed", mitigation="ef")
     elif runner == "weight_prediction":
         cfg.staleness.update(mode="2bw", weight_prediction=True, weight_prediction_smoothing=0.5, nesterov=True)
     else:

@@ -104,7 +104,7 @@ def weight_prediction(st, total_steps: int) -> WeightPrediction | None:
 
 
 def _delay_kwargs(st, total_steps: int, params_shapes) -> dict:
-    leaf_delays = pipedream_leaf_delays(params_shapes, st.stages) if st.mode == "pipedream" else None
+    leaf_delays = pipedream_leaf_delays(params_shapes, st.pipedream_stages) if st.mode == "pipedream" else None
     return dict(steps=1, sync_start_steps=st.sync_start_steps, sync_cooldown_steps=st.sync_cooldown_steps,
                 total_steps=total_steps, leaf_delays=leaf_delays)
 
@@ -113,7 +113,7 @@ def delay_schedule(st, total_steps: int) -> DelaySchedule | None:
     """The delay in force per update under ``config.staleness`` (for metrics); None when sync."""
     if st is None or st.mode == "sync":
         return None
-    steps = st.stages - 1 if st.mode == "pipedream" else 1
+    steps = st.pipedream_stages - 1 if st.mode == "pipedream" else 1
     return DelaySchedule(steps=steps, sync_start_steps=st.sync_start_steps,
                          sync_cooldown_steps=st.sync_cooldown_steps, total_steps=total_steps)
 
