@@ -56,152 +56,14 @@ def renamed_flag_errors(argv) -> list[str]:
             if arg == f"--config.{old}" or arg.startswith(f"--config.{old}=")]
 
 
-def base_config() -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
-    c.name = "base"
-    c.seed = 0
-    c.runner = "auto"  # auto: the pipeline engine when config.pipeline.stages > 1, else simulate
-
-    c.model = ml_collections.ConfigDict(
-        dict(
-            vocab_size=257,
-            d_model=256,
-            n_layers=4,
-            n_heads=4,
-            n_kv_heads=4,
-            head_dim=0,  # 0: d_model // n_heads
-            d_ff=768,
-            rope_theta=10000.0,
-            tie_embeddings=True,
-            norm_eps=1e-5,
-            init_std=0.02,
-            z_loss=0.0,
-            compute_dtype="float32",
-            param_dtype="float32",
-            remat=False,
-            # Mixture of experts (models/moe.py); num_experts = 0 is a dense model.
-            moe=dict(
-                num_experts=0,
-                top_k=2,
-                expert_d_ff=0,  # each expert's SwiGLU hidden size
-                gating="softmax",  # softmax | sigmoid router scores
-                normalize_gates=True,  # renormalise the top-k gates to sum to 1
-                capacity_factor=1.25,  # <= 0: dropless (every expert on every token)
-                shared_experts=0,  # always-on experts, fused into one SwiGLU of shared_experts * expert_d_ff
-                every=1,  # MoE on every k-th layer (the others dense)
-                lb_loss_coef=0.01,  # Switch load-balancing loss weight
-                router_z_loss_coef=0.001,  # ST-MoE router z-loss weight
-            ),
-        )
-    )
-    c.data = ml_collections.ConfigDict(
-        dict(
-            source="stdlib",  # 'stdlib' | glob / path(s), comma separated | 'hf:<dataset>[:<config>]'
-            tokenizer="byte",  # 'byte' | path to a Hugging Face tokenizer.json
-            eos_token="",  # HF tokenizers only; '' = detect
-            cache_dir="",  # '' = $ASYNCPP_JAX_CACHE or ~/.cache/asyncpp_jax/corpora
-            seq_len=256,
-            val_fraction=0.05,
-            split_seed=0,
-            hf_split="train",
-            hf_text_field="text",
-            hf_max_docs=0,
-            verify_checksums=True,  # sha256 of every shard at start; sizes are always checked
-        )
-    )
-    c.train = ml_collections.ConfigDict(
-        dict(
-            steps=1000,
-            global_batch_size=32,  # sequences per optimizer update, over all devices and microbatches
-            # gradient accumulation steps per update; -1 = auto: 1, or under the pipeline engine the
-            # smallest divisor of the per-replica batch that is >= 2*(stages-1) (2bw's minimum)
-            microbatches=-1,
-            eval_every=100,
-            eval_batches=8,
-            log_every=10,
-            checkpoint_every=200,
-            keep_checkpoints=3,
-            async_checkpoint=True,
-            progress_bar=True,
-            # peak dense TFLOP/s of one accelerator (e.g. 989 H100 bf16, 459 TPU v5p); 0 = MFU not reported
-            peak_tflops_per_device=0.0,
-        )
-    )
-    c.optimizer = ml_collections.ConfigDict(
-        dict(
-            name="adamw",  # adamw | muon | soap | adan | lion | mars
-            lr=3e-3,  # peak learning rate of the main branch
-            weight_decay=0.1,  # decoupled; matrices only (never norm scales or biases)
-            schedule="cosine",
-            warmup_steps=100,
-            min_lr_ratio=0.1,  # final lr / peak lr for cosine, linear and wsd
-            wsd_decay_fraction=0.2,  # wsd: fraction of the steps spent in the final decay
-            grad_clip=1.0,  # global-norm clip; 0 disables
-            # Each optimizer's own hyperparameters; defaults follow its reference.
-            adamw=dict(b1=0.9, b2=0.95, eps=1e-8, nesterov=False),
-            muon=dict(mu=0.95, nesterov=True, ns_steps=5, scaling="moonlight"),
-            soap=dict(b1=0.95, b2=0.95, shampoo_beta=-1.0, eps=1e-8, precondition_frequency=10,
-                      max_precond_dim=10000),
-            adan=dict(b1=0.98, b2=0.92, b3=0.99, eps=1e-8, weight_decay_mode="proximal"),
-            lion=dict(b1=0.9, b2=0.99),
-            mars=dict(b1=0.95, b2=0.99, gamma=0.025, eps=1e-8),
-            # Muon, SOAP and MARS act on hidden matrices; the rest (embeddings, head, norms,
-            # biases: leaves < 2-D or whose path matches adamw_pattern) go to an AdamW side branch.
-            adamw_pattern=r"embed|lm_head|head|norm|scale|bias|router",
-            # side lr = lr_ratio * lr; weight_decay -1 = the main branch's weight_decay.
-            side=dict(lr_ratio=1.0, b1=0.9, b2=0.95, eps=1e-8, weight_decay=-1.0),
-        )
-    )
-    c.staleness = ml_collections.ConfigDict(
-        dict(
-            mode="sync",  # sync | 2bw (one-step delay) | pipedream (per-stage delay P-1-s)
-            # pipedream: the simulated pipeline depth P (stage s's delay is P-1-s); not
-            # config.pipeline.stages, the real engine's stage count
-            pipedream_stages=4,
-            # pipedream: 'mixed' takes the gradient at PipeDream's mixed point (w_s[t-(P-1-s)] per
-            # stage; exact, keeps P-1 weight copies); 'per_leaf' delays stage s's slice of a
-            # consistent-point gradient by P-1-s (the optax delay(leaf_delays=...) approximation).
-            pipedream_gradient="mixed",
-            sync_start_steps=0,  # first K updates without delay
-            sync_cooldown_steps=0,  # last C updates without delay
-            mitigation="none",  # none | ef (error feedback) | taylor (DC-ASGD)
-            ef_strength=1.0,
-            taylor_adaptive=True,  # lam = taylor_lam0 / sqrt(EMA(g^2) + eps); else constant taylor_lam
-            taylor_lam=0.1,
-            taylor_lam0=0.1,
-            taylor_ema_decay=0.99,
-            # Delay corrections beyond the paper (each combines with the mitigation above):
-            # Ajanthan et al. 2025's Nesterov look-ahead: NAdamW (b1 nesterov_b1) in place of AdamW, and
-            # for Muon Nesterov momentum mu = nesterov_b1 with a NAdamW side branch (optim/lookahead.py)
-            nesterov=False,
-            nesterov_b1=0.99,
-            nesterov_momentum_decay=0.004,
-            # SpecTrain / PipeMare weight prediction: gradient at w_t + d * delta_t (simulate runner only)
-            weight_prediction=False,
-            weight_prediction_smoothing=0.0,  # EMA factor of delta over the updates; 0 = the last update
-            # PipeMare learning-rate rescheduling over the first K updates: lr * d^-(1 - min(t/K, 1)); 0 = off
-            lr_rescheduling_steps=0,
-        )
-    )
-    c.pipeline = ml_collections.ConfigDict(
-        dict(
-            stages=1,  # > 1: the pipeline engine, layers split into this many contiguous stages
-            schedule="sync",  # sync (1F1B, flush every step) | 2bw (no flush, one-step delay)
-            # True: a stage's backward recomputes its forward from the stashed stage input (one
-            # activation per in-flight microbatch); False: the forward keeps its autodiff residuals
-            # for the backward (no recompute, every intermediate of the block per microbatch)
-            recompute=True,
-        )
-    )
-    c.mesh = ml_collections.ConfigDict(
-        dict(
-            data=1,  # data-parallel devices; -1 = all devices
-            # MoE under the pipeline engine: shard the experts over the data axis (GShard) and move
-            # tokens to them with all_to_all; needs num_experts divisible by data
-            expert_parallel=False,
-        )
-    )
-    return c
+def _check_renamed(c) -> list[str]:
+    """A renamed field still set by a config file (or ``ConfigDict.update``, which adds unknown keys)."""
+    errs = []
+    for old in RENAMED_FIELDS:
+        section, _, field = old.rpartition(".")
+        if section in c and field in c[section]:
+            errs.append(_renamed_message(old))
+    return errs
 
 
 def resolve(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -289,17 +151,72 @@ def _flag(errs: list, name: str, v) -> None:
         errs.append(f"config.{name}={v!r} must be True or False.")
 
 
+# ---------------------------------------------------------------------------------------------
+# config: the top-level fields; each section below has its defaults next to its check
+
+
+def base_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.name = "base"
+    c.seed = 0
+    c.runner = "auto"  # auto: the pipeline engine when config.pipeline.stages > 1, else simulate
+
+    c.model = _model_defaults()
+    c.data = _data_defaults()
+    c.train = _train_defaults()
+    c.optimizer = _optimizer_defaults()
+    c.staleness = _staleness_defaults()
+    c.pipeline = _pipeline_defaults()
+    c.mesh = _mesh_defaults()
+    return c
+
+
 def _check_top(c) -> list[str]:
     errs: list[str] = []
-    for old in RENAMED_FIELDS:
-        section, _, field = old.rpartition(".")
-        if section in c and field in c[section]:
-            errs.append(_renamed_message(old))
     _choice(errs, "runner", c.runner, RUNNERS)
     _number(errs, "seed", c.seed, ge=0, lt=2**32, integer=True)
     if not (isinstance(c.name, str) and c.name and "/" not in c.name):
         errs.append(f"config.name={c.name!r} must be a non-empty name without '/' (it names runs/<name>).")
     return errs
+
+
+# ---------------------------------------------------------------------------------------------
+# config.model (and config.model.moe)
+
+
+def _model_defaults() -> ml_collections.ConfigDict:
+    return ml_collections.ConfigDict(
+        dict(
+            vocab_size=257,
+            d_model=256,
+            n_layers=4,
+            n_heads=4,
+            n_kv_heads=4,
+            head_dim=0,  # 0: d_model // n_heads
+            d_ff=768,
+            rope_theta=10000.0,
+            tie_embeddings=True,
+            norm_eps=1e-5,
+            init_std=0.02,
+            z_loss=0.0,
+            compute_dtype="float32",
+            param_dtype="float32",
+            remat=False,
+            # Mixture of experts (models/moe.py); num_experts = 0 is a dense model.
+            moe=dict(
+                num_experts=0,
+                top_k=2,
+                expert_d_ff=0,  # each expert's SwiGLU hidden size
+                gating="softmax",  # softmax | sigmoid router scores
+                normalize_gates=True,  # renormalise the top-k gates to sum to 1
+                capacity_factor=1.25,  # <= 0: dropless (every expert on every token)
+                shared_experts=0,  # always-on experts, fused into one SwiGLU of shared_experts * expert_d_ff
+                every=1,  # MoE on every k-th layer (the others dense)
+                lb_loss_coef=0.01,  # Switch load-balancing loss weight
+                router_z_loss_coef=0.001,  # ST-MoE router z-loss weight
+            ),
+        )
+    )
 
 
 def _check_model(c) -> list[str]:
@@ -369,6 +286,28 @@ def _tokens_per_replica_microbatch(c) -> int | None:
     return max(t.global_batch_size // (t.microbatches * max(data, 1)), 1) * c.data.seq_len
 
 
+# ---------------------------------------------------------------------------------------------
+# config.data
+
+
+def _data_defaults() -> ml_collections.ConfigDict:
+    return ml_collections.ConfigDict(
+        dict(
+            source="stdlib",  # 'stdlib' | glob / path(s), comma separated | 'hf:<dataset>[:<config>]'
+            tokenizer="byte",  # 'byte' | path to a Hugging Face tokenizer.json
+            eos_token="",  # HF tokenizers only; '' = detect
+            cache_dir="",  # '' = $ASYNCPP_JAX_CACHE or ~/.cache/asyncpp_jax/corpora
+            seq_len=256,
+            val_fraction=0.05,
+            split_seed=0,
+            hf_split="train",
+            hf_text_field="text",
+            hf_max_docs=0,
+            verify_checksums=True,  # sha256 of every shard at start; sizes are always checked
+        )
+    )
+
+
 def _check_data(c) -> list[str]:
     d, errs = c.data, []
     if not (isinstance(d.source, str) and d.source):
@@ -383,6 +322,31 @@ def _check_data(c) -> list[str]:
     return errs
 
 
+# ---------------------------------------------------------------------------------------------
+# config.train
+
+
+def _train_defaults() -> ml_collections.ConfigDict:
+    return ml_collections.ConfigDict(
+        dict(
+            steps=1000,
+            global_batch_size=32,  # sequences per optimizer update, over all devices and microbatches
+            # gradient accumulation steps per update; -1 = auto: 1, or under the pipeline engine the
+            # smallest divisor of the per-replica batch that is >= 2*(stages-1) (2bw's minimum)
+            microbatches=-1,
+            eval_every=100,
+            eval_batches=8,
+            log_every=10,
+            checkpoint_every=200,
+            keep_checkpoints=3,
+            async_checkpoint=True,
+            progress_bar=True,
+            # peak dense TFLOP/s of one accelerator (e.g. 989 H100 bf16, 459 TPU v5p); 0 = MFU not reported
+            peak_tflops_per_device=0.0,
+        )
+    )
+
+
 def _check_train(c) -> list[str]:
     t, errs = c.train, []
     for f in ("steps", "global_batch_size", "microbatches", "eval_every", "eval_batches", "log_every",
@@ -393,6 +357,38 @@ def _check_train(c) -> list[str]:
     _flag(errs, "train.async_checkpoint", t.async_checkpoint)
     _flag(errs, "train.progress_bar", t.progress_bar)
     return errs
+
+
+# ---------------------------------------------------------------------------------------------
+# config.optimizer
+
+
+def _optimizer_defaults() -> ml_collections.ConfigDict:
+    return ml_collections.ConfigDict(
+        dict(
+            name="adamw",  # adamw | muon | soap | adan | lion | mars
+            lr=3e-3,  # peak learning rate of the main branch
+            weight_decay=0.1,  # decoupled; matrices only (never norm scales or biases)
+            schedule="cosine",
+            warmup_steps=100,
+            min_lr_ratio=0.1,  # final lr / peak lr for cosine, linear and wsd
+            wsd_decay_fraction=0.2,  # wsd: fraction of the steps spent in the final decay
+            grad_clip=1.0,  # global-norm clip; 0 disables
+            # Each optimizer's own hyperparameters; defaults follow its reference.
+            adamw=dict(b1=0.9, b2=0.95, eps=1e-8, nesterov=False),
+            muon=dict(mu=0.95, nesterov=True, ns_steps=5, scaling="moonlight"),
+            soap=dict(b1=0.95, b2=0.95, shampoo_beta=-1.0, eps=1e-8, precondition_frequency=10,
+                      max_precond_dim=10000),
+            adan=dict(b1=0.98, b2=0.92, b3=0.99, eps=1e-8, weight_decay_mode="proximal"),
+            lion=dict(b1=0.9, b2=0.99),
+            mars=dict(b1=0.95, b2=0.99, gamma=0.025, eps=1e-8),
+            # Muon, SOAP and MARS act on hidden matrices; the rest (embeddings, head, norms,
+            # biases: leaves < 2-D or whose path matches adamw_pattern) go to an AdamW side branch.
+            adamw_pattern=r"embed|lm_head|head|norm|scale|bias|router",
+            # side lr = lr_ratio * lr; weight_decay -1 = the main branch's weight_decay.
+            side=dict(lr_ratio=1.0, b1=0.9, b2=0.95, eps=1e-8, weight_decay=-1.0),
+        )
+    )
 
 
 def _check_optimizer(c) -> list[str]:
@@ -452,9 +448,42 @@ def _check_optimizer_hparams(o) -> list[str]:
     return errs
 
 
-def _engine_2bw(c) -> bool:
-    p = c.pipeline
-    return _is_int(p.stages) and p.stages > 1 and uses_pipeline(c) and p.schedule == "2bw"
+# ---------------------------------------------------------------------------------------------
+# config.staleness
+
+
+def _staleness_defaults() -> ml_collections.ConfigDict:
+    return ml_collections.ConfigDict(
+        dict(
+            mode="sync",  # sync | 2bw (one-step delay) | pipedream (per-stage delay P-1-s)
+            # pipedream: the simulated pipeline depth P (stage s's delay is P-1-s); not
+            # config.pipeline.stages, the real engine's stage count
+            pipedream_stages=4,
+            # pipedream: 'mixed' takes the gradient at PipeDream's mixed point (w_s[t-(P-1-s)] per
+            # stage; exact, keeps P-1 weight copies); 'per_leaf' delays stage s's slice of a
+            # consistent-point gradient by P-1-s (the optax delay(leaf_delays=...) approximation).
+            pipedream_gradient="mixed",
+            sync_start_steps=0,  # first K updates without delay
+            sync_cooldown_steps=0,  # last C updates without delay
+            mitigation="none",  # none | ef (error feedback) | taylor (DC-ASGD)
+            ef_strength=1.0,
+            taylor_adaptive=True,  # lam = taylor_lam0 / sqrt(EMA(g^2) + eps); else constant taylor_lam
+            taylor_lam=0.1,
+            taylor_lam0=0.1,
+            taylor_ema_decay=0.99,
+            # Delay corrections beyond the paper (each combines with the mitigation above):
+            # Ajanthan et al. 2025's Nesterov look-ahead: NAdamW (b1 nesterov_b1) in place of AdamW, and
+            # for Muon Nesterov momentum mu = nesterov_b1 with a NAdamW side branch (optim/lookahead.py)
+            nesterov=False,
+            nesterov_b1=0.99,
+            nesterov_momentum_decay=0.004,
+            # SpecTrain / PipeMare weight prediction: gradient at w_t + d * delta_t (simulate runner only)
+            weight_prediction=False,
+            weight_prediction_smoothing=0.0,  # EMA factor of delta over the updates; 0 = the last update
+            # PipeMare learning-rate rescheduling over the first K updates: lr * d^-(1 - min(t/K, 1)); 0 = off
+            lr_rescheduling_steps=0,
+        )
+    )
 
 
 def _check_staleness(c) -> list[str]:
@@ -488,78 +517,6 @@ def _check_staleness(c) -> list[str]:
     if not (_is_real(st.taylor_ema_decay) and 0 <= st.taylor_ema_decay < 1):
         errs.append(f"config.staleness.taylor_ema_decay={st.taylor_ema_decay} must lie in [0, 1).")
     return errs
-
-
-def _check_pipeline(c) -> list[str]:
-    pipe, m, st, t, errs = c.pipeline, c.model, c.staleness, c.train, []
-    if not (_is_int(pipe.stages) and pipe.stages >= 1):
-        errs.append(f"config.pipeline.stages={pipe.stages!r} must be a positive integer.")
-    if not isinstance(pipe.recompute, bool):
-        errs.append(f"config.pipeline.recompute={pipe.recompute!r} must be True (recompute each stage's forward "
-                    "in its backward) or False (keep the forward's residuals).")
-    if not _choice(errs, "pipeline.schedule", pipe.schedule, PIPELINE_SCHEDULES) or errs:
-        return errs
-    if c.runner == "pipeline" and pipe.stages == 1:
-        errs.append("config.runner='pipeline' needs config.pipeline.stages > 1.")
-    if not (uses_pipeline(c) and pipe.stages > 1):
-        return errs
-    grouped = m.moe.num_experts and _is_int(m.moe.every) and m.moe.every > 1 and _is_int(m.n_layers)
-    units = m.n_layers // m.moe.every if grouped else m.n_layers
-    if _is_int(units) and units % pipe.stages:
-        errs.append(f"config.model.n_layers={m.n_layers} is not divisible by config.pipeline.stages={pipe.stages}"
-                    + (f" x config.model.moe.every={m.moe.every}" if units != m.n_layers else "")
-                    + "; each stage holds an equal, contiguous block of layers.")
-    if st.mode not in ("sync", pipe.schedule):
-        errs.append(f"config.staleness.mode={st.mode!r} cannot run on the pipeline engine with "
-                    f"config.pipeline.schedule={pipe.schedule!r}: the engine's delay is physical. Use "
-                    "config.pipeline.schedule=2bw for a one-step delay, or config.pipeline.stages=1 to simulate it.")
-    if _engine_2bw(c) and _is_int(t.microbatches) and t.microbatches < 2 * (pipe.stages - 1):
-        errs.append(f"config.train.microbatches={t.microbatches} is too few for config.pipeline.schedule=2bw "
-                    f"with config.pipeline.stages={pipe.stages}: a one-step delay needs microbatches >= "
-                    f"2*(stages-1) = {2 * (pipe.stages - 1)}.")
-    return errs
-
-
-def _check_mesh(c) -> list[str]:
-    mesh, m, t, errs = c.mesh, c.model, c.train, []
-    _flag(errs, "mesh.expert_parallel", mesh.expert_parallel)
-    data_ok = _number(errs, "mesh.data", mesh.data, ge=1, le=MAX_MESH_DEVICES, integer=True, allow=(-1,),
-                      why=" (-1: all devices)")
-    if data_ok and devices_needed(c) > MAX_MESH_DEVICES:
-        errs.append(f"config.mesh.data={mesh.data} x config.pipeline.stages={c.pipeline.stages} = "
-                    f"{devices_needed(c)} devices is more than any machine this code runs on "
-                    f"({MAX_MESH_DEVICES}); lower them.")
-    if mesh.expert_parallel is True:
-        if not m.moe.num_experts:
-            errs.append("config.mesh.expert_parallel=True needs an MoE model (config.model.moe.num_experts > 0).")
-        if not uses_pipeline(c):
-            errs.append("config.mesh.expert_parallel=True runs inside the pipeline engine; set "
-                        "config.pipeline.stages > 1.")
-        if _is_real(m.moe.capacity_factor) and m.moe.capacity_factor <= 0:
-            errs.append("config.mesh.expert_parallel=True needs config.model.moe.capacity_factor > 0.")
-        if data_ok and mesh.data > 0 and _is_int(m.moe.num_experts) and m.moe.num_experts % mesh.data:
-            errs.append(f"config.model.moe.num_experts={m.moe.num_experts} is not divisible by config.mesh.data="
-                        f"{mesh.data} (expert parallelism gives each data shard num_experts / data experts).")
-    # The batch splits into microbatches, each split over the data axis.
-    if data_ok and mesh.data > 0 and all(_is_int(t[f]) and t[f] > 0 for f in ("global_batch_size", "microbatches")):
-        div = t.microbatches * mesh.data
-        if t.global_batch_size % div:
-            errs.append(f"config.train.global_batch_size={t.global_batch_size} is not divisible by "
-                        f"config.train.microbatches × config.mesh.data = {t.microbatches} × {mesh.data} = {div}; "
-                        "change the batch size or the split.")
-    return errs
-
-
-SECTION_CHECKS = (_check_top, _check_model, _check_moe, _check_data, _check_train, _check_optimizer,
-                  _check_staleness, _check_pipeline, _check_mesh)
-
-
-def validate(c: ml_collections.ConfigDict) -> None:
-    """Raise one ConfigError listing every impossible setting in ``c``, section by section."""
-    c = resolve(c)
-    errs = [msg for check in SECTION_CHECKS for msg in check(c)]
-    if errs:
-        raise ConfigError("invalid config:\n  - " + "\n  - ".join(errs))
 
 
 NESTEROV_OPTIMIZERS = ("adamw", "muon")
@@ -604,6 +561,127 @@ def staleness_correction_errors(c: ml_collections.ConfigDict, engine_2bw: bool) 
     return errs
 
 
+# ---------------------------------------------------------------------------------------------
+# config.pipeline
+
+
+def _pipeline_defaults() -> ml_collections.ConfigDict:
+    return ml_collections.ConfigDict(
+        dict(
+            stages=1,  # > 1: the pipeline engine, layers split into this many contiguous stages
+            schedule="sync",  # sync (1F1B, flush every step) | 2bw (no flush, one-step delay)
+            # True: a stage's backward recomputes its forward from the stashed stage input (one
+            # activation per in-flight microbatch); False: the forward keeps its autodiff residuals
+            # for the backward (no recompute, every intermediate of the block per microbatch)
+            recompute=True,
+        )
+    )
+
+
+def _engine_2bw(c) -> bool:
+    p = c.pipeline
+    return _is_int(p.stages) and p.stages > 1 and uses_pipeline(c) and p.schedule == "2bw"
+
+
+def _check_pipeline(c) -> list[str]:
+    pipe, m, st, t, errs = c.pipeline, c.model, c.staleness, c.train, []
+    if not (_is_int(pipe.stages) and pipe.stages >= 1):
+        errs.append(f"config.pipeline.stages={pipe.stages!r} must be a positive integer.")
+    if not isinstance(pipe.recompute, bool):
+        errs.append(f"config.pipeline.recompute={pipe.recompute!r} must be True (recompute each stage's forward "
+                    "in its backward) or False (keep the forward's residuals).")
+    if not _choice(errs, "pipeline.schedule", pipe.schedule, PIPELINE_SCHEDULES) or errs:
+        return errs
+    if c.runner == "pipeline" and pipe.stages == 1:
+        errs.append("config.runner='pipeline' needs config.pipeline.stages > 1.")
+    if not (uses_pipeline(c) and pipe.stages > 1):
+        return errs
+    grouped = m.moe.num_experts and _is_int(m.moe.every) and m.moe.every > 1 and _is_int(m.n_layers)
+    units = m.n_layers // m.moe.every if grouped else m.n_layers
+    if _is_int(units) and units % pipe.stages:
+        errs.append(f"config.model.n_layers={m.n_layers} is not divisible by config.pipeline.stages={pipe.stages}"
+                    + (f" x config.model.moe.every={m.moe.every}" if units != m.n_layers else "")
+                    + "; each stage holds an equal, contiguous block of layers.")
+    if st.mode not in ("sync", pipe.schedule):
+        errs.append(f"config.staleness.mode={st.mode!r} cannot run on the pipeline engine with "
+                    f"config.pipeline.schedule={pipe.schedule!r}: the engine's delay is physical. Use "
+                    "config.pipeline.schedule=2bw for a one-step delay, or config.pipeline.stages=1 to simulate it.")
+    if _engine_2bw(c) and _is_int(t.microbatches) and t.microbatches < 2 * (pipe.stages - 1):
+        errs.append(f"config.train.microbatches={t.microbatches} is too few for config.pipeline.schedule=2bw "
+                    f"with config.pipeline.stages={pipe.stages}: a one-step delay needs microbatches >= "
+                    f"2*(stages-1) = {2 * (pipe.stages - 1)}.")
+    return errs
+
+
+# ---------------------------------------------------------------------------------------------
+# config.mesh (and the batch split over it)
+
+
+def _mesh_defaults() -> ml_collections.ConfigDict:
+    return ml_collections.ConfigDict(
+        dict(
+            data=1,  # data-parallel devices; -1 = all devices
+            # MoE under the pipeline engine: shard the experts over the data axis (GShard) and move
+            # tokens to them with all_to_all; needs num_experts divisible by data
+            expert_parallel=False,
+        )
+    )
+
+
+def _check_mesh(c) -> list[str]:
+    mesh, m, t, errs = c.mesh, c.model, c.train, []
+    _flag(errs, "mesh.expert_parallel", mesh.expert_parallel)
+    data_ok = _number(errs, "mesh.data", mesh.data, ge=1, le=MAX_MESH_DEVICES, integer=True, allow=(-1,),
+                      why=" (-1: all devices)")
+    if data_ok and devices_needed(c) > MAX_MESH_DEVICES:
+        errs.append(f"config.mesh.data={mesh.data} x config.pipeline.stages={c.pipeline.stages} = "
+                    f"{devices_needed(c)} devices is more than any machine this code runs on "
+                    f"({MAX_MESH_DEVICES}); lower them.")
+    if mesh.expert_parallel is True:
+        if not m.moe.num_experts:
+            errs.append("config.mesh.expert_parallel=True needs an MoE model (config.model.moe.num_experts > 0).")
+        if not uses_pipeline(c):
+            errs.append("config.mesh.expert_parallel=True runs inside the pipeline engine; set "
+                        "config.pipeline.stages > 1.")
+        if _is_real(m.moe.capacity_factor) and m.moe.capacity_factor <= 0:
+            errs.append("config.mesh.expert_parallel=True needs config.model.moe.capacity_factor > 0.")
+        if data_ok and mesh.data > 0 and _is_int(m.moe.num_experts) and m.moe.num_experts % mesh.data:
+            errs.append(f"config.model.moe.num_experts={m.moe.num_experts} is not divisible by config.mesh.data="
+                        f"{mesh.data} (expert parallelism gives each data shard num_experts / data experts).")
+    if data_ok and mesh.data > 0 and all(_is_int(t[f]) and t[f] > 0 for f in ("global_batch_size", "microbatches")):
+        errs += _batch_split_errors(c, mesh.data)
+    return errs
+
+
+def _batch_split_errors(c, data: int) -> list[str]:
+    """The batch splits into ``train.microbatches`` microbatches, each split over ``data`` replicas
+    (``config.mesh.data``, or under ``-1`` the count the devices give)."""
+    t = c.train
+    div = t.microbatches * data
+    if t.global_batch_size % div == 0:
+        return []
+    auto = f" (config.mesh.data=-1: {data} replicas on these devices)" if c.mesh.data == -1 else ""
+    return [f"config.train.global_batch_size={t.global_batch_size} is not divisible by "
+            f"config.train.microbatches × config.mesh.data = {t.microbatches} × {data} = {div}{auto}; "
+            "change the batch size or the split."]
+
+
+# ---------------------------------------------------------------------------------------------
+# All sections
+
+
+SECTION_CHECKS = (_check_renamed, _check_top, _check_model, _check_moe, _check_data, _check_train,
+                  _check_optimizer, _check_staleness, _check_pipeline, _check_mesh)
+
+
+def validate(c: ml_collections.ConfigDict) -> None:
+    """Raise one ConfigError listing every impossible setting in ``c``, section by section."""
+    c = resolve(c)
+    errs = [msg for check in SECTION_CHECKS for msg in check(c)]
+    if errs:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(errs))
+
+
 def check_cpu_host(c: ml_collections.ConfigDict) -> None:
     """On a CPU-only host the mesh is made of fake XLA:CPU devices, one per mesh slot; past
     :data:`MAX_CPU_DEVICES` the CPU client spends minutes (or hangs) creating them."""
@@ -626,14 +704,11 @@ def check_against_devices(c: ml_collections.ConfigDict, num_devices: int) -> int
         raise ConfigError(
             f"config.mesh.data={c.mesh.data} x config.pipeline.stages={stages} asks for {max(data, 1) * stages} "
             f"devices but {num_devices} are present; lower them, or on CPU set "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={max(data, 1) * stages} before JAX starts."
+            f"JAX_NUM_CPU_DEVICES={max(data, 1) * stages} before JAX starts (python -m asyncpp_jax.main does)."
         )
-    div = c.train.microbatches * data
-    if c.train.global_batch_size % div:
-        raise ConfigError(
-            f"config.train.global_batch_size={c.train.global_batch_size} is not divisible by "
-            f"config.train.microbatches × data devices = {c.train.microbatches} × {data}."
-        )
+    errs = _batch_split_errors(c, data)
+    if errs:
+        raise ConfigError(errs[0])
     return data
 
 
