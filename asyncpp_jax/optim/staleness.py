@@ -256,26 +256,24 @@ def delay(
         leaves, treedef = jax.tree.flatten(updates)
         specs = _specs(treedef, sched, leaf_delays, leaves)
         rings = treedef.flatten_up_to(state.gradient_ring)
-        count = state.count
-        on = sched.in_force(count)
-        out, new_rings = [], []
-        for g, ring, spec in zip(leaves, rings, specs):
-            m, d = spec
-            if m == 0:
-                out.append(g)
-                new_rings.append(ring)
-                continue
-            stale = _ring_read(ring, count, spec).astype(g.dtype)
-            # g_{t-d} is waiting in the ring only if the delay was already in force when it came in;
-            # otherwise it was applied fresh (or never existed) and this is a fill step.
-            ready = _per_slice(sched.in_force(count - jnp.asarray(d)), d, g.ndim)
-            delayed = on & _per_slice(jnp.asarray(d) > 0, d, g.ndim)
-            out.append(jnp.where(delayed, jnp.where(ready, stale, jnp.zeros_like(g)), g))
-            new_rings.append(_ring_write(ring, count, g, spec))
-        state = DelayState(optax.safe_increment(count), treedef.unflatten(new_rings))
-        return treedef.unflatten(out), state
+        pairs = [_delay_leaf(sched, state.count, g, ring, spec) for g, ring, spec in zip(leaves, rings, specs)]
+        state = DelayState(optax.safe_increment(state.count), treedef.unflatten([r for _, r in pairs]))
+        return treedef.unflatten([o for o, _ in pairs]), state
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _delay_leaf(sched: DelaySchedule, count, g, ring, spec):
+    """One leaf of :func:`delay`'s update: ``(output, new ring)``."""
+    m, d = spec
+    if m == 0:
+        return g, ring
+    stale = _ring_read(ring, count, spec).astype(g.dtype)
+    # g_{t-d} is waiting in the ring only if the delay was already in force when it came in;
+    # otherwise it was applied fresh (or never existed) and this is a fill step.
+    ready = _per_slice(sched.in_force(count - jnp.asarray(d)), d, g.ndim)
+    delayed = sched.in_force(count) & _per_slice(jnp.asarray(d) > 0, d, g.ndim)
+    return jnp.where(delayed, jnp.where(ready, stale, jnp.zeros_like(g)), g), _ring_write(ring, count, g, spec)
 
 
 def pipedream_leaf_delays(params, n_stages: int):
@@ -544,32 +542,38 @@ def taylor_compensation(
         rings = treedef.flatten_up_to(state.param_ring)
         weights = treedef.flatten_up_to(params)
         emas = treedef.flatten_up_to(state.grad_sq_ema) if adaptive else [None] * len(leaves)
-        count = state.count
-        on = sched.in_force(count)
-        out, new_rings, new_emas = [], [], []
-        for g, ring, w, ema, spec in zip(leaves, rings, weights, emas, specs):
-            m, d = spec
-            if m == 0:
-                out.append(g)
-                new_rings.append(ring)
-                new_emas.append(ema)
-                continue
-            dv = jnp.asarray(d)
-            w_stale = _ring_read(ring, count, spec)
-            ready = _per_slice(sched.in_force(count - dv), d, g.ndim)
-            delayed = on & _per_slice(dv > 0, d, g.ndim)
-            if adaptive:
-                filling = delayed & ~ready
-                ema = jnp.where(filling, ema, ema_decay * ema + (1.0 - ema_decay) * g * g)
-                coeff = lam0 / jnp.sqrt(ema + eps)
-                new_emas.append(ema)
-            else:
-                coeff = lam
-            corrected = g + coeff * g * g * (w - w_stale).astype(g.dtype)
-            out.append(jnp.where(delayed & ready, corrected, g))
-            new_rings.append(_ring_write(ring, count, w, spec))
-        new_ema = treedef.unflatten(new_emas) if adaptive else ()
-        state = TaylorState(optax.safe_increment(count), treedef.unflatten(new_rings), new_ema)
-        return treedef.unflatten(out), state
+        coeff = _TaylorCoefficient(lam, adaptive, lam0, ema_decay, eps)
+        triples = [_taylor_leaf(sched, coeff, state.count, *leaf) for leaf in zip(leaves, rings, weights, emas, specs)]
+        new_ema = treedef.unflatten([e for _, _, e in triples]) if adaptive else ()
+        state = TaylorState(optax.safe_increment(state.count), treedef.unflatten([r for _, r, _ in triples]), new_ema)
+        return treedef.unflatten([o for o, _, _ in triples]), state
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+class _TaylorCoefficient(NamedTuple):
+    """``lam``, or in the adaptive form ``lam0 / sqrt(v + eps)`` with ``v`` the EMA of ``g^2``."""
+    lam: float
+    adaptive: bool
+    lam0: float
+    ema_decay: float
+    eps: float
+
+
+def _taylor_leaf(sched: DelaySchedule, c: _TaylorCoefficient, count, g, ring, w, ema, spec):
+    """One leaf of :func:`taylor_compensation`'s update: ``(output, new param ring, new EMA)``."""
+    m, d = spec
+    if m == 0:
+        return g, ring, ema
+    dv = jnp.asarray(d)
+    w_stale = _ring_read(ring, count, spec)
+    ready = _per_slice(sched.in_force(count - dv), d, g.ndim)
+    delayed = sched.in_force(count) & _per_slice(dv > 0, d, g.ndim)
+    if c.adaptive:
+        filling = delayed & ~ready
+        ema = jnp.where(filling, ema, c.ema_decay * ema + (1.0 - c.ema_decay) * g * g)
+        coeff = c.lam0 / jnp.sqrt(ema + c.eps)
+    else:
+        coeff = c.lam
+    corrected = g + coeff * g * g * (w - w_stale).astype(g.dtype)
+    return jnp.where(delayed & ready, corrected, g), _ring_write(ring, count, w, spec), ema
