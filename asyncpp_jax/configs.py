@@ -28,192 +28,48 @@ MITIGATIONS = ("none", "ef", "taylor")
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "tiny.py"
-# Largest mesh accepted at all (more devices than any TPU pod or GPU cluster this code targets), and
-# the largest made of fake XLA:CPU devices on a host without an accelerator.
-MAX_MESH_DEVICES = 65536
-MAX_CPU_DEVICES = 1024  # measured on XLA:CPU: 512 start in ~1 s, 4096 in ~9 s, 100000 hang
 # ``config.hardware``: what a config is for, and the memory per device (GB, 1e9 bytes) the dry run
 # holds it to (train/fit.py).  'cpu' is a workstation's share per fake device.  A T4 exposes
 # about 15 GB of its 16.
 HARDWARE_GB = {"cpu": 8.0, "t4-16gb": 15.0, "tpu-v5e-16gb": 16.0, "a100-40gb": 40.0, "h100-80gb": 80.0,
                "tpu-v5p-95gb": 95.0, "h200-141gb": 141.0}
+# Largest mesh accepted at all (more devices than any TPU pod or GPU cluster this code targets), and
+# the largest made of fake XLA:CPU devices on a host without an accelerator.
+MAX_MESH_DEVICES = 65536
+MAX_CPU_DEVICES = 1024  # measured on XLA:CPU: 512 start in ~1 s, 4096 in ~9 s, 100000 hang
 
 
 class ConfigError(ValueError):
     """An impossible or unsupported setting; the message names each field and how to fix it."""
 
 
-def load_file(path) -> ml_collections.ConfigDict:
-    """The ``get_config()`` of a config file, loaded by path as ``--config=FILE`` loads it.
-
-    The files in ``configs/`` are files of the repository, not an installed package: load them by
-    path, never with ``import configs``.  A relative path that does not exist from the current
-    directory is taken from the repository root (``load_file("configs/tiny.py")``).
-    """
-    p = pathlib.Path(path).expanduser()
-    if not p.is_absolute() and not p.exists():
-        p = REPO_ROOT / p
-    if not p.is_file():
-        raise FileNotFoundError(f"config file {str(path)!r} does not exist (the presets are in configs/).")
-    spec = importlib.util.spec_from_file_location(f"_asyncpp_config_{p.stem}", p)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+# Fields that were renamed: old dotted name -> new one.  Either spelling of the old one, as a
+# command-line override or a key a config file still sets, is rejected with the new name.
+RENAMED_FIELDS = {
+    # It is PipeDream's simulated depth, not config.pipeline.stages (the real engine's stage count).
+    "staleness.stages": "staleness.pipedream_stages",
+}
 
 
-def base_config() -> ml_collections.ConfigDict:
-    c = ml_collections.ConfigDict()
-    c.name = "base"
-    c.seed = 0
-    c.runner = "auto"  # auto: the pipeline engine when config.pipeline.stages > 1, else simulate
-    # The accelerator the config is meant for (a key of HARDWARE_GB): the dry run checks that the
-    # step fits its memory, and decides train.microbatches=-1 / model.remat='auto' against it.
-    c.hardware = "cpu"
+def _renamed_message(old: str) -> str:
+    return f"config.{old} was renamed to config.{RENAMED_FIELDS[old]}; set that instead."
 
-    c.model = ml_collections.ConfigDict(
-        dict(
-            vocab_size=257,
-            d_model=256,
-            n_layers=4,
-            n_heads=4,
-            n_kv_heads=4,
-            head_dim=0,  # 0: d_model // n_heads
-            d_ff=768,
-            rope_theta=10000.0,
-            tie_embeddings=True,
-            norm_eps=1e-5,
-            init_std=0.02,
-            z_loss=0.0,
-            compute_dtype="float32",
-            param_dtype="float32",
-            remat=False,  # see also train.auto_remat
-            # Mixture of experts (models/moe.py); num_experts = 0 is a dense model.
-            moe=dict(
-                num_experts=0,
-                top_k=2,
-                expert_d_ff=0,  # each expert's SwiGLU hidden size
-                gating="softmax",  # softmax | sigmoid router scores
-                normalize_gates=True,  # renormalise the top-k gates to sum to 1
-                capacity_factor=1.25,  # <= 0: dropless (every expert on every token)
-                shared_experts=0,  # always-on experts, fused into one SwiGLU of shared_experts * expert_d_ff
-                every=1,  # MoE on every k-th layer (the others dense)
-                lb_loss_coef=0.01,  # Switch load-balancing loss weight
-                router_z_loss_coef=0.001,  # ST-MoE router z-loss weight
-            ),
-        )
-    )
-    c.data = ml_collections.ConfigDict(
-        dict(
-            source="stdlib",  # 'stdlib' | glob / path(s), comma separated | 'hf:<dataset>[:<config>]'
-            tokenizer="byte",  # 'byte' | path to a Hugging Face tokenizer.json
-            eos_token="",  # HF tokenizers only; '' = detect
-            cache_dir="",  # '' = $ASYNCPP_JAX_CACHE or ~/.cache/asyncpp_jax/corpora
-            seq_len=256,
-            val_fraction=0.05,
-            split_seed=0,
-            hf_split="train",
-            hf_text_field="text",
-            hf_max_docs=0,
-            verify_checksums=True,  # sha256 of every shard at start; sizes are always checked
-        )
-    )
-    c.train = ml_collections.ConfigDict(
-        dict(
-            steps=1000,
-            global_batch_size=32,  # sequences per optimizer update, over all devices and microbatches
-            # gradient accumulation steps per update; -1 = auto: the smallest divisor of the
-            # per-replica batch (>= 2*(stages-1) under the engine's 2bw) whose compiled step fits
-            # the memory budget below (train/fit.py); with no budget, the smallest divisor
-            microbatches=-1,
-            # memory budget per device in GB (1e9 bytes); 0 = the accelerator's own limit in a run
-            # (none on CPU), config.hardware's memory in a dry run
-            device_memory_gb=0.0,
-            # True: under a memory budget, turn model.remat on when no microbatch count fits without it
-            auto_remat=False,
-            eval_every=100,
-            eval_batches=8,
-            log_every=10,
-            checkpoint_every=200,
-            keep_checkpoints=3,
-            async_checkpoint=True,
-            progress_bar=True,
-            # peak dense TFLOP/s of one accelerator (e.g. 989 H100 bf16, 459 TPU v5p); 0 = MFU not reported
-            peak_tflops_per_device=0.0,
-        )
-    )
-    c.optimizer = ml_collections.ConfigDict(
-        dict(
-            name="adamw",  # adamw | muon | soap | adan | lion | mars
-            lr=3e-3,  # peak learning rate of the main branch
-            weight_decay=0.1,  # decoupled; matrices only (never norm scales or biases)
-            schedule="cosine",
-            warmup_steps=100,
-            min_lr_ratio=0.1,  # final lr / peak lr for cosine, linear and wsd
-            wsd_decay_fraction=0.2,  # wsd: fraction of the steps spent in the final decay
-            grad_clip=1.0,  # global-norm clip; 0 disables
-            # Each optimizer's own hyperparameters; defaults follow its reference.
-            adamw=dict(b1=0.9, b2=0.95, eps=1e-8, nesterov=False),
-            muon=dict(mu=0.95, nesterov=True, ns_steps=5, scaling="moonlight"),
-            soap=dict(b1=0.95, b2=0.95, shampoo_beta=-1.0, eps=1e-8, precondition_frequency=10,
-                      max_precond_dim=10000),
-            adan=dict(b1=0.98, b2=0.92, b3=0.99, eps=1e-8, weight_decay_mode="proximal"),
-            lion=dict(b1=0.9, b2=0.99),
-            mars=dict(b1=0.95, b2=0.99, gamma=0.025, eps=1e-8),
-            # Muon, SOAP and MARS act on hidden matrices; the rest (embeddings, head, norms,
-            # biases: leaves < 2-D or whose path matches adamw_pattern) go to an AdamW side branch.
-            adamw_pattern=r"embed|lm_head|head|norm|scale|bias|router",
-            # side lr = lr_ratio * lr; weight_decay -1 = the main branch's weight_decay.
-            side=dict(lr_ratio=1.0, b1=0.9, b2=0.95, eps=1e-8, weight_decay=-1.0),
-        )
-    )
-    c.staleness = ml_collections.ConfigDict(
-        dict(
-            mode="sync",  # sync | 2bw (one-step delay) | pipedream (per-stage delay P-1-s)
-            stages=4,  # pipedream: pipeline depth P
-            # pipedream: 'mixed' takes the gradient at PipeDream's mixed point (w_s[t-(P-1-s)] per
-            # stage; exact, keeps P-1 weight copies); 'per_leaf' delays stage s's slice of a
-            # consistent-point gradient by P-1-s (the optax delay(leaf_delays=...) approximation).
-            pipedream_gradient="mixed",
-            sync_start_steps=0,  # first K updates without delay
-            sync_cooldown_steps=0,  # last C updates without delay
-            mitigation="none",  # none | ef (error feedback) | taylor (DC-ASGD)
-            ef_strength=1.0,
-            taylor_adaptive=True,  # lam = taylor_lam0 / sqrt(EMA(g^2) + eps); else constant taylor_lam
-            taylor_lam=0.1,
-            taylor_lam0=0.1,
-            taylor_ema_decay=0.99,
-            # Delay corrections beyond the paper (each combines with the mitigation above):
-            # Ajanthan et al. 2025's Nesterov look-ahead: NAdamW (b1 nesterov_b1) in place of AdamW, and
-            # for Muon Nesterov momentum mu = nesterov_b1 with a NAdamW side branch (optim/lookahead.py)
-            nesterov=False,
-            nesterov_b1=0.99,
-            nesterov_momentum_decay=0.004,
-            # SpecTrain / PipeMare weight prediction: gradient at w_t + d * delta_t (simulate runner and 2bw engine)
-            weight_prediction=False,
-            weight_prediction_smoothing=0.0,  # EMA factor of delta over the updates; 0 = the last update
-            # PipeMare learning-rate rescheduling over the first K updates: lr * d^-(1 - min(t/K, 1)); 0 = off
-            lr_rescheduling_steps=0,
-        )
-    )
-    c.pipeline = ml_collections.ConfigDict(
-        dict(
-            stages=1,  # > 1: the pipeline engine, layers split into this many contiguous stages
-            schedule="sync",  # sync (1F1B, flush every step) | 2bw (no flush, one-step delay)
-            # True: a stage's backward recomputes its forward from the stashed stage input (one
-            # activation per in-flight microbatch); False: the forward keeps its autodiff residuals
-            # for the backward (no recompute, every intermediate of the block per microbatch)
-            recompute=True,
-        )
-    )
-    c.mesh = ml_collections.ConfigDict(
-        dict(
-            data=1,  # data-parallel devices; -1 = all devices
-            # MoE under the pipeline engine: shard the experts over the data axis (GShard) and move
-            # tokens to them with all_to_all; needs num_experts divisible by data
-            expert_parallel=False,
-        )
-    )
-    return c
+
+def renamed_flag_errors(argv) -> list[str]:
+    """Messages for command-line overrides (``--config.old.name=V``) of renamed fields: ml_collections
+    would otherwise fail on them with a bare ``AttributeError``."""
+    return [_renamed_message(old) for arg in argv for old in RENAMED_FIELDS
+            if arg == f"--config.{old}" or arg.startswith(f"--config.{old}=")]
+
+
+def _check_renamed(c) -> list[str]:
+    """A renamed field still set by a config file (or ``ConfigDict.update``, which adds unknown keys)."""
+    errs = []
+    for old in RENAMED_FIELDS:
+        section, _, field = old.rpartition(".")
+        if section in c and field in c[section]:
+            errs.append(_renamed_message(old))
+    return errs
 
 
 def resolve(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -301,6 +157,47 @@ def _flag(errs: list, name: str, v) -> None:
         errs.append(f"config.{name}={v!r} must be True or False.")
 
 
+# ---------------------------------------------------------------------------------------------
+# config: the top-level fields; each section below has its defaults next to its check
+
+
+def load_file(path) -> ml_collections.ConfigDict:
+    """The ``get_config()`` of a config file, loaded by path as ``--config=FILE`` loads it.
+
+    The files in ``configs/`` are files of the repository, not an installed package: load them by
+    path, never with ``import configs``.  A relative path that does not exist from the current
+    directory is taken from the repository root (``load_file("configs/tiny.py")``).
+    """
+    p = pathlib.Path(path).expanduser()
+    if not p.is_absolute() and not p.exists():
+        p = REPO_ROOT / p
+    if not p.is_file():
+        raise FileNotFoundError(f"config file {str(path)!r} does not exist (the presets are in configs/).")
+    spec = importlib.util.spec_from_file_location(f"_asyncpp_config_{p.stem}", p)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def base_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.name = "base"
+    c.seed = 0
+    c.runner = "auto"  # auto: the pipeline engine when config.pipeline.stages > 1, else simulate
+    # The accelerator the config is meant for (a key of HARDWARE_GB): the dry run checks that the
+    # step fits its memory, and decides train.microbatches=-1 / train.auto_remat against it.
+    c.hardware = "cpu"
+
+    c.model = _model_defaults()
+    c.data = _data_defaults()
+    c.train = _train_defaults()
+    c.optimizer = _optimizer_defaults()
+    c.staleness = _staleness_defaults()
+    c.pipeline = _pipeline_defaults()
+    c.mesh = _mesh_defaults()
+    return c
+
+
 def _check_top(c) -> list[str]:
     errs: list[str] = []
     _choice(errs, "runner", c.runner, RUNNERS)
@@ -309,6 +206,45 @@ def _check_top(c) -> list[str]:
     if not (isinstance(c.name, str) and c.name and "/" not in c.name):
         errs.append(f"config.name={c.name!r} must be a non-empty name without '/' (it names runs/<name>).")
     return errs
+
+
+# ---------------------------------------------------------------------------------------------
+# config.model (and config.model.moe)
+
+
+def _model_defaults() -> ml_collections.ConfigDict:
+    return ml_collections.ConfigDict(
+        dict(
+            vocab_size=257,
+            d_model=256,
+            n_layers=4,
+            n_heads=4,
+            n_kv_heads=4,
+            head_dim=0,  # 0: d_model // n_heads
+            d_ff=768,
+            rope_theta=10000.0,
+            tie_embeddings=True,
+            norm_eps=1e-5,
+            init_std=0.02,
+            z_loss=0.0,
+            compute_dtype="float32",
+            param_dtype="float32",
+            remat=False,  # see also train.auto_remat
+            # Mixture of experts (models/moe.py); num_experts = 0 is a dense model.
+            moe=dict(
+                num_experts=0,
+                top_k=2,
+                expert_d_ff=0,  # each expert's SwiGLU hidden size
+                gating="softmax",  # softmax | sigmoid router scores
+                normalize_gates=True,  # renormalise the top-k gates to sum to 1
+                capacity_factor=1.25,  # <= 0: dropless (every expert on every token)
+                shared_experts=0,  # always-on experts, fused into one SwiGLU of shared_experts * expert_d_ff
+                every=1,  # MoE on every k-th layer (the others dense)
+                lb_loss_coef=0.01,  # Switch load-balancing loss weight
+                router_z_loss_coef=0.001,  # ST-MoE router z-loss weight
+            ),
+        )
+    )
 
 
 def _check_model(c) -> list[str]:
@@ -378,6 +314,28 @@ def _tokens_per_replica_microbatch(c) -> int | None:
     return max(t.global_batch_size // (t.microbatches * max(data, 1)), 1) * c.data.seq_len
 
 
+# ---------------------------------------------------------------------------------------------
+# config.data
+
+
+def _data_defaults() -> ml_collections.ConfigDict:
+    return ml_collections.ConfigDict(
+        dict(
+            source="stdlib",  # 'stdlib' | glob / path(s), comma separated | 'hf:<dataset>[:<config>]'
+            tokenizer="byte",  # 'byte' | path to a Hugging Face tokenizer.json
+            eos_token="",  # HF tokenizers only; '' = detect
+            cache_dir="",  # '' = $ASYNCPP_JAX_CACHE or ~/.cache/asyncpp_jax/corpora
+            seq_len=256,
+            val_fraction=0.05,
+            split_seed=0,
+            hf_split="train",
+            hf_text_field="text",
+            hf_max_docs=0,
+            verify_checksums=True,  # sha256 of every shard at start; sizes are always checked
+        )
+    )
+
+
 def _check_data(c) -> list[str]:
     d, errs = c.data, []
     if not (isinstance(d.source, str) and d.source):
@@ -392,6 +350,37 @@ def _check_data(c) -> list[str]:
     return errs
 
 
+# ---------------------------------------------------------------------------------------------
+# config.train
+
+
+def _train_defaults() -> ml_collections.ConfigDict:
+    return ml_collections.ConfigDict(
+        dict(
+            steps=1000,
+            global_batch_size=32,  # sequences per optimizer update, over all devices and microbatches
+            # gradient accumulation steps per update; -1 = auto: the smallest divisor of the
+            # per-replica batch (>= 2*(stages-1) under the engine's 2bw) whose compiled step fits
+            # the memory budget below (train/fit.py); with no budget, the smallest divisor
+            microbatches=-1,
+            # memory budget per device in GB (1e9 bytes); 0 = the accelerator's own limit in a run
+            # (none on CPU), config.hardware's memory in a dry run
+            device_memory_gb=0.0,
+            # True: under a memory budget, turn model.remat on when no microbatch count fits without it
+            auto_remat=False,
+            eval_every=100,
+            eval_batches=8,
+            log_every=10,
+            checkpoint_every=200,
+            keep_checkpoints=3,
+            async_checkpoint=True,
+            progress_bar=True,
+            # peak dense TFLOP/s of one accelerator (e.g. 989 H100 bf16, 459 TPU v5p); 0 = MFU not reported
+            peak_tflops_per_device=0.0,
+        )
+    )
+
+
 def _check_train(c) -> list[str]:
     t, errs = c.train, []
     for f in ("steps", "global_batch_size", "microbatches", "eval_every", "eval_batches", "log_every",
@@ -399,12 +388,44 @@ def _check_train(c) -> list[str]:
         if not (_is_int(t[f]) and t[f] > 0):
             errs.append(f"config.train.{f}={t[f]!r} must be a positive integer.")
     _number(errs, "train.peak_tflops_per_device", t.peak_tflops_per_device, ge=0, why=" (0: MFU not reported)")
+    _flag(errs, "train.async_checkpoint", t.async_checkpoint)
+    _flag(errs, "train.progress_bar", t.progress_bar)
     _number(errs, "train.device_memory_gb", t.device_memory_gb, ge=0,
             why=" (0: the accelerator's limit in a run, config.hardware's memory in a dry run)")
     _flag(errs, "train.auto_remat", t.auto_remat)
-    _flag(errs, "train.async_checkpoint", t.async_checkpoint)
-    _flag(errs, "train.progress_bar", t.progress_bar)
     return errs
+
+
+# ---------------------------------------------------------------------------------------------
+# config.optimizer
+
+
+def _optimizer_defaults() -> ml_collections.ConfigDict:
+    return ml_collections.ConfigDict(
+        dict(
+            name="adamw",  # adamw | muon | soap | adan | lion | mars
+            lr=3e-3,  # peak learning rate of the main branch
+            weight_decay=0.1,  # decoupled; matrices only (never norm scales or biases)
+            schedule="cosine",
+            warmup_steps=100,
+            min_lr_ratio=0.1,  # final lr / peak lr for cosine, linear and wsd
+            wsd_decay_fraction=0.2,  # wsd: fraction of the steps spent in the final decay
+            grad_clip=1.0,  # global-norm clip; 0 disables
+            # Each optimizer's own hyperparameters; defaults follow its reference.
+            adamw=dict(b1=0.9, b2=0.95, eps=1e-8, nesterov=False),
+            muon=dict(mu=0.95, nesterov=True, ns_steps=5, scaling="moonlight"),
+            soap=dict(b1=0.95, b2=0.95, shampoo_beta=-1.0, eps=1e-8, precondition_frequency=10,
+                      max_precond_dim=10000),
+            adan=dict(b1=0.98, b2=0.92, b3=0.99, eps=1e-8, weight_decay_mode="proximal"),
+            lion=dict(b1=0.9, b2=0.99),
+            mars=dict(b1=0.95, b2=0.99, gamma=0.025, eps=1e-8),
+            # Muon, SOAP and MARS act on hidden matrices; the rest (embeddings, head, norms,
+            # biases: leaves < 2-D or whose path matches adamw_pattern) go to an AdamW side branch.
+            adamw_pattern=r"embed|lm_head|head|norm|scale|bias|router",
+            # side lr = lr_ratio * lr; weight_decay -1 = the main branch's weight_decay.
+            side=dict(lr_ratio=1.0, b1=0.9, b2=0.95, eps=1e-8, weight_decay=-1.0),
+        )
+    )
 
 
 def _check_optimizer(c) -> list[str]:
@@ -464,9 +485,42 @@ def _check_optimizer_hparams(o) -> list[str]:
     return errs
 
 
-def _engine_2bw(c) -> bool:
-    p = c.pipeline
-    return _is_int(p.stages) and p.stages > 1 and uses_pipeline(c) and p.schedule == "2bw"
+# ---------------------------------------------------------------------------------------------
+# config.staleness
+
+
+def _staleness_defaults() -> ml_collections.ConfigDict:
+    return ml_collections.ConfigDict(
+        dict(
+            mode="sync",  # sync | 2bw (one-step delay) | pipedream (per-stage delay P-1-s)
+            # pipedream: the simulated pipeline depth P (stage s's delay is P-1-s); not
+            # config.pipeline.stages, the real engine's stage count
+            pipedream_stages=4,
+            # pipedream: 'mixed' takes the gradient at PipeDream's mixed point (w_s[t-(P-1-s)] per
+            # stage; exact, keeps P-1 weight copies); 'per_leaf' delays stage s's slice of a
+            # consistent-point gradient by P-1-s (the optax delay(leaf_delays=...) approximation).
+            pipedream_gradient="mixed",
+            sync_start_steps=0,  # first K updates without delay
+            sync_cooldown_steps=0,  # last C updates without delay
+            mitigation="none",  # none | ef (error feedback) | taylor (DC-ASGD)
+            ef_strength=1.0,
+            taylor_adaptive=True,  # lam = taylor_lam0 / sqrt(EMA(g^2) + eps); else constant taylor_lam
+            taylor_lam=0.1,
+            taylor_lam0=0.1,
+            taylor_ema_decay=0.99,
+            # Delay corrections beyond the paper (each combines with the mitigation above):
+            # Ajanthan et al. 2025's Nesterov look-ahead: NAdamW (b1 nesterov_b1) in place of AdamW, and
+            # for Muon Nesterov momentum mu = nesterov_b1 with a NAdamW side branch (optim/lookahead.py)
+            nesterov=False,
+            nesterov_b1=0.99,
+            nesterov_momentum_decay=0.004,
+            # SpecTrain / PipeMare weight prediction: gradient at w_t + d * delta_t (simulate runner and 2bw engine)
+            weight_prediction=False,
+            weight_prediction_smoothing=0.0,  # EMA factor of delta over the updates; 0 = the last update
+            # PipeMare learning-rate rescheduling over the first K updates: lr * d^-(1 - min(t/K, 1)); 0 = off
+            lr_rescheduling_steps=0,
+        )
+    )
 
 
 def _check_staleness(c) -> list[str]:
@@ -478,11 +532,11 @@ def _check_staleness(c) -> list[str]:
         errs.append(f"config.staleness.mitigation={st.mitigation!r} needs a delay; set config.staleness.mode=2bw "
                     "or pipedream, or config.pipeline.schedule=2bw.")
     if st.mode == "pipedream":
-        if not (_is_int(st.stages) and st.stages >= 2):
-            errs.append(f"config.staleness.stages={st.stages!r} must be an integer >= 2 for pipedream.")
-        elif _is_int(c.model.n_layers) and c.model.n_layers % st.stages:
-            errs.append(f"config.model.n_layers={c.model.n_layers} is not divisible by config.staleness.stages="
-                        f"{st.stages}; each stage holds an equal, contiguous slice of layers.")
+        if not (_is_int(st.pipedream_stages) and st.pipedream_stages >= 2):
+            errs.append(f"config.staleness.pipedream_stages={st.pipedream_stages!r} must be an integer >= 2 for pipedream.")
+        elif _is_int(c.model.n_layers) and c.model.n_layers % st.pipedream_stages:
+            errs.append(f"config.model.n_layers={c.model.n_layers} is not divisible by config.staleness.pipedream_stages="
+                        f"{st.pipedream_stages}; each stage holds an equal, contiguous slice of layers.")
     errs += staleness_correction_errors(c, _engine_2bw(c))
     counts_ok = True
     for f in ("sync_start_steps", "sync_cooldown_steps"):
@@ -500,6 +554,66 @@ def _check_staleness(c) -> list[str]:
     if not (_is_real(st.taylor_ema_decay) and 0 <= st.taylor_ema_decay < 1):
         errs.append(f"config.staleness.taylor_ema_decay={st.taylor_ema_decay} must lie in [0, 1).")
     return errs
+
+
+NESTEROV_OPTIMIZERS = ("adamw", "muon")
+
+
+def staleness_correction_errors(c: ml_collections.ConfigDict, engine_2bw: bool) -> list[str]:
+    """Problems with ``config.staleness``'s Nesterov look-ahead, weight prediction and PipeMare lr."""
+    st, errs = c.staleness, []
+    mode = "2bw" if engine_2bw else st.mode
+    max_delay = {"2bw": 1, "pipedream": st.pipedream_stages - 1 if isinstance(st.pipedream_stages, int) else 0}.get(mode, 0)
+    used = [f for f in ("nesterov", "weight_prediction") if st[f]] + (
+        ["lr_rescheduling_steps"] if st.lr_rescheduling_steps else [])
+    for f in used:
+        if mode == "sync":
+            errs.append(f"config.staleness.{f} corrects a gradient delay, but there is none; set "
+                        "config.staleness.mode=2bw or pipedream, or config.pipeline.schedule=2bw.")
+    if st.nesterov:
+        if c.optimizer.name not in NESTEROV_OPTIMIZERS:
+            errs.append(f"config.staleness.nesterov=True is defined for config.optimizer.name in "
+                        f"{NESTEROV_OPTIMIZERS}, not {c.optimizer.name!r}; pick one of those or set nesterov=False.")
+    if st.weight_prediction:
+        if mode == "pipedream":
+            errs.append("config.staleness.weight_prediction=True needs config.staleness.mode=2bw: with "
+                        "PipeDream's per-stage delays each stage would need its own extrapolation distance.")
+    # Domains, checked whether or not the correction is switched on.
+    _number(errs, "staleness.nesterov_b1", st.nesterov_b1, ge=0, lt=1, why=" (the paper uses 0.99)")
+    _number(errs, "staleness.nesterov_momentum_decay", st.nesterov_momentum_decay, ge=0)
+    _number(errs, "staleness.weight_prediction_smoothing", st.weight_prediction_smoothing, ge=0, lt=1)
+    _flag(errs, "staleness.nesterov", st.nesterov)
+    _flag(errs, "staleness.weight_prediction", st.weight_prediction)
+    k = st.lr_rescheduling_steps
+    if not (isinstance(k, int) and not isinstance(k, bool) and k >= 0):
+        errs.append(f"config.staleness.lr_rescheduling_steps={k!r} must be an integer >= 0 (0 disables it).")
+    elif k and mode in ("2bw", "pipedream") and max_delay <= 1:
+        errs.append(f"config.staleness.lr_rescheduling_steps={k} does nothing at a one-step delay: PipeMare "
+                    "scales the lr by delay^-(1 - t/K), which is 1 at delay 1. Use it with "
+                    "config.staleness.mode=pipedream and pipedream_stages >= 3, or set it to 0.")
+    return errs
+
+
+# ---------------------------------------------------------------------------------------------
+# config.pipeline
+
+
+def _pipeline_defaults() -> ml_collections.ConfigDict:
+    return ml_collections.ConfigDict(
+        dict(
+            stages=1,  # > 1: the pipeline engine, layers split into this many contiguous stages
+            schedule="sync",  # sync (1F1B, flush every step) | 2bw (no flush, one-step delay)
+            # True: a stage's backward recomputes its forward from the stashed stage input (one
+            # activation per in-flight microbatch); False: the forward keeps its autodiff residuals
+            # for the backward (no recompute, every intermediate of the block per microbatch)
+            recompute=True,
+        )
+    )
+
+
+def _engine_2bw(c) -> bool:
+    p = c.pipeline
+    return _is_int(p.stages) and p.stages > 1 and uses_pipeline(c) and p.schedule == "2bw"
 
 
 def _check_pipeline(c) -> list[str]:
@@ -532,6 +646,21 @@ def _check_pipeline(c) -> list[str]:
     return errs
 
 
+# ---------------------------------------------------------------------------------------------
+# config.mesh (and the batch split over it)
+
+
+def _mesh_defaults() -> ml_collections.ConfigDict:
+    return ml_collections.ConfigDict(
+        dict(
+            data=1,  # data-parallel devices; -1 = all devices
+            # MoE under the pipeline engine: shard the experts over the data axis (GShard) and move
+            # tokens to them with all_to_all; needs num_experts divisible by data
+            expert_parallel=False,
+        )
+    )
+
+
 def _check_mesh(c) -> list[str]:
     mesh, m, t, errs = c.mesh, c.model, c.train, []
     _flag(errs, "mesh.expert_parallel", mesh.expert_parallel)
@@ -552,18 +681,30 @@ def _check_mesh(c) -> list[str]:
         if data_ok and mesh.data > 0 and _is_int(m.moe.num_experts) and m.moe.num_experts % mesh.data:
             errs.append(f"config.model.moe.num_experts={m.moe.num_experts} is not divisible by config.mesh.data="
                         f"{mesh.data} (expert parallelism gives each data shard num_experts / data experts).")
-    # The batch splits into microbatches, each split over the data axis.
     if data_ok and mesh.data > 0 and all(_is_int(t[f]) and t[f] > 0 for f in ("global_batch_size", "microbatches")):
-        div = t.microbatches * mesh.data
-        if t.global_batch_size % div:
-            errs.append(f"config.train.global_batch_size={t.global_batch_size} is not divisible by "
-                        f"config.train.microbatches × config.mesh.data = {t.microbatches} × {mesh.data} = {div}; "
-                        "change the batch size or the split.")
+        errs += _batch_split_errors(c, mesh.data)
     return errs
 
 
-SECTION_CHECKS = (_check_top, _check_model, _check_moe, _check_data, _check_train, _check_optimizer,
-                  _check_staleness, _check_pipeline, _check_mesh)
+def _batch_split_errors(c, data: int) -> list[str]:
+    """The batch splits into ``train.microbatches`` microbatches, each split over ``data`` replicas
+    (``config.mesh.data``, or under ``-1`` the count the devices give)."""
+    t = c.train
+    div = t.microbatches * data
+    if t.global_batch_size % div == 0:
+        return []
+    auto = f" (config.mesh.data=-1: {data} replicas on these devices)" if c.mesh.data == -1 else ""
+    return [f"config.train.global_batch_size={t.global_batch_size} is not divisible by "
+            f"config.train.microbatches × config.mesh.data = {t.microbatches} × {data} = {div}{auto}; "
+            "change the batch size or the split."]
+
+
+# ---------------------------------------------------------------------------------------------
+# All sections
+
+
+SECTION_CHECKS = (_check_renamed, _check_top, _check_model, _check_moe, _check_data, _check_train,
+                  _check_optimizer, _check_staleness, _check_pipeline, _check_mesh)
 
 
 def validate_errors(c: ml_collections.ConfigDict) -> list[str]:
@@ -577,44 +718,6 @@ def validate(c: ml_collections.ConfigDict) -> None:
     errs = validate_errors(c)
     if errs:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errs))
-
-
-NESTEROV_OPTIMIZERS = ("adamw", "muon")
-
-
-def staleness_correction_errors(c: ml_collections.ConfigDict, engine_2bw: bool) -> list[str]:
-    """Problems with ``config.staleness``'s Nesterov look-ahead, weight prediction and PipeMare lr."""
-    st, errs = c.staleness, []
-    mode = "2bw" if engine_2bw else st.mode
-    max_delay = {"2bw": 1, "pipedream": st.stages - 1 if isinstance(st.stages, int) else 0}.get(mode, 0)
-    used = [f for f in ("nesterov", "weight_prediction") if st[f]] + (
-        ["lr_rescheduling_steps"] if st.lr_rescheduling_steps else [])
-    for f in used:
-        if mode == "sync":
-            errs.append(f"config.staleness.{f} corrects a gradient delay, but there is none; set "
-                        "config.staleness.mode=2bw or pipedream, or config.pipeline.schedule=2bw.")
-    if st.nesterov:
-        if c.optimizer.name not in NESTEROV_OPTIMIZERS:
-            errs.append(f"config.staleness.nesterov=True is defined for config.optimizer.name in "
-                        f"{NESTEROV_OPTIMIZERS}, not {c.optimizer.name!r}; pick one of those or set nesterov=False.")
-    if st.weight_prediction:
-        if mode == "pipedream":
-            errs.append("config.staleness.weight_prediction=True needs config.staleness.mode=2bw: with "
-                        "PipeDream's per-stage delays each stage would need its own extrapolation distance.")
-    # Domains, checked whether or not the correction is switched on.
-    _number(errs, "staleness.nesterov_b1", st.nesterov_b1, ge=0, lt=1, why=" (the paper uses 0.99)")
-    _number(errs, "staleness.nesterov_momentum_decay", st.nesterov_momentum_decay, ge=0)
-    _number(errs, "staleness.weight_prediction_smoothing", st.weight_prediction_smoothing, ge=0, lt=1)
-    _flag(errs, "staleness.nesterov", st.nesterov)
-    _flag(errs, "staleness.weight_prediction", st.weight_prediction)
-    k = st.lr_rescheduling_steps
-    if not (isinstance(k, int) and not isinstance(k, bool) and k >= 0):
-        errs.append(f"config.staleness.lr_rescheduling_steps={k!r} must be an integer >= 0 (0 disables it).")
-    elif k and mode in ("2bw", "pipedream") and max_delay <= 1:
-        errs.append(f"config.staleness.lr_rescheduling_steps={k} does nothing at a one-step delay: PipeMare "
-                    "scales the lr by delay^-(1 - t/K), which is 1 at delay 1. Use it with "
-                    "config.staleness.mode=pipedream and stages >= 3, or set it to 0.")
-    return errs
 
 
 def check_cpu_host(c: ml_collections.ConfigDict) -> None:
@@ -639,14 +742,11 @@ def check_against_devices(c: ml_collections.ConfigDict, num_devices: int) -> int
         raise ConfigError(
             f"config.mesh.data={c.mesh.data} x config.pipeline.stages={stages} asks for {max(data, 1) * stages} "
             f"devices but {num_devices} are present; lower them, or on CPU set "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={max(data, 1) * stages} before JAX starts."
+            f"JAX_NUM_CPU_DEVICES={max(data, 1) * stages} before JAX starts (python -m asyncpp_jax.main does)."
         )
-    div = c.train.microbatches * data
-    if c.train.global_batch_size % div:
-        raise ConfigError(
-            f"config.train.global_batch_size={c.train.global_batch_size} is not divisible by "
-            f"config.train.microbatches × data devices = {c.train.microbatches} × {data}."
-        )
+    errs = _batch_split_errors(c, data)
+    if errs:
+        raise ConfigError(errs[0])
     return data
 
 

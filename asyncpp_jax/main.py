@@ -17,6 +17,12 @@ from ml_collections import config_flags
 
 from asyncpp_jax import configs, host_setup
 
+# Defining the config flag already applies the --config.* overrides, and ml_collections fails on a
+# renamed field with a bare AttributeError: name the new field first.
+if configs.renamed_flag_errors(sys.argv[1:]):
+    print("error: " + " ".join(configs.renamed_flag_errors(sys.argv[1:])), file=sys.stderr)
+    sys.exit(2)
+
 _CONFIG = config_flags.DEFINE_config_file(
     "config", str(configs.DEFAULT_CONFIG), "Config file (a get_config() module); fields can be overridden "
     "with --config.section.field=value.", lock_config=True,

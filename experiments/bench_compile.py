@@ -18,6 +18,7 @@ import numpy as np
 from asyncpp_jax.configs import base_config
 from asyncpp_jax.optim import build_optimizer
 from asyncpp_jax.pipeline import make_mesh
+from asyncpp_jax import train_state as state_lib
 from asyncpp_jax.train import step as step_lib
 
 
@@ -27,10 +28,10 @@ def compile_seconds(n_layers: int, d_model: int, seq_len: int, batch: int) -> fl
     opt, sched = build_optimizer(c.optimizer, 100)
     mesh = make_mesh(1)
     train_step = step_lib.make_train_step(c.model, opt, sched, mesh)
-    state = jax.eval_shape(lambda: step_lib.init_state(c.model, opt, jax.random.key(0)))
-    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=step_lib.replicated(mesh)), state)
+    state = jax.eval_shape(lambda: state_lib.init_state(c.model, opt, jax.random.key(0)))
+    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=state_lib.replicated(mesh)), state)
     tokens = jax.ShapeDtypeStruct((1, batch, seq_len + 1), np.int32,
-                                  sharding=jax.NamedSharding(mesh, step_lib.BATCH_SPEC))
+                                  sharding=jax.NamedSharding(mesh, state_lib.BATCH_SPEC))
     t0 = time.perf_counter()
     train_step.lower(state, tokens).compile()
     return time.perf_counter() - t0

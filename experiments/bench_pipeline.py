@@ -65,7 +65,8 @@ from jax.sharding import NamedSharding  # noqa: E402
 
 from asyncpp_jax.configs import base_config  # noqa: E402
 from asyncpp_jax.models import dense  # noqa: E402
-from asyncpp_jax.pipeline import engine, make_mesh, schedules, stage  # noqa: E402
+from asyncpp_jax.pipeline import engine, make_mesh, tick_tables, stage  # noqa: E402
+from asyncpp_jax import train_state as state_lib  # noqa: E402
 from asyncpp_jax.train import step as step_lib  # noqa: E402
 
 TX = optax.adamw(1e-3)
@@ -92,7 +93,7 @@ class Pipelined:
         mesh = engine.make_pipeline_mesh(1, P)
         abstract = dense.abstract_params(cfg)
         self.step = engine.make_pipeline_train_step(cfg, TX, LR, mesh, abstract, M, schedule, recompute=recompute)
-        state = step_lib.init_state(cfg, TX, jax.random.key(0))
+        state = state_lib.init_state(cfg, TX, jax.random.key(0))
         ps = engine.init_pipeline_state(cfg, state.params, mesh, M, M * args.rows, args.seq, schedule, recompute)
         self.state = engine.place_state(state.replace(runner_state=ps), mesh, abstract)
         self.batch = jax.device_put(tokens(args, M), engine.global_batch_sharding(mesh))
@@ -118,8 +119,8 @@ class Simulated(Pipelined):
         cfg = model_cfg(args)
         mesh = make_mesh(1, jax.devices()[:1])
         self.step = step_lib.make_train_step(cfg, TX, LR, mesh)
-        self.state = jax.device_put(step_lib.init_state(cfg, TX, jax.random.key(0)), step_lib.replicated(mesh))
-        self.batch = jax.device_put(tokens(args, M), NamedSharding(mesh, step_lib.BATCH_SPEC))
+        self.state = jax.device_put(state_lib.init_state(cfg, TX, jax.random.key(0)), state_lib.replicated(mesh))
+        self.batch = jax.device_put(tokens(args, M), NamedSharding(mesh, state_lib.BATCH_SPEC))
 
 
 def time_side_by_side(runs: dict, rounds: int, steps: int) -> dict:
@@ -165,20 +166,20 @@ def slot_costs(args, P: int, recompute: bool) -> dict:
             "last": _timed(last, mine, head, x, toks), "embed": _timed(emb, top, toks)}
 
 
-def _slot_seconds(table: schedules.TickTable, c: dict, k: int, s: int) -> float:
-    f, b = table.forward[k, s] != schedules.IDLE, table.backward[k, s] != schedules.IDLE
+def _slot_seconds(table: tick_tables.TickTable, c: dict, k: int, s: int) -> float:
+    f, b = table.forward[k, s] != tick_tables.IDLE, table.backward[k, s] != tick_tables.IDLE
     if s == table.n_stages - 1:
         return c["last"] if b else 0.0
     return (c["F"] + (c["embed"] if s == 0 else 0.0)) * f + c["bwd_slot"] * b
 
 
-def total_slot_seconds(table: schedules.TickTable, c: dict) -> float:
+def total_slot_seconds(table: tick_tables.TickTable, c: dict) -> float:
     """The work of one step as the sum of its slots' costs measured one by one: what a step would
     take on one core with no pipeline overhead (no accumulators, no transfers, no optimizer)."""
     return sum(_slot_seconds(table, c, k, s) for k in range(table.ticks) for s in range(table.n_stages))
 
 
-def predicted_step_seconds(table: schedules.TickTable, c: dict) -> float:
+def predicted_step_seconds(table: tick_tables.TickTable, c: dict) -> float:
     """Critical path of the tick table: the stages wait for each other at every tick's ppermute,
     so a tick lasts as long as its busiest stage."""
     return sum(max(_slot_seconds(table, c, k, s) for s in range(table.n_stages)) for k in range(table.ticks))
@@ -203,7 +204,7 @@ def work(args) -> None:
         c = slot_costs(args, P, recompute)
         bound = 1.10 if not recompute else 1 + f_share + 0.10
         for name in ("sync", "2bw"):
-            make = schedules.sync_table if name == "sync" else schedules.async_table
+            make = tick_tables.sync_table if name == "sync" else tick_tables.async_table
             slot_work = total_slot_seconds(make(P, M), c)
             print(f"| {name} | {recompute} | {t[name] / t['simulate']:.3f} | {slot_work / t['simulate']:.3f} "
                   f"| <= {bound:.2f} |", flush=True)
@@ -223,14 +224,14 @@ def overlap(args) -> None:
         for M in (2, 4, 8):
             runs = {"sync": Pipelined(args, P, M, "sync", recompute), "2bw": Pipelined(args, P, M, "2bw", recompute)}
             t = time_side_by_side(runs, args.rounds, args.steps)
-            pred = (predicted_step_seconds(schedules.sync_table(P, M), costs)
-                    / predicted_step_seconds(schedules.async_table(P, M), costs))
+            pred = (predicted_step_seconds(tick_tables.sync_table(P, M), costs)
+                    / predicted_step_seconds(tick_tables.async_table(P, M), costs))
             print(f"| {P} | {M} | {recompute} | {t['sync'] / t['2bw']:.3f} | {pred:.3f} | {(M + P - 1) / M:.3f} |",
                   flush=True)
     for P, M in ((4, 8), (8, 16)):
         c = slot_costs(args, P, True) if P != 2 else costs
-        pred = (predicted_step_seconds(schedules.sync_table(P, M), c)
-                / predicted_step_seconds(schedules.async_table(P, M), c))
+        pred = (predicted_step_seconds(tick_tables.sync_table(P, M), c)
+                / predicted_step_seconds(tick_tables.async_table(P, M), c))
         print(f"| {P} | {M} | True | (predicted only) | {pred:.3f} | {(M + P - 1) / M:.3f} |")
 
 

@@ -10,7 +10,7 @@ from asyncpp_jax import configs
 from asyncpp_jax.pipeline import make_mesh
 from asyncpp_jax.pipeline.engine import make_pipeline_mesh
 from asyncpp_jax.train import batch_layout as layout_lib
-from asyncpp_jax.train.step import BATCH_SPEC
+from asyncpp_jax.train_state import BATCH_SPEC
 
 B, M = 8, 2  # rows per microbatch 4; over data = 2 each replica holds 2 rows of each microbatch
 REPLICA_0, REPLICA_1 = [0, 1, 4, 5], [2, 3, 6, 7]

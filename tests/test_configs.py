@@ -1,6 +1,8 @@
 """Config files load, validate, and bad settings fail early with the field named."""
 
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -108,3 +110,24 @@ def test_pipeline_settings_resolve_and_fail_clearly():
 
 def test_diff_lists_changed_fields():
     assert configs.diff({"a": {"b": 1, "c": 2}}, {"a": {"b": 1, "c": 3}}) == ["a.c: 2 -> 3"]
+
+
+def test_renamed_fields_are_rejected_with_the_new_name():
+    """``config.staleness.stages`` became ``config.staleness.pipedream_stages`` (it is PipeDream's
+    simulated depth, not ``config.pipeline.stages``); the old name must not be silently ignored."""
+    c = configs.base_config()
+    c.staleness.stages = 4  # what an old config file, or ConfigDict.update(stages=4), would leave
+    with pytest.raises(configs.ConfigError, match=r"config\.staleness\.stages was renamed to "
+                                                   r"config\.staleness\.pipedream_stages"):
+        configs.validate(c)
+    assert configs.renamed_flag_errors(["--config.staleness.stages=4"]) == [
+        "config.staleness.stages was renamed to config.staleness.pipedream_stages; set that instead."]
+    assert configs.renamed_flag_errors(["--config.staleness.pipedream_stages=4", "--config.pipeline.stages=2"]) == []
+
+
+def test_cli_names_the_new_field_of_a_renamed_override():
+    proc = subprocess.run([sys.executable, "-m", "asyncpp_jax.main", "--config.staleness.stages=4", "--dry_run"],
+                          capture_output=True, text=True, timeout=120, cwd=configs.REPO_ROOT)
+    assert proc.returncode == 2
+    assert "renamed to config.staleness.pipedream_stages" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -10,7 +10,8 @@ import os
 import numpy as np
 import pytest
 
-from asyncpp_jax.data import corpus as corpus_lib
+from asyncpp_jax.data import prepare as prepare_lib
+from asyncpp_jax.data import sources as sources_lib
 from asyncpp_jax.data.stream import ShardedStream
 from asyncpp_jax.data import (
     ByteTokenizer,
@@ -218,19 +219,19 @@ def test_prepare_caches_and_key_tracks_inputs(tmp_path, prepared, text_dir):
 
 
 def test_prepare_crash_leaves_no_corpus(tmp_path, text_dir, monkeypatch):
-    real_documents = corpus_lib._local_documents
+    real_documents = sources_lib.local_documents
 
     def crashing_documents(*args):
         gen = real_documents(*args)
         yield next(gen)
         raise RuntimeError("simulated crash")
 
-    monkeypatch.setattr(corpus_lib, "_local_documents", crashing_documents)
+    monkeypatch.setattr(sources_lib, "local_documents", crashing_documents)
     cache = tmp_path / "cache"
     with pytest.raises(RuntimeError, match="simulated crash"):
         prepare_corpus(str(text_dir), cache_dir=str(cache), log=lambda m: None)
     assert os.listdir(cache) == []  # neither a final directory nor the temp one survives
-    monkeypatch.setattr(corpus_lib, "_local_documents", real_documents)
+    monkeypatch.setattr(sources_lib, "local_documents", real_documents)
     load_corpus(prepare_corpus(str(text_dir), cache_dir=str(cache), log=lambda m: None))
 
 
@@ -244,7 +245,7 @@ def test_split_by_document_is_disjoint_and_deterministic(tmp_path, prepared, tex
     assert not set(train) & set(val)
     assert sorted(train + val) == sorted(all_names) and len(all_names) == 24
     # The documented rule: val iff sha256(f"{seed}:{name}") maps below val_fraction.
-    assert set(val) == {n for n in all_names if corpus_lib._unit_hash(0, n) < 0.25}
+    assert set(val) == {n for n in all_names if sources_lib.unit_hash(0, n) < 0.25}
     # Same split from a fresh preparation elsewhere, and a different one for another seed.
     elsewhere = load_corpus(prepare_corpus(str(text_dir), cache_dir=str(tmp_path / "c2"),
                                            val_fraction=0.25, log=lambda m: None))
@@ -326,7 +327,7 @@ def test_hf_source_streams_rows_and_splits_by_text(tmp_path, monkeypatch):
     for i in range(40):
         in_val = f"row {i} " in texts["val"]
         assert in_val != (f"row {i} " in texts["train"])
-        assert in_val == (corpus_lib._unit_hash(0, rows[i]["text"]) < 0.2)
+        assert in_val == (sources_lib.unit_hash(0, rows[i]["text"]) < 0.2)
     # Two rows and a tiny val_fraction: the held-back row keeps the val split non-empty.
     tiny = load_corpus(prepare_corpus("hf:org/set", cache_dir=str(tmp_path), val_fraction=1e-9,
                                       hf_max_docs=2, log=lambda m: None))
@@ -349,7 +350,7 @@ def test_stdlib_listing_and_split():
 
 
 def test_cli_prints_path_and_stats(tmp_path, text_dir, capsys):
-    rc = corpus_lib.main([f"--source={text_dir}", "--tokenizer=byte",
+    rc = prepare_lib.main([f"--source={text_dir}", "--tokenizer=byte",
                           f"--cache_dir={tmp_path / 'cache'}"])
     out = capsys.readouterr().out.splitlines()
     assert rc == 0

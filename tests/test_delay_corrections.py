@@ -20,6 +20,7 @@ from asyncpp_jax.models import dense
 from asyncpp_jax.optim import (DelaySchedule, WeightPrediction, build_nesterov_main, build_optimizer, delay,
                                delay_aware_lr, label_params, muon, nesterov_lookahead)
 from asyncpp_jax.pipeline import make_mesh
+from asyncpp_jax import train_state as state_lib
 from asyncpp_jax.train import step as step_lib
 
 # ------------------------------------------------------------------------------ Nesterov look-ahead
@@ -124,9 +125,9 @@ def mesh():
 
 def run_runner(cfg, tx, data, mesh, prediction=None):
     step = step_lib.make_train_step(cfg, tx, optax.constant_schedule(0.0), mesh, weight_prediction=prediction)
-    state = jax.device_put(step_lib.init_state(cfg, tx, jax.random.key(0), prediction), step_lib.replicated(mesh))
+    state = jax.device_put(state_lib.init_state(cfg, tx, jax.random.key(0), prediction), state_lib.replicated(mesh))
     for b in data:
-        state, _ = step(state, jax.device_put(b, NamedSharding(mesh, step_lib.BATCH_SPEC)))
+        state, _ = step(state, jax.device_put(b, NamedSharding(mesh, state_lib.BATCH_SPEC)))
     return state
 
 
@@ -217,7 +218,7 @@ def test_config_rejects_corrections_where_they_cannot_apply(overrides, needle):
 @pytest.mark.parametrize("staleness", [
     dict(mode="2bw", nesterov=True, mitigation="ef"),
     dict(mode="2bw", weight_prediction=True, weight_prediction_smoothing=0.5),
-    dict(mode="pipedream", stages=4, lr_rescheduling_steps=50),
+    dict(mode="pipedream", pipedream_stages=4, lr_rescheduling_steps=50),
 ])
 def test_config_accepts_corrections(staleness):
     configs.validate(tiny(**staleness))
@@ -255,7 +256,7 @@ def test_factory_builds_the_look_ahead_for_adamw_and_muon():
     for lab, g, h, s in zip(labels, jax.tree.leaves(got), jax.tree.leaves(hidden), jax.tree.leaves(side)):
         np.testing.assert_array_equal(g, h if lab == "hidden" else s)
     # And the whole chain: lr rescheduling wraps the logged schedule.
-    st = tiny(mode="pipedream", stages=4, lr_rescheduling_steps=10).staleness
+    st = tiny(mode="pipedream", pipedream_stages=4, lr_rescheduling_steps=10).staleness
     cfg4 = model_cfg()
     cfg4.n_layers = 4
     _, schedule = build_optimizer(o, 100, st, jax.eval_shape(lambda: dense.init_params(cfg4, jax.random.key(0))))

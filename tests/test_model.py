@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from asyncpp_jax.configs import base_config
-from asyncpp_jax.models import dense
+from asyncpp_jax.models import dense, layers
 
 
 def small_cfg(**kw) -> ml_collections.ConfigDict:
@@ -80,7 +80,7 @@ def _naive_attention(cfg, p, x):
     q = (x @ p["q"]["kernel"]).reshape(b, t, cfg.n_heads, hd)
     k = (x @ p["k"]["kernel"]).reshape(b, t, cfg.n_kv_heads, hd)
     v = (x @ p["v"]["kernel"]).reshape(b, t, cfg.n_kv_heads, hd)
-    q, k = dense.rope(q, pos, cfg.rope_theta), dense.rope(k, pos, cfg.rope_theta)
+    q, k = layers.rope(q, pos, cfg.rope_theta), layers.rope(k, pos, cfg.rope_theta)
     rep = cfg.n_heads // cfg.n_kv_heads
     k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(hd)
@@ -91,7 +91,7 @@ def _naive_attention(cfg, p, x):
 
 def test_gqa_matches_naive_reference():
     cfg = small_cfg(n_heads=4, n_kv_heads=2)
-    attn = dense.Attention(cfg)
+    attn = layers.Attention(cfg)
     x = jax.random.normal(jax.random.key(3), (2, 5, cfg.d_model))
     pos = jnp.broadcast_to(jnp.arange(5), (2, 5))
     p = attn.init(jax.random.key(4), x, pos)["params"]
@@ -102,7 +102,7 @@ def test_rope_is_relative():
     """<rope(q, m), rope(k, n)> depends only on m - n (Su et al. 2021, eq. 16)."""
     q = jax.random.normal(jax.random.key(5), (1, 1, 1, 8))
     k = jax.random.normal(jax.random.key(6), (1, 1, 1, 8))
-    dot = lambda m, n: jnp.sum(dense.rope(q, jnp.array([[m]]), 1e4) * dense.rope(k, jnp.array([[n]]), 1e4))  # noqa: E731
+    dot = lambda m, n: jnp.sum(layers.rope(q, jnp.array([[m]]), 1e4) * layers.rope(k, jnp.array([[n]]), 1e4))  # noqa: E731
     np.testing.assert_allclose(dot(5, 2), dot(13, 10), rtol=1e-5)
     assert not np.isclose(dot(5, 2), dot(5, 3))
 

@@ -16,6 +16,7 @@ from asyncpp_jax.configs import base_config
 from asyncpp_jax.models import dense
 from asyncpp_jax.optim import DelaySchedule, WeightVersions, delay, pipedream_leaf_delays
 from asyncpp_jax.pipeline import make_mesh
+from asyncpp_jax import train_state as state_lib
 from asyncpp_jax.train import step as step_lib
 
 N_LAYERS, SEQ, BATCH, MICRO = 4, 8, 4, 2
@@ -41,10 +42,10 @@ def mesh():
 def run_runner(cfg, tx, data, mesh, versions=None):
     """The real simulate runner: returns the params after every update."""
     step = step_lib.make_train_step(cfg, tx, optax.constant_schedule(0.0), mesh, weight_versions=versions)
-    state = jax.device_put(step_lib.init_state(cfg, tx, jax.random.key(0), versions), step_lib.replicated(mesh))
+    state = jax.device_put(state_lib.init_state(cfg, tx, jax.random.key(0), versions), state_lib.replicated(mesh))
     hist = [jax.tree.map(np.asarray, state.params)]
     for b in data:
-        state, _ = step(state, jax.device_put(b, NamedSharding(mesh, step_lib.BATCH_SPEC)))
+        state, _ = step(state, jax.device_put(b, NamedSharding(mesh, state_lib.BATCH_SPEC)))
         hist.append(jax.tree.map(np.asarray, state.params))
     return hist
 

@@ -15,7 +15,8 @@ from jax.sharding import NamedSharding
 from asyncpp_jax.configs import base_config
 from asyncpp_jax.models import dense
 from asyncpp_jax.optim import DelaySchedule, WeightPrediction, delay, error_feedback, muon
-from asyncpp_jax.pipeline import engine, make_mesh, schedules
+from asyncpp_jax.pipeline import engine, make_mesh, tick_tables
+from asyncpp_jax import train_state as state_lib
 from asyncpp_jax.train import step as step_lib
 
 T = 8
@@ -46,17 +47,17 @@ def run_simulate(cfg, tx, data, data_size=1):
     """``(final state, per-update metrics)`` of the simulate runner."""
     mesh = make_mesh(data_size, jax.devices()[:data_size])
     step = step_lib.make_train_step(cfg, tx, SCHED, mesh)
-    state = jax.device_put(step_lib.init_state(cfg, tx, jax.random.key(0)), step_lib.replicated(mesh))
+    state = jax.device_put(state_lib.init_state(cfg, tx, jax.random.key(0)), state_lib.replicated(mesh))
     metrics = []
     for b in data:
-        state, m = step(state, jax.device_put(b, NamedSharding(mesh, step_lib.BATCH_SPEC)))
+        state, m = step(state, jax.device_put(b, NamedSharding(mesh, state_lib.BATCH_SPEC)))
         metrics.append(jax.device_get(m))
     return state, metrics
 
 
 def init_pipeline(cfg, tx, mesh, M, B, schedule, poison=False, ep=False, recompute=True):
     abstract = dense.abstract_params(cfg)
-    state = step_lib.init_state(cfg, tx, jax.random.key(0))
+    state = state_lib.init_state(cfg, tx, jax.random.key(0))
     ps = engine.init_pipeline_state(cfg, state.params, mesh, M, B, T, schedule, recompute, ep)
     if poison and ps is not None:  # every buffer a bubble slot could read: NaN (tokens stay valid ints)
         ps = ps._replace(**{k: jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), getattr(ps, k))
@@ -88,15 +89,15 @@ def assert_params_close(a, b, rtol=2e-5, atol=2e-5):
 
 @pytest.mark.parametrize("P, M", [(2, 2), (4, 6), (4, 16)])
 def test_tick_tables(P, M):
-    sync, asyn = schedules.sync_table(P, M), schedules.async_table(P, M)
+    sync, asyn = tick_tables.sync_table(P, M), tick_tables.async_table(P, M)
     assert sync.ticks == M + 2 * P - 2
     assert sync.useful_fraction() == pytest.approx(M / (M + 2 * P - 2))
     assert asyn.ticks == M and asyn.useful_fraction() == 1.0  # no bubble in steady state
     for table in (sync, asyn):
         for s in range(P):  # each microbatch once forward and once backward per stage
             f, b = table.forward[:, s], table.backward[:, s]
-            assert sorted(f[f != schedules.IDLE] % M) == list(range(M))
-            assert sorted(b[b != schedules.IDLE] % M) == list(range(M))
+            assert sorted(f[f != tick_tables.IDLE] % M) == list(range(M))
+            assert sorted(b[b != tick_tables.IDLE] % M) == list(range(M))
     # Backward of a microbatch on stage s comes after the one on s+1 (its cotangent), one tick apart.
     k_b = {(int(sync.backward[k, s]), s): k for k in range(sync.ticks) for s in range(P)}
     assert all(k_b[(m, s)] == k_b[(m, s + 1)] + 1 for m in range(M) for s in range(P - 1))
@@ -104,9 +105,9 @@ def test_tick_tables(P, M):
 
 
 def test_2bw_needs_enough_microbatches():
-    assert schedules.min_microbatches_2bw(4) == 6
+    assert tick_tables.min_microbatches_2bw(4) == 6
     with pytest.raises(ValueError, match=r"microbatches=5 is too few .* >= 2\*\(stages-1\) = 6"):
-        schedules.async_table(4, 5)
+        tick_tables.async_table(4, 5)
 
 
 # ------------------------------------------------------------------------------------------ parity
@@ -148,14 +149,14 @@ def test_2bw_weight_prediction_equals_simulate(smoothing):
     mesh = make_mesh(1, jax.devices()[:1])
     sim = step_lib.make_train_step(cfg, optax.chain(delay(1, sync_start_steps=2, total_steps=6), tx), SCHED, mesh,
                                    dsched, weight_prediction=prediction)
-    want = jax.device_put(step_lib.init_state(cfg, optax.chain(delay(1, sync_start_steps=2, total_steps=6), tx),
-                                              jax.random.key(0), prediction), step_lib.replicated(mesh))
+    want = jax.device_put(state_lib.init_state(cfg, optax.chain(delay(1, sync_start_steps=2, total_steps=6), tx),
+                                              jax.random.key(0), prediction), state_lib.replicated(mesh))
     for b in data:
-        want, _ = sim(want, jax.device_put(b, NamedSharding(mesh, step_lib.BATCH_SPEC)))
+        want, _ = sim(want, jax.device_put(b, NamedSharding(mesh, state_lib.BATCH_SPEC)))
     pmesh = engine.make_pipeline_mesh(1, 2)
     step = engine.make_pipeline_train_step(cfg, tx, SCHED, pmesh, dense.abstract_params(cfg), 2, "2bw", dsched,
                                            weight_prediction=prediction)
-    state = step_lib.init_state(cfg, tx, jax.random.key(0))
+    state = state_lib.init_state(cfg, tx, jax.random.key(0))
     ps = engine.init_pipeline_state(cfg, state.params, pmesh, 2, 4, T, "2bw", weight_prediction=prediction)
     state = engine.place_state(state.replace(runner_state=ps), pmesh, dense.abstract_params(cfg))
     for b in data:

@@ -376,7 +376,7 @@ def test_pipedream_delays_on_the_model_tree(n_stages, tie):
 
 
 def test_pipedream_rejects_indivisible_layers():
-    with pytest.raises(ValueError, match=r"config\.staleness\.stages=3.*config\.model\.n_layers=4"):
+    with pytest.raises(ValueError, match=r"config\.staleness\.pipedream_stages=3.*config\.model\.n_layers=4"):
         pipedream_leaf_delays(abstract_model(4), 3)
 
 

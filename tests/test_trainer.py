@@ -18,6 +18,7 @@ import pytest
 from asyncpp_jax import configs
 from asyncpp_jax.optim import build_optimizer
 from asyncpp_jax.pipeline import make_mesh
+from asyncpp_jax import train_state as state_lib
 from asyncpp_jax.train import step as step_lib
 from asyncpp_jax.train.trainer import Trainer, TrainingDiverged
 
@@ -154,7 +155,7 @@ def test_data_parallel_matches_single_device(cache_dir, n_devices):
     def run(devices, opt):
         mesh = make_mesh(len(devices), devices)
         train_step = step_lib.make_train_step(cfg.model, opt, sched, mesh)
-        state = jax.device_put(step_lib.init_state(cfg.model, opt, jax.random.key(0)), step_lib.replicated(mesh))
+        state = jax.device_put(state_lib.init_state(cfg.model, opt, jax.random.key(0)), state_lib.replicated(mesh))
         losses = []
         for b in batches:
             state, m = train_step(state, step_lib.to_global_batch(mesh, b, cfg.train.microbatches))
@@ -181,7 +182,7 @@ def test_microbatching_equals_one_big_batch(cache_dir):
     mesh = make_mesh(1)
     outs = []
     for m in (1, 4):
-        state = step_lib.init_state(cfg.model, opt, jax.random.key(0))
+        state = state_lib.init_state(cfg.model, opt, jax.random.key(0))
         state, metrics = step_lib.make_train_step(cfg.model, opt, sched, mesh)(
             state, step_lib.to_global_batch(mesh, batch, m))
         outs.append((float(metrics["loss"]), state.params))
@@ -264,7 +265,7 @@ def test_cli_sigterm_checkpoints_and_exits_cleanly(cache_dir, tmp_path):
 @pytest.mark.parametrize("mode, mitigation", [("2bw", "ef"), ("pipedream", "taylor")])
 def test_staleness_modes_train_and_log_the_delay(cache_dir, tmp_path, mode, mitigation):
     cfg = small_config(cache_dir, steps=6, eval_every=6, checkpoint_every=6)
-    cfg.staleness.update(mode=mode, stages=2, mitigation=mitigation, sync_start_steps=1, sync_cooldown_steps=2)
+    cfg.staleness.update(mode=mode, pipedream_stages=2, mitigation=mitigation, sync_start_steps=1, sync_cooldown_steps=2)
     t = Trainer(cfg, tmp_path)
     result = t.run()
     t.close()
@@ -280,7 +281,7 @@ def test_runner_state_resumes_exactly(cache_dir, tmp_path, runner):
     weight-prediction velocity."""
     cfg = small_config(cache_dir, steps=6, eval_every=6, checkpoint_every=6)
     if runner == "pipedream_mixed":
-        cfg.staleness.update(mode="pipedream", stages=2, pipedream_gradient="mixed", mitigation="ef")
+        cfg.staleness.update(mode="pipedream", pipedream_stages=2, pipedream_gradient="mixed", mitigation="ef")
     elif runner == "weight_prediction":
         cfg.staleness.update(mode="2bw", weight_prediction=True, weight_prediction_smoothing=0.5, nesterov=True)
     else:

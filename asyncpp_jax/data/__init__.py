@@ -1,8 +1,12 @@
-"""Data layer: tokenizers, cached on-disk tokenized corpora, grain input pipelines.
+"""Data layer: tokenizers, document sources, cached on-disk tokenized corpora, grain input pipelines.
+
+Modules: ``tokenizers``; ``sources`` (stdlib, local files, Hugging Face; the train/val split);
+``corpus`` (the on-disk format: writer, reader, checks); ``prepare`` (tokenize a source into the
+cache; also the command line); ``stream`` and ``pipeline`` (grain input pipelines).
 
 Depends only on numpy, tokenizers and grain (never on `asyncpp_jax.train` or
 `asyncpp_jax.pipeline`). Names are re-exported lazily (PEP 562) so that importing this package, or
-running `python -m asyncpp_jax.data.corpus`, loads neither grain nor, through grain's orbax
+running `python -m asyncpp_jax.data.prepare`, loads neither grain nor, through grain's orbax
 integration, jax, until a pipeline is actually asked for.
 """
 
@@ -14,14 +18,14 @@ _EXPORTS = {
     "get_tokenizer": "tokenizers",
     "Corpus": "corpus",
     "CorpusError": "corpus",
-    "FileListing": "corpus",
-    "assign_splits": "corpus",
+    "FileListing": "sources",
+    "assign_splits": "sources",
     "default_cache_dir": "corpus",
-    "list_local_files": "corpus",
-    "list_stdlib_files": "corpus",
+    "list_local_files": "sources",
+    "list_stdlib_files": "sources",
     "load_corpus": "corpus",
-    "prepare_corpus": "corpus",
-    "prepare_corpus_for": "corpus",
+    "prepare_corpus": "prepare",
+    "prepare_corpus_for": "prepare",
     "PackedWindows": "pipeline",
     "ShardedStream": "stream",
     "make_eval_batches": "pipeline",

@@ -11,7 +11,7 @@ this is model FLOPs, not hardware FLOPs.
 
 from __future__ import annotations
 
-from asyncpp_jax.models import dense
+from asyncpp_jax.models import dense, layers
 
 
 def active_matmul_params(cfg) -> int:
@@ -30,5 +30,5 @@ def active_matmul_params(cfg) -> int:
 
 
 def flops_per_token(cfg, seq_len: int) -> float:
-    d_attn = cfg.n_heads * dense.head_dim(cfg)
+    d_attn = cfg.n_heads * layers.head_dim(cfg)
     return 6.0 * active_matmul_params(cfg) + 12.0 * cfg.n_layers * seq_len * d_attn

@@ -34,12 +34,15 @@ Auxiliary losses, both returned per layer and added to the training loss by the 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
+
+from asyncpp_jax.models.layers import MLP, dtype_of
 
 Array = jax.Array
 
@@ -103,7 +106,6 @@ class MoE(nn.Module):
     @nn.compact
     def __call__(self, x: Array):
         cfg, mcfg = self.cfg, self.cfg.moe
-        from asyncpp_jax.models.dense import MLP, dtype_of
 
         dtype, pdtype = dtype_of(cfg.compute_dtype), dtype_of(cfg.param_dtype)
         E, k, F, D = mcfg.num_experts, mcfg.top_k, mcfg.expert_d_ff, cfg.d_model
@@ -128,47 +130,72 @@ class MoE(nn.Module):
         w_up = self.param("up", init, (E // S, D, F), pdtype).astype(dtype)
         w_down = self.param("down", out_init, (E // S, F, D), pdtype).astype(dtype)
 
-        def local_experts(xe):  # [E/S, C', D] -> [E/S, C', D]
-            h = nn.silu(jnp.einsum("ecd,edf->ecf", xe, w_gate)) * jnp.einsum("ecd,edf->ecf", xe, w_up)
-            return jnp.einsum("ecf,efd->ecd", h, w_down)
-
-        def experts(xe):  # [E, C, D] -> [E, C, D]: this device's tokens through all E experts
-            if S == 1:
-                return local_experts(xe)
-            _, cap_, _ = xe.shape
-            # Send each expert group its slots; receive [S (source), E/S, C, D] for our experts.
-            recv = jax.lax.all_to_all(xe.reshape(S, E // S, cap_, D), axis, 0, 0, tiled=True)
-            out = local_experts(jnp.swapaxes(recv, 0, 1).reshape(E // S, S * cap_, D))
-            out = jnp.swapaxes(out.reshape(E // S, S, cap_, D), 0, 1)
-            return jax.lax.all_to_all(out, axis, 0, 0, tiled=True).reshape(E, cap_, D)
-
+        experts = functools.partial(_experts, w_gate, w_up, w_down, axis, S)
         if mcfg.capacity_factor > 0:
-            cap = capacity(n, E, k, mcfg.capacity_factor)
-            flat, keep, dropped = slots(idx, E, cap)  # [N, k]
-            # Scatter the kept assignments into the [E, C, D] expert buffer (dropped ones go to a
-            # discarded row), run the experts, and gather each token's k results back.
-            target = jnp.where(keep, flat, E * cap).reshape(-1)
-            src = jnp.repeat(tokens.astype(dtype), k, axis=0)
-            xe = jnp.zeros((E * cap + 1, D), dtype).at[target].set(src)[:-1].reshape(E, cap, D)
-            ye = experts(xe).reshape(E * cap, D)
-            picked = jnp.take(ye, flat.reshape(-1), axis=0).reshape(n, k, D)
-            w = jnp.where(keep, gates, 0.0).astype(dtype)
-            y = jnp.einsum("nk,nkd->nd", w, picked)
+            y, dropped = _capacity_dispatch(experts, tokens.astype(dtype), gates, idx, E,
+                                            capacity(n, E, k, mcfg.capacity_factor))
         else:
             dropped = jnp.zeros((), jnp.int32)
-            dense_gates = jnp.sum(jax.nn.one_hot(idx, E, dtype=jnp.float32) * gates[..., None], axis=1)  # [N, E]
-            ye = experts(jnp.broadcast_to(tokens.astype(dtype), (E, n, D)))  # every expert, every token
-            y = jnp.einsum("ne,end->nd", dense_gates.astype(dtype), ye)
+            y = _dropless_dispatch(experts, tokens.astype(dtype), gates, idx, E)
         y = y.reshape(b, t, D).astype(dtype)
         if mcfg.shared_experts:
             shared = ml_collections.ConfigDict(cfg.to_dict())
             shared.d_ff = mcfg.shared_experts * F
             y = y + MLP(shared, name="shared")(x)
 
-        assigned = jnp.sum(jax.nn.one_hot(idx, E, dtype=jnp.float32), axis=(0, 1)) / (n * k)  # f_e
-        aux = {
-            "moe_lb_loss": E * jnp.sum(assigned * jnp.mean(probs, axis=0)),
-            "moe_router_z": jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2),
-            "moe_dropped": dropped.astype(jnp.float32) / (n * k),
-        }
-        return y, aux
+        return y, _aux_losses(logits, probs, idx, dropped, E)
+
+
+def _local_experts(w_gate, w_up, w_down, xe):  # [E/S, C', D] -> [E/S, C', D]
+    h = nn.silu(jnp.einsum("ecd,edf->ecf", xe, w_gate)) * jnp.einsum("ecd,edf->ecf", xe, w_up)
+    return jnp.einsum("ecf,efd->ecd", h, w_down)
+
+
+def _experts(w_gate, w_up, w_down, axis: str, S: int, xe):
+    """``[E, C, D] -> [E, C, D]``: this device's tokens through all ``E`` experts, of which it holds
+    ``E/S``; with ``S > 1`` the slots of the other groups go there and back by ``all_to_all``."""
+    if S == 1:
+        return _local_experts(w_gate, w_up, w_down, xe)
+    E_local = w_gate.shape[0]
+    _, cap_, D = xe.shape
+    # Send each expert group its slots; receive [S (source), E/S, C, D] for our experts.
+    recv = jax.lax.all_to_all(xe.reshape(S, E_local, cap_, D), axis, 0, 0, tiled=True)
+    out = _local_experts(w_gate, w_up, w_down, jnp.swapaxes(recv, 0, 1).reshape(E_local, S * cap_, D))
+    out = jnp.swapaxes(out.reshape(E_local, S, cap_, D), 0, 1)
+    return jax.lax.all_to_all(out, axis, 0, 0, tiled=True).reshape(S * E_local, cap_, D)
+
+
+def _capacity_dispatch(experts, tokens: Array, gates: Array, idx: Array, E: int, cap: int):
+    """Tokens ``[N, D]`` through their top-k experts at capacity ``cap``: ``(y [N, D], dropped count)``.
+
+    The kept assignments are scattered into the ``[E, C, D]`` expert buffer (dropped ones go to a
+    discarded row), the experts run, and each token's ``k`` results are gathered back."""
+    n, D = tokens.shape
+    k = idx.shape[1]
+    flat, keep, dropped = slots(idx, E, cap)  # [N, k]
+    target = jnp.where(keep, flat, E * cap).reshape(-1)
+    src = jnp.repeat(tokens, k, axis=0)
+    xe = jnp.zeros((E * cap + 1, D), tokens.dtype).at[target].set(src)[:-1].reshape(E, cap, D)
+    ye = experts(xe).reshape(E * cap, D)
+    picked = jnp.take(ye, flat.reshape(-1), axis=0).reshape(n, k, D)
+    w = jnp.where(keep, gates, 0.0).astype(tokens.dtype)
+    return jnp.einsum("nk,nkd->nd", w, picked), dropped
+
+
+def _dropless_dispatch(experts, tokens: Array, gates: Array, idx: Array, E: int) -> Array:
+    """Every expert on every token; the output keeps only each token's top-k gates."""
+    n, D = tokens.shape
+    dense_gates = jnp.sum(jax.nn.one_hot(idx, E, dtype=jnp.float32) * gates[..., None], axis=1)  # [N, E]
+    ye = experts(jnp.broadcast_to(tokens, (E, n, D)))
+    return jnp.einsum("ne,end->nd", dense_gates.astype(tokens.dtype), ye)
+
+
+def _aux_losses(logits: Array, probs: Array, idx: Array, dropped: Array, E: int) -> dict:
+    """Switch load balance ``E sum_e f_e P_e``, ST-MoE router z-loss, and the dropped fraction."""
+    n, k = idx.shape
+    assigned = jnp.sum(jax.nn.one_hot(idx, E, dtype=jnp.float32), axis=(0, 1)) / (n * k)  # f_e
+    return {
+        "moe_lb_loss": E * jnp.sum(assigned * jnp.mean(probs, axis=0)),
+        "moe_router_z": jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2),
+        "moe_dropped": dropped.astype(jnp.float32) / (n * k),
+    }

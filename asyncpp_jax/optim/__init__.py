@@ -19,7 +19,7 @@ from asyncpp_jax.optim.mars import mars, scale_by_mars  # noqa: F401
 from asyncpp_jax.optim.muon import muon, orthogonalize, scale_by_muon  # noqa: F401
 from asyncpp_jax.optim.prediction import WeightPrediction, WeightPredictionState  # noqa: F401
 from asyncpp_jax.optim.routing import describe, label_params, partition, print_routing, suspects  # noqa: F401
-from asyncpp_jax.optim.schedules import make_schedule  # noqa: F401
+from asyncpp_jax.optim.lr_schedules import make_schedule  # noqa: F401
 from asyncpp_jax.optim.soap import scale_by_soap, soap  # noqa: F401
 from asyncpp_jax.optim.staleness import (  # noqa: F401
     DelaySchedule,

@@ -18,7 +18,7 @@ from asyncpp_jax.optim.lion import lion
 from asyncpp_jax.optim.mars import mars
 from asyncpp_jax.optim.muon import muon
 from asyncpp_jax.optim.soap import soap
-from asyncpp_jax.optim.schedules import make_schedule
+from asyncpp_jax.optim.lr_schedules import make_schedule
 from asyncpp_jax.optim.delay_lr import delay_aware_lr
 from asyncpp_jax.optim.lookahead import nesterov_lookahead
 from asyncpp_jax.optim.muon import scale_by_muon
@@ -109,7 +109,7 @@ def weight_prediction(st, total_steps: int) -> WeightPrediction | None:
 
 
 def _delay_kwargs(st, total_steps: int, params_shapes) -> dict:
-    leaf_delays = pipedream_leaf_delays(params_shapes, st.stages) if st.mode == "pipedream" else None
+    leaf_delays = pipedream_leaf_delays(params_shapes, st.pipedream_stages) if st.mode == "pipedream" else None
     return dict(steps=1, sync_start_steps=st.sync_start_steps, sync_cooldown_steps=st.sync_cooldown_steps,
                 total_steps=total_steps, leaf_delays=leaf_delays)
 
@@ -118,7 +118,7 @@ def delay_schedule(st, total_steps: int) -> DelaySchedule | None:
     """The delay in force per update under ``config.staleness`` (for metrics); None when sync."""
     if st is None or st.mode == "sync":
         return None
-    steps = st.stages - 1 if st.mode == "pipedream" else 1
+    steps = st.pipedream_stages - 1 if st.mode == "pipedream" else 1
     return DelaySchedule(steps=steps, sync_start_steps=st.sync_start_steps,
                          sync_cooldown_steps=st.sync_cooldown_steps, total_steps=total_steps)
 

@@ -50,6 +50,7 @@ are batch axes here).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -156,6 +157,91 @@ def _grouped_qr(mats: list[jax.Array]) -> list[jax.Array]:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class _Soap:
+    """``scale_by_soap``'s hyperparameters, and its per-leaf steps (see its docstring)."""
+
+    b1: float
+    b2: float
+    beta_s: float  # decay of L, R
+    eps: float
+    max_precond_dim: int
+    correct_bias: bool
+    freeze_basis_identity: bool
+
+    def sides(self, leaf) -> tuple[bool, bool]:
+        return _rotated_sides(leaf.shape, self.max_precond_dim)
+
+    def init_leaf(self, p):
+        dt = _state_dtype(p.dtype)
+        rot_l, rot_r = self.sides(p)
+        batch = p.shape[:-2]
+        left = jnp.zeros(batch + (p.shape[-2],) * 2, dt) if rot_l else jnp.zeros((), dt)
+        right = jnp.zeros(batch + (p.shape[-1],) * 2, dt) if rot_r else jnp.zeros((), dt)
+        return jnp.zeros(p.shape, dt), jnp.zeros(p.shape, dt), left, right, left, right
+
+    def accumulate(self, g, gg_left, gg_right, rot_l, rot_r):
+        # torch's lerp_(outer, 1 - beta_s): beta_s * old + (1 - beta_s) * outer.
+        if rot_l:
+            gg_left = self.beta_s * gg_left + (1.0 - self.beta_s) * _mm(g, _t(g))
+        if rot_r:
+            gg_right = self.beta_s * gg_right + (1.0 - self.beta_s) * _mm(_t(g), g)
+        return gg_left, gg_right
+
+    def basis(self, gg):
+        if self.freeze_basis_identity:
+            return jnp.broadcast_to(jnp.eye(gg.shape[-1], dtype=gg.dtype), gg.shape)
+        return _eigenbasis(gg)
+
+    def first_leaf(self, g, m, v, gg_left, gg_right, q_left, q_right):
+        """The first call: statistics and the eigenbasis from this gradient, a zero update."""
+        rot_l, rot_r = self.sides(g)
+        gf = g.astype(m.dtype)
+        gg_left, gg_right = self.accumulate(gf, gg_left, gg_right, rot_l, rot_r)
+        q_left = self.basis(gg_left) if rot_l else q_left
+        q_right = self.basis(gg_right) if rot_r else q_right
+        return jnp.zeros_like(g), m, v, gg_left, gg_right, q_left, q_right
+
+    def later_leaf(self, count, g, m, v, gg_left, gg_right, q_left, q_right, *, refresh_basis: bool):
+        """Adam in the rotated basis; with ``refresh_basis`` also the power-iteration half of the
+        basis refresh (the QR is left ``pending``, done for all leaves at once by :func:`_refreshed`)."""
+        b1, b2 = self.b1, self.b2
+        rot_l, rot_r = self.sides(g)
+        gf = g.astype(m.dtype)
+        g_rot = _project(gf, q_left, q_right, rot_l, rot_r)
+        m = b1 * m + (1.0 - b1) * g_rot
+        v = b2 * v + (1.0 - b2) * jnp.square(g_rot)
+        t = count.astype(m.dtype)
+        scale = jnp.sqrt(1.0 - b2**t) / (1.0 - b1**t) if self.correct_bias else 1.0
+        u = scale * _project_back(m / (jnp.sqrt(v) + self.eps), q_left, q_right, rot_l, rot_r)
+        # The statistics take this gradient only after it was used for the step (reference order).
+        gg_left, gg_right = self.accumulate(gf, gg_left, gg_right, rot_l, rot_r)
+
+        pending = {}  # side -> L Q[:, order], QR-factored for all leaves at once (``_grouped_qr``)
+        if refresh_basis and (rot_l or rot_r) and not self.freeze_basis_identity:
+            m = _project_back(m, q_left, q_right, rot_l, rot_r)  # to parameter space; rotated in ``_refreshed``
+            if rot_l:
+                pending["left"], order = _power_iteration(gg_left, q_left)
+                v = jnp.take_along_axis(v, order[..., :, None], axis=-2)
+            if rot_r:
+                pending["right"], order = _power_iteration(gg_right, q_right)
+                v = jnp.take_along_axis(v, order[..., None, :], axis=-1)
+        return (u.astype(g.dtype), m, v, gg_left, gg_right, q_left, q_right), pending
+
+
+def _refreshed(outs):
+    """Each leaf's new basis ``Q <- qr(L Q_sorted)``, and its first moment rotated into it."""
+    qs = iter(_grouped_qr([p for _, pending in outs for p in pending.values()]))
+    result = []
+    for (u, m, v, gg_left, gg_right, q_left, q_right), pending in outs:
+        if pending:
+            q_left = next(qs) if "left" in pending else q_left
+            q_right = next(qs) if "right" in pending else q_right
+            m = _project(m, q_left, q_right, "left" in pending, "right" in pending)
+        result.append((u, m, v, gg_left, gg_right, q_left, q_right))
+    return result
+
+
 def scale_by_soap(
     b1: float = 0.95,
     b2: float = 0.95,
@@ -185,81 +271,14 @@ def scale_by_soap(
     """
     if precondition_frequency < 1:
         raise ValueError(f"precondition_frequency must be >= 1, got {precondition_frequency}")
-    beta_s = shampoo_beta if shampoo_beta >= 0 else b2
-
-    def sides(leaf):
-        return _rotated_sides(leaf.shape, max_precond_dim)
+    leafwise = _Soap(b1, b2, shampoo_beta if shampoo_beta >= 0 else b2, eps, max_precond_dim, correct_bias,
+                  freeze_basis_identity)
 
     def init_fn(params):
-        def init_leaf(p):
-            dt = _state_dtype(p.dtype)
-            rot_l, rot_r = sides(p)
-            batch = p.shape[:-2]
-            left = jnp.zeros(batch + (p.shape[-2],) * 2, dt) if rot_l else jnp.zeros((), dt)
-            right = jnp.zeros(batch + (p.shape[-1],) * 2, dt) if rot_r else jnp.zeros((), dt)
-            return jnp.zeros(p.shape, dt), jnp.zeros(p.shape, dt), left, right, left, right
-
-        parts = [init_leaf(p) for p in jax.tree.leaves(params)]
+        parts = [leafwise.init_leaf(p) for p in jax.tree.leaves(params)]
         treedef = jax.tree.structure(params)
         fields = [jax.tree.unflatten(treedef, [part[i] for part in parts]) for i in range(6)]
         return ScaleBySoapState(jnp.zeros([], jnp.int32), *fields)
-
-    def accumulate(g, gg_left, gg_right, rot_l, rot_r):
-        # torch's lerp_(outer, 1 - beta_s): beta_s * old + (1 - beta_s) * outer.
-        if rot_l:
-            gg_left = beta_s * gg_left + (1.0 - beta_s) * _mm(g, _t(g))
-        if rot_r:
-            gg_right = beta_s * gg_right + (1.0 - beta_s) * _mm(_t(g), g)
-        return gg_left, gg_right
-
-    def first_leaf(g, m, v, gg_left, gg_right, q_left, q_right):
-        rot_l, rot_r = sides(g)
-        gf = g.astype(m.dtype)
-        gg_left, gg_right = accumulate(gf, gg_left, gg_right, rot_l, rot_r)
-
-        def basis(gg):
-            if freeze_basis_identity:
-                return jnp.broadcast_to(jnp.eye(gg.shape[-1], dtype=gg.dtype), gg.shape)
-            return _eigenbasis(gg)
-
-        q_left = basis(gg_left) if rot_l else q_left
-        q_right = basis(gg_right) if rot_r else q_right
-        return jnp.zeros_like(g), m, v, gg_left, gg_right, q_left, q_right
-
-    def later_leaf(count, g, m, v, gg_left, gg_right, q_left, q_right, *, refresh_basis: bool):
-        rot_l, rot_r = sides(g)
-        gf = g.astype(m.dtype)
-        g_rot = _project(gf, q_left, q_right, rot_l, rot_r)
-        m = b1 * m + (1.0 - b1) * g_rot
-        v = b2 * v + (1.0 - b2) * jnp.square(g_rot)
-        t = count.astype(m.dtype)
-        scale = jnp.sqrt(1.0 - b2**t) / (1.0 - b1**t) if correct_bias else 1.0
-        u = scale * _project_back(m / (jnp.sqrt(v) + eps), q_left, q_right, rot_l, rot_r)
-        # The statistics take this gradient only after it was used for the step (reference order).
-        gg_left, gg_right = accumulate(gf, gg_left, gg_right, rot_l, rot_r)
-
-        pending = {}  # side -> L Q[:, order], QR-factored for all leaves at once (``_grouped_qr``)
-        if refresh_basis and (rot_l or rot_r) and not freeze_basis_identity:
-            m = _project_back(m, q_left, q_right, rot_l, rot_r)  # to parameter space; rotated in ``refreshed``
-            if rot_l:
-                pending["left"], order = _power_iteration(gg_left, q_left)
-                v = jnp.take_along_axis(v, order[..., :, None], axis=-2)
-            if rot_r:
-                pending["right"], order = _power_iteration(gg_right, q_right)
-                v = jnp.take_along_axis(v, order[..., None, :], axis=-1)
-        return (u.astype(g.dtype), m, v, gg_left, gg_right, q_left, q_right), pending
-
-    def refreshed(outs):
-        """Each leaf's new basis ``Q <- qr(L Q_sorted)``, and its first moment rotated into it."""
-        qs = iter(_grouped_qr([p for _, pending in outs for p in pending.values()]))
-        result = []
-        for (u, m, v, gg_left, gg_right, q_left, q_right), pending in outs:
-            if pending:
-                q_left = next(qs) if "left" in pending else q_left
-                q_right = next(qs) if "right" in pending else q_right
-                m = _project(m, q_left, q_right, "left" in pending, "right" in pending)
-            result.append((u, m, v, gg_left, gg_right, q_left, q_right))
-        return result
 
     def update_fn(updates, state, params=None):
         del params
@@ -268,10 +287,11 @@ def scale_by_soap(
         leaves = list(zip(*flat))
 
         def first(_):
-            return [first_leaf(*leaf) for leaf in leaves]
+            return [leafwise.first_leaf(*leaf) for leaf in leaves]
 
         def later(refresh_basis):
-            return lambda _: refreshed([later_leaf(state.count, *leaf, refresh_basis=refresh_basis) for leaf in leaves])
+            return lambda _: _refreshed([leafwise.later_leaf(state.count, *leaf, refresh_basis=refresh_basis)
+                                         for leaf in leaves])
 
         # One switch over the three kinds of call: first (eigh, zero update), plain, refresh (QR).
         branch = jnp.where(state.count == 0, 0, jnp.where(state.count % precondition_frequency == 0, 2, 1))

@@ -356,7 +356,7 @@ def pipedream_leaf_delays(params, n_stages: int):
     """
     n_stages = operator.index(n_stages)
     if n_stages < 1:
-        raise ValueError(f"config.staleness.stages={n_stages} must be a positive integer.")
+        raise ValueError(f"config.staleness.pipedream_stages={n_stages} must be a positive integer.")
     layer_lengths = {
         x.shape[0] for path, x in jax.tree_util.tree_leaves_with_path(params)
         if path_names(path)[0] == "layers"
@@ -366,21 +366,21 @@ def pipedream_leaf_delays(params, n_stages: int):
     n_layers = layer_lengths.pop() if layer_lengths else 0
     if n_layers % n_stages:
         raise ValueError(
-            f"config.staleness.stages={n_stages} does not divide config.model.n_layers={n_layers}: "
+            f"config.staleness.pipedream_stages={n_stages} does not divide config.model.n_layers={n_layers}: "
             "each pipeline stage holds a contiguous block of L/P layers.")
     per_stage = n_layers // n_stages if n_layers else 1
     layer_delays = (n_stages - 1 - np.arange(n_layers) // per_stage).astype(np.int32)
-    stage_of_top = {"embed": n_stages - 1, "final_norm": 0, "lm_head": 0}
+    delay_of_top = {"embed": n_stages - 1, "final_norm": 0, "lm_head": 0}
 
     def leaf_delay(path, x):
         top = path_names(path)[0]
         if top == "layers":
             return layer_delays.copy()
-        if top not in stage_of_top:
+        if top not in delay_of_top:
             raise ValueError(
                 f"pipedream_leaf_delays does not know which stage holds {'/'.join(path_names(path))!r}; "
-                f"expected top-level keys {sorted(stage_of_top) + ['layers']}.")
-        return stage_of_top[top]
+                f"expected top-level keys {sorted(delay_of_top) + ['layers']}.")
+        return delay_of_top[top]
 
     return jax.tree_util.tree_map_with_path(leaf_delay, params)
 

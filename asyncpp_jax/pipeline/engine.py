@@ -5,7 +5,7 @@ leading axis over ``stage``); the embedding, final norm and head are replicated,
 runs the embedding and only stage ``P-1`` the final norm, head and loss
 (:mod:`asyncpp_jax.pipeline.stage` says what each slot computes).
 
-Per tick (:mod:`asyncpp_jax.pipeline.schedules` says which microbatch), each stage runs a
+Per tick (:mod:`asyncpp_jax.pipeline.tick_tables` says which microbatch), each stage runs a
 forward slot and a backward slot, each under a ``lax.cond`` on whether the tick table gives it
 work: an idle slot computes nothing (and so cannot let a NaN through).  Activations go to
 ``s+1`` and input cotangents to ``s-1`` with ``lax.ppermute`` once per tick.  With
@@ -41,11 +41,10 @@ from asyncpp_jax.models import dense
 from asyncpp_jax.models.moe import is_expert_weight, with_expert_parallel
 from asyncpp_jax.optim.prediction import WeightPrediction, WeightPredictionState
 from asyncpp_jax.optim.staleness import DelaySchedule
-from asyncpp_jax.pipeline import schedules
+from asyncpp_jax.pipeline import tick_tables
 from asyncpp_jax.pipeline.stage import ResidualTemplate, StageFns, join_params, residual_shapes, split_params, stat_names
-from asyncpp_jax.train.step import TrainState, apply_update
+from asyncpp_jax.train_state import BATCH_SPEC, TrainState, apply_update
 
-BATCH_SPEC = P(None, "data")  # [microbatch, batch, time + 1]
 DEVICE = P("data", "stage")  # per-device in-flight state: leading [data, stage] axes
 
 
@@ -135,7 +134,7 @@ class OneStepDelay:
         self.accumulators = 2 if is_async else 1
 
     def live(self, j):
-        return (j != schedules.IDLE) & ((j >= 0) | self.prev_live)
+        return (j != tick_tables.IDLE) & ((j >= 0) | self.prev_live)
 
     def run(self, j, fn, cur, prev):
         """``fn(weights of microbatch j)``, reading the version in place (a ``lax.cond`` on the
@@ -174,7 +173,7 @@ def init_pipeline_state(model_cfg, params, mesh, microbatches: int, global_batch
     if expert_parallel:
         model_cfg = with_expert_parallel(model_cfg, "data", data)
     b = global_batch // microbatches // data
-    slots = schedules.stash_slots(n_stages, first_stage_stashes=not recompute)
+    slots = tick_tables.stash_slots(n_stages, first_stage_stashes=not recompute)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     entry = _ring_shapes(model_cfg, mesh, abstract, b, seq_len, recompute, expert_parallel)
     act = jnp.zeros((data, n_stages, b, seq_len, model_cfg.d_model), dense.dtype_of(model_cfg.compute_dtype))
@@ -257,12 +256,12 @@ def _reduce_grads(grads, specs, expert_parallel: bool, stage_reduced=lambda path
     return jax.tree_util.tree_map_with_path(one, grads, specs)
 
 
-def _make_grads_fn(model_cfg, mesh, table: schedules.TickTable, is_async: bool, carries_state: bool,
+def _make_grads_fn(model_cfg, mesh, table: tick_tables.TickTable, is_async: bool, carries_state: bool,
                    params_abstract, expert_parallel: bool = False, recompute: bool = True):
     """``shard_map``-ped ``(cur, prev, batch, pstate, prev_live, step) -> (grads, stats, pstate)``."""
     n_stages, M = table.n_stages, table.microbatches
     fns = StageFns(model_cfg, M, recompute)
-    S = schedules.stash_slots(n_stages, first_stage_stashes=not recompute)
+    S = tick_tables.stash_slots(n_stages, first_stage_stashes=not recompute)
     fwd_perm = [(i, i + 1) for i in range(n_stages - 1)]
     bwd_perm = [(i + 1, i) for i in range(n_stages - 1)]
     act_dtype = dense.dtype_of(model_cfg.compute_dtype)
@@ -425,10 +424,10 @@ def make_pipeline_train_step(model_cfg, optimizer, schedule: optax.Schedule, mes
     is_2bw = pipeline_schedule == "2bw"
     kw = dict(carries_state=is_2bw, params_abstract=params_abstract, expert_parallel=expert_parallel,
               recompute=recompute)
-    sync_fn = _make_grads_fn(model_cfg, mesh, schedules.sync_table(n_stages, microbatches), False, **kw)
+    sync_fn = _make_grads_fn(model_cfg, mesh, tick_tables.sync_table(n_stages, microbatches), False, **kw)
     async_fn = None
     if is_2bw:
-        async_fn = _make_grads_fn(model_cfg, mesh, schedules.async_table(n_stages, microbatches), True, **kw)
+        async_fn = _make_grads_fn(model_cfg, mesh, tick_tables.async_table(n_stages, microbatches), True, **kw)
         delay_schedule = delay_schedule or DelaySchedule(1)
 
     update_shardings = jax.tree.map(functools.partial(NamedSharding, mesh),

@@ -1,7 +1,7 @@
 """Which rows of the global batch each process loads, computed from the mesh.
 
 The train batch is ``[M, B/M, T+1]`` (microbatch, row, time), its rows split over the ``data`` mesh
-axis (``step.BATCH_SPEC``): data replica ``d`` of ``D`` holds rows ``d*b .. d*b + b - 1`` of every
+axis (``train_state.BATCH_SPEC``): data replica ``d`` of ``D`` holds rows ``d*b .. d*b + b - 1`` of every
 microbatch (``b = B/(M*D)``), i.e. rows ``m*B/M + d*b + j`` of the flat global batch.  Every device
 of replica ``d`` (all its pipeline stages) needs those same rows.  A process therefore loads the
 union of the rows of the replicas its own devices belong to, whatever the layout: stages across
@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from asyncpp_jax import configs
-from asyncpp_jax.train.step import BATCH_SPEC
+from asyncpp_jax.train_state import BATCH_SPEC
 
 
 @dataclasses.dataclass(frozen=True)

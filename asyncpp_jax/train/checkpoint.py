@@ -35,6 +35,7 @@ import grain
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 log = logging.getLogger("asyncpp_jax")
 
@@ -164,8 +165,6 @@ def _agree(problem: str | None) -> list[int]:
     """The process indices that reported a problem: the same list on every process."""
     if jax.process_count() == 1:
         return [0] if problem else []
-    from jax.experimental import multihost_utils
-
     flags = multihost_utils.process_allgather(np.array([problem is not None], dtype=np.int32))
     return [int(i) for i in np.flatnonzero(np.asarray(flags).reshape(-1))]
 
@@ -311,8 +310,6 @@ class Checkpointer:
                     break
                 rejected.append((step, problem))
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             chosen = int(multihost_utils.broadcast_one_to_all(np.int64(-1 if chosen is None else chosen)))
             chosen = None if chosen < 0 else chosen
             rejected = [(s, "rejected by process 0's checksum check") for s in sorted(found, reverse=True)
@@ -336,8 +333,6 @@ class Checkpointer:
                     dest, n = target / f"{s}.{n}", n + 1
                 shutil.move(str(self.directory / str(s)), dest)
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices("asyncpp_checkpoints_set_aside")
         self.manager.reload()
         return target

@@ -26,7 +26,7 @@ from asyncpp_jax import configs
 from asyncpp_jax.models import count_params
 from asyncpp_jax.models.flops import active_matmul_params, flops_per_token
 from asyncpp_jax.models.moe import with_expert_parallel
-from asyncpp_jax.pipeline import engine, schedules
+from asyncpp_jax.pipeline import engine, tick_tables
 from asyncpp_jax.train import fit
 from asyncpp_jax.train import runner as runner_lib
 from asyncpp_jax.train import step as step_lib
@@ -76,7 +76,7 @@ def _stash_bytes(runner) -> dict:
     for recompute in (True, False):
         entry = engine._ring_shapes(model, runner.mesh, runner.shapes, b, c.data.seq_len, recompute,
                                     c.mesh.expert_parallel)
-        slots = schedules.stash_slots(c.pipeline.stages, first_stage_stashes=not recompute)
+        slots = tick_tables.stash_slots(c.pipeline.stages, first_stage_stashes=not recompute)
         out["recompute" if recompute else "keep_residuals"] = slots * sum(
             int(np.prod(e.shape)) * jnp.dtype(e.dtype).itemsize for e in entry)
     return out

@@ -15,9 +15,10 @@ import jax
 import optax
 
 from asyncpp_jax import configs
+from asyncpp_jax import train_state as state_lib
 from asyncpp_jax.models import abstract_params
 from asyncpp_jax.optim import build_optimizer, delay_schedule, weight_prediction, weight_versions
-from asyncpp_jax.pipeline import engine, make_mesh, schedules
+from asyncpp_jax.pipeline import engine, make_mesh, tick_tables
 from asyncpp_jax.train import step as step_lib
 
 
@@ -33,19 +34,19 @@ class Runner:
     train_step: Callable
     weight_versions: Any  # what runner_state holds: optim.WeightVersions (exact PipeDream) or WeightPrediction
 
-    def tick_table(self) -> schedules.TickTable | None:
+    def tick_table(self) -> tick_tables.TickTable | None:
         c = self.config
         if not self.pipelined:
             return None
-        make = schedules.async_table if c.pipeline.schedule == "2bw" else schedules.sync_table
+        make = tick_tables.async_table if c.pipeline.schedule == "2bw" else tick_tables.sync_table
         return make(c.pipeline.stages, c.train.microbatches)
 
     def init_fn(self) -> Callable:
         c = self.config
 
         def init(key):
-            state = step_lib.init_state(c.model, self.optimizer, key,
-                                        None if self.pipelined else self.weight_versions)
+            state = state_lib.init_state(c.model, self.optimizer, key,
+                                         None if self.pipelined else self.weight_versions)
             if self.pipelined:
                 state = state.replace(runner_state=engine.init_pipeline_state(
                     c.model, state.params, self.mesh, c.train.microbatches, c.train.global_batch_size,
@@ -58,7 +59,7 @@ class Runner:
     def state_shardings(self, abstract_state):
         if self.pipelined:
             return engine.state_shardings(abstract_state, self.mesh, self.shapes, self.config.mesh.expert_parallel)
-        return jax.tree.map(lambda _: step_lib.replicated(self.mesh), abstract_state)
+        return jax.tree.map(lambda _: state_lib.replicated(self.mesh), abstract_state)
 
     def abstract_state(self, key):
         """The train state as sharded ``ShapeDtypeStruct``s: nothing is allocated."""
@@ -81,7 +82,7 @@ class Runner:
         return self.config.train.microbatches if self.pipelined else 1
 
     def batch_sharding(self):
-        return jax.sharding.NamedSharding(self.mesh, step_lib.BATCH_SPEC)
+        return jax.sharding.NamedSharding(self.mesh, state_lib.BATCH_SPEC)
 
 
 def build(c, devices) -> Runner:

@@ -12,9 +12,8 @@ the whole global batch.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Callable
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
@@ -22,31 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from asyncpp_jax.models import dense
-
-BATCH_SPEC = P(None, "data")  # [microbatch, batch, time]: batch split over data
-
-
-@flax.struct.dataclass
-class TrainState:
-    step: jax.Array
-    params: Any
-    opt_state: Any
-    # What a runner carries between steps besides params and optimizer: PipeDream's weight history
-    # (optim.WeightVersionsState) or the pipeline engine's in-flight PipelineState; else None.
-    runner_state: Any = None
-
-
-def init_state(model_cfg, optimizer: optax.GradientTransformation, rng: jax.Array,
-               weight_versions=None) -> TrainState:
-    params = dense.init_params(model_cfg, rng)
-    versions = weight_versions.init(params) if weight_versions is not None else None
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
-                      runner_state=versions)
-
-
-def replicated(mesh) -> NamedSharding:
-    return NamedSharding(mesh, P())
-
+from asyncpp_jax.train_state import BATCH_SPEC, TrainState, apply_update, replicated
 
 def _accumulate_grads(model_cfg, params, batch):
     """Per-device: mean loss and gradient over the local microbatches ``batch[m]``."""
@@ -70,17 +45,6 @@ def _accumulate_grads(model_cfg, params, batch):
     grads = jax.tree.map(lambda g: jax.lax.pmean(g / m, "data"), g_sum)
     stats = {k: jax.lax.pmean(v / m, "data") for k, v in {"loss": loss, **stat_sums}.items()}
     return grads, stats
-
-
-def apply_update(state: TrainState, grads, stats: dict, runner_state, optimizer, schedule, delay_schedule=None):
-    """The optimizer step both runners end with: ``(new state, metrics)``.  With a delay schedule
-    the metrics also record the delay in force and the batches a cooldown switch dropped."""
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    metrics = dict(stats, grad_norm=optax.global_norm(grads), lr=schedule(state.step))
-    if delay_schedule is not None:
-        metrics.update(delay=delay_schedule.delay_at(state.step), skipped_batches=delay_schedule.skipped_at(state.step))
-    return TrainState(step=state.step + 1, params=params, opt_state=opt_state, runner_state=runner_state), metrics
 
 
 def make_train_step(model_cfg, optimizer, schedule: optax.Schedule, mesh, delay_schedule=None,

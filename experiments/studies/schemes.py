@@ -14,5 +14,5 @@ def study(name: str) -> Study:
     variants = {"adamw/sync": {**optimizer("adamw"), "staleness.mode": "sync"}}
     variants["adamw/2bw"] = {**optimizer("adamw"), "staleness.mode": "2bw"}
     for p in DEPTHS:
-        variants[f"adamw/pipedream/P={p}"] = {**optimizer("adamw"), "staleness.mode": "pipedream", "staleness.stages": p}
+        variants[f"adamw/pipedream/P={p}"] = {**optimizer("adamw"), "staleness.mode": "pipedream", "staleness.pipedream_stages": p}
     return Study("schemes", config, variants, seeds=seeds, base=base, note=note)

@@ -1,0 +1,37 @@
+"""Fake CPU devices come from JAX's ``jax_num_cpu_devices`` option, set by ``host_setup`` before the
+backend starts, for this process only; a count the user chose wins."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from asyncpp_jax import configs
+
+_PROBE = """
+import os
+from asyncpp_jax import host_setup
+host_setup.add_host_devices(3)
+import jax
+print(len(jax.devices()), os.environ.get("XLA_FLAGS", ""), os.environ.get("JAX_NUM_CPU_DEVICES", ""), sep="|")
+"""
+
+
+def _probe(**env_overrides) -> list[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    env.update(JAX_PLATFORMS="cpu", **env_overrides)
+    out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=120,
+                         cwd=configs.REPO_ROOT, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip().split("|")
+
+
+@pytest.mark.parametrize("env, want", [
+    ({}, "3"),  # the option, and the environment children inherit is left alone
+    ({"JAX_NUM_CPU_DEVICES": "2"}, "2"),  # launch's per-process count
+])
+def test_add_host_devices_sets_the_option_unless_the_user_chose(env, want):
+    n, xla_flags, num_cpu = _probe(**env)
+    assert n == want
+    assert xla_flags == env.get("XLA_FLAGS", "") and num_cpu == env.get("JAX_NUM_CPU_DEVICES", "")
