@@ -16,7 +16,8 @@ are in ``compute_dtype``, as in the simulate runner.
 
 ``sync`` flushes each step: the gradient of batch ``t`` at ``w[t]`` is applied at update ``t``,
 as in the ``simulate`` runner; a step costs ``(M + P - 1)(F + B)``, a textbook 1F1B with flush.
-``2bw`` never flushes (:class:`OneStepDelay` is where its delay lives): the stash ring, the
+``2bw`` never flushes (:class:`~asyncpp_jax.pipeline.tick_tables.OneStepDelay`, beside the
+tick tables, is where its delay lives): the stash ring, the
 activations and cotangents in transit, the in-flight batch's partial gradient and loss sums, the
 previous weight version and the previous batch's tokens live in :class:`PipelineState` (so they
 are checkpointed), and update ``t`` applies the gradient of batch ``t-1`` taken at ``w[t-1]``:
@@ -28,11 +29,13 @@ schedule.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -42,6 +45,7 @@ from asyncpp_jax.models.moe import is_expert_weight, with_expert_parallel
 from asyncpp_jax.optim.prediction import WeightPrediction, WeightPredictionState
 from asyncpp_jax.optim.staleness import DelaySchedule
 from asyncpp_jax.pipeline import tick_tables
+from asyncpp_jax.pipeline.tick_tables import OneStepDelay
 from asyncpp_jax.pipeline.stage import ResidualTemplate, StageFns, join_params, residual_shapes, split_params, stat_names
 from asyncpp_jax.train_state import BATCH_SPEC, TrainState, apply_update
 
@@ -109,42 +113,6 @@ class PipelineState(NamedTuple):
     stats_partial: dict  # the in-flight batch's loss sums so far (``count``: its finished microbatches)
     prev_batch: jax.Array  # [M, B, T+1]: the in-flight batch's tokens (the last stage needs targets)
     prediction: Any = None  # optim.WeightPredictionState (δ, sharded like the params) with weight prediction
-
-
-class OneStepDelay:
-    """Where the ``2bw`` delay lives: which weight version a slot uses, which gradient it feeds.
-
-    Microbatch ``j`` of a step's tick table is step-relative: ``j < 0`` belongs to batch ``t-1``
-    (in flight since the previous step), ``j >= 0`` to batch ``t``.  A microbatch uses its batch's
-    weights for both its forward and its backward, and its gradient lands in its batch's
-    accumulator, so that
-
-        w[t+1] = w[t] - U_t( sum_m grad L(w[t-1]; batch[t-1]_m) / M )       (PipeDream-2BW)
-
-    accumulator 0 is applied at this update (batch ``t-1``: its head was carried in from the
-    previous step as ``grad_partial``, its tail is finished here), accumulator 1 is carried to
-    update ``t+1`` (batch ``t``'s head).  The ``sync`` schedule (``is_async=False``) has one
-    accumulator and one weight version: every microbatch is batch ``t`` at ``w[t]``.  A batch's
-    microbatches count only if their step ran the delayed schedule (``prev_live``): at the first
-    delayed update accumulator 0 is empty and nothing is applied (the fill, as ``optim.delay``).
-    """
-
-    def __init__(self, is_async: bool, prev_live):
-        self.is_async, self.prev_live = is_async, prev_live
-        self.accumulators = 2 if is_async else 1
-
-    def live(self, j):
-        return (j != tick_tables.IDLE) & ((j >= 0) | self.prev_live)
-
-    def run(self, j, fn, cur, prev):
-        """``fn(weights of microbatch j)``, reading the version in place (a ``lax.cond`` on the
-        version, not an elementwise select over the weights at every slot)."""
-        if not self.is_async:
-            return fn(cur)
-        return jax.lax.cond(j < 0, lambda: fn(prev), lambda: fn(cur))
-
-    def accumulator(self, j):
-        return (j >= 0).astype(jnp.int32) if self.is_async else jnp.int32(0)
 
 
 def _ring_shapes(model_cfg, mesh, params_abstract, microbatch_rows: int, seq_len: int, recompute: bool,
@@ -256,140 +224,148 @@ def _reduce_grads(grads, specs, expert_parallel: bool, stage_reduced=lambda path
     return jax.tree_util.tree_map_with_path(one, grads, specs)
 
 
+@dataclasses.dataclass
+class _Device:
+    """One device's view of a step inside the ``shard_map``: its stage, both weight versions (in
+    ``compute_dtype``, the head as ``[D, V]``), the two batches, and the slot computations of one
+    tick of the table.  Each method is one slot kind; :meth:`tick` runs the two slots of a tick."""
+
+    fns: StageFns
+    delay: OneStepDelay
+    stage: Any  # this device's stage index (traced)
+    n_stages: int
+    cur: tuple  # (layers, top, head) of w[t] (or the predicted point)
+    prev: tuple  # the same for w[t-1]
+    batch: jax.Array
+    prev_batch: jax.Array
+    step: Any
+    slots: int  # stash ring slots
+    act_dtype: Any
+    tied: bool
+    template: ResidualTemplate = dataclasses.field(default_factory=ResidualTemplate)
+
+    @property
+    def is_first(self):
+        return self.stage == 0
+
+    @property
+    def is_last(self):
+        return self.stage == self.n_stages - 1
+
+    def tokens_of(self, j):
+        m = jnp.mod(j, self.fns.microbatches)
+        return jnp.where(j < 0, self.prev_batch[m], self.batch[m])
+
+    def slot(self, j):
+        return jnp.mod(self.step * self.fns.microbatches + j, self.slots)
+
+    def run(self, j, fn, part):
+        """``fn`` of microbatch ``j``'s weights (``part`` 0: layers, 1: top, 2: head)."""
+        return self.delay.run(j, fn, self.cur[part], self.prev[part])
+
+    def embed(self, j, tokens):
+        return self.run(j, lambda top: self.fns.embed(top, tokens), 1).astype(self.act_dtype)
+
+    def forward(self, j, fwd_buf, stash, sums):
+        """Stages ``0..P-2``: the block on the embedded tokens or the received activation; the
+        backward's entry into the stash ring."""
+        tokens = self.tokens_of(j)
+        x = jax.lax.cond(self.is_first, lambda: self.embed(j, tokens), lambda: fwd_buf)
+        h, entry, stats = self.run(j, lambda lp: self.fns.forward(lp, x, self.template), 0)
+        stash = [ring.at[self.slot(j)].set(e.astype(ring.dtype)) for ring, e in zip(stash, entry)]
+        return stash, _add_at(sums, self.delay.accumulator(j), stats), h.astype(self.act_dtype)
+
+    def backward(self, j, bwd_buf, stash, acc_l, acc_t, sums):
+        """Stages ``0..P-2``: the block's vjp from the stash entry; on stage 0 the input
+        cotangent goes into the embedding's gradient (the lookup's transpose)."""
+        tokens, i = self.tokens_of(j), self.delay.accumulator(j)
+        entry = [ring[self.slot(j)] for ring in stash]
+        x_again = lambda: jax.lax.cond(self.is_first, lambda: self.embed(j, tokens), lambda: entry[0])  # noqa: E731
+        g_l, g_x = self.run(j, lambda lp: self.fns.backward(lp, entry, x_again, bwd_buf, self.template), 0)
+        acc_t = jax.lax.cond(self.is_first, lambda: self.lookup_transpose_add(acc_t, tokens[:, :-1], g_x, i),
+                             lambda: acc_t)
+        return _add_at(acc_l, i, g_l), acc_t, sums, g_x.astype(self.act_dtype)
+
+    def last(self, j, fwd_buf, acc_l, acc_t, sums):
+        """Stage ``P-1``: block, final norm, head and loss of microbatch ``j`` as one fused vjp."""
+        i, tokens = self.delay.accumulator(j), self.tokens_of(j)
+        g_l, g_h, g_x, stats = self.delay.run(j, lambda w: self.fns.last(w[0], w[2], fwd_buf, tokens),
+                                              self.cur, self.prev)
+        acc_t = {**acc_t, "head": _add_at(acc_t["head"], i, g_h)}
+        return _add_at(acc_l, i, g_l), acc_t, _add_at(sums, i, stats), g_x.astype(self.act_dtype)
+
+    def lookup_transpose_add(self, acc_t, tokens, ct, i):
+        """Stage 0's embedding gradient, added to accumulator ``i`` (of a tied table: in the head's
+        ``[D, V]`` accumulator, which the last stage also adds to)."""
+        if self.tied:
+            return {**acc_t, "head": {**acc_t["head"], "w": _table_transpose_add(acc_t["head"]["w"], tokens, ct, i)}}
+        return {**acc_t, "embed": {"embedding": dense.embed_transpose_add(acc_t["embed"]["embedding"], tokens, ct,
+                                                                          (i,))}}
+
+    def tick(self, carry, row):
+        """One tick: a forward slot and a backward slot, each a ``lax.cond`` on the table (idle
+        slots compute nothing), then the activation to ``s+1`` and the cotangent to ``s-1``."""
+        stash, fwd_buf, bwd_buf, acc_l, acc_t, sums = carry
+        jf, jb = row[0], row[1]
+        stash, sums, h_out = jax.lax.cond(
+            self.delay.live(jf) & ~self.is_last, lambda st, su: self.forward(jf, fwd_buf, st, su),
+            lambda st, su: (st, su, jnp.zeros_like(fwd_buf)), stash, sums)
+        acc_l, acc_t, sums, g_x = jax.lax.cond(
+            self.delay.live(jb),
+            lambda *a: jax.lax.cond(self.is_last, lambda *b: self.last(jb, fwd_buf, *b),
+                                    lambda *b: self.backward(jb, bwd_buf, stash, *b), *a),
+            lambda *a: (*a, jnp.zeros_like(bwd_buf)), acc_l, acc_t, sums)
+        fwd_buf = jax.lax.ppermute(h_out, "stage", [(i, i + 1) for i in range(self.n_stages - 1)])
+        bwd_buf = jax.lax.ppermute(g_x, "stage", [(i + 1, i) for i in range(self.n_stages - 1)])
+        return (stash, fwd_buf, bwd_buf, acc_l, acc_t, sums), None
+
+
+def _versions(model_cfg, params, head_too: bool = True):
+    """(layers, top, head) of a weight version in ``compute_dtype``, device-varying.  The head is
+    ``[D, V]`` (the tied table transposed once per step) on every stage: on CPU a ``cond`` that
+    built it on the last stage only would fill a ``[D, V]`` buffer on the others and copy the
+    transpose out of its branch."""
+    layers, top = split_params(_vary(dense.compute_view(model_cfg, params)))
+    return layers, top, dense.head_params(model_cfg, top) if head_too else None
+
+
 def _make_grads_fn(model_cfg, mesh, table: tick_tables.TickTable, is_async: bool, carries_state: bool,
                    params_abstract, expert_parallel: bool = False, recompute: bool = True):
     """``shard_map``-ped ``(cur, prev, batch, pstate, prev_live, step) -> (grads, stats, pstate)``."""
     n_stages, M = table.n_stages, table.microbatches
     fns = StageFns(model_cfg, M, recompute)
     S = tick_tables.stash_slots(n_stages, first_stage_stashes=not recompute)
-    fwd_perm = [(i, i + 1) for i in range(n_stages - 1)]
-    bwd_perm = [(i + 1, i) for i in range(n_stages - 1)]
     act_dtype = dense.dtype_of(model_cfg.compute_dtype)
     pspec = param_specs(params_abstract, expert_parallel)
     uspec = update_specs(params_abstract, n_stages, expert_parallel)
     tied = model_cfg.tie_embeddings
-
-    def _lookup_transpose_add(acc_t, tokens, ct, i):
-        """Stage 0's embedding gradient: the lookup's transpose, added to accumulator ``i``."""
-        if tied:
-            return {**acc_t, "head": {**acc_t["head"], "w": _table_transpose_add(acc_t["head"]["w"], tokens, ct, i)}}
-        table = dense.embed_transpose_add(acc_t["embed"]["embedding"], tokens, ct, (i,))
-        return {**acc_t, "embed": {"embedding": table}}
+    rows = np.stack([table.forward, table.backward], axis=-1)  # [ticks, P, 2]: (forward, backward) slot
 
     def local(cur, prev, batch, pstate, prev_live, step):
         s = jax.lax.axis_index("stage")
-        is_first, is_last = s == 0, s == n_stages - 1
-        delay = OneStepDelay(is_async, prev_live)
-        cur_l, cur_t = split_params(_vary(dense.compute_view(model_cfg, cur)))
-        prev_l, prev_t = split_params(_vary(dense.compute_view(model_cfg, prev)))
-        # The head as [D, V] (the tied table transposed once per step), on every stage: on CPU a
-        # cond would fill a [D, V] buffer on the others and copy the transpose out of its branch.
-        cur_h = dense.head_params(model_cfg, cur_t)
-        prev_h = dense.head_params(model_cfg, prev_t) if is_async else cur_h
-        strip = lambda x: x[0, 0]  # noqa: E731
+        cur_v = _versions(model_cfg, cur)
+        prev_v = _versions(model_cfg, prev) if is_async else cur_v
         b, T = batch.shape[1], batch.shape[2] - 1
         if carries_state:
-            stash = [strip(r) for r in pstate.stash]
-            fwd_buf, bwd_buf = strip(pstate.fwd_buf), strip(pstate.bwd_buf)
+            strip = lambda x: x[0, 0]  # noqa: E731
+            stash, fwd_buf, bwd_buf = [strip(r) for r in pstate.stash], strip(pstate.fwd_buf), strip(pstate.bwd_buf)
             prev_batch = pstate.prev_batch
         else:
             fwd_buf = bwd_buf = _vary(jnp.zeros((b, T, model_cfg.d_model), act_dtype))
-            stash = [_vary(jnp.zeros((S,) + e.shape, e.dtype)) for e in residual_shapes(fns, cur_l, fwd_buf)]
+            stash = [_vary(jnp.zeros((S,) + e.shape, e.dtype)) for e in residual_shapes(fns, cur_v[0], fwd_buf)]
             prev_batch = batch
-        template = ResidualTemplate()
-
-        def tokens_of(j):
-            m = jnp.mod(j, M)
-            return jnp.where(j < 0, prev_batch[m], batch[m])
-
-        def embed(j, tokens):
-            return delay.run(j, lambda top: fns.embed(top, tokens), cur_t, prev_t).astype(act_dtype)
-
-        def tick(carry, row):
-            stash, fwd_buf, bwd_buf, acc_l, acc_t, sums = carry
-            jf, jb = row[0], row[1]
-
-            def forward(stash, sums):
-                tokens = tokens_of(jf)
-                x = jax.lax.cond(is_first, lambda: embed(jf, tokens), lambda: fwd_buf)
-                h, entry, stats = delay.run(jf, lambda lp: fns.forward(lp, x, template), cur_l, prev_l)
-                slot = jnp.mod(step * M + jf, S)
-                stash = [ring.at[slot].set(e.astype(ring.dtype)) for ring, e in zip(stash, entry)]
-                return stash, _add_at(sums, delay.accumulator(jf), stats), h.astype(act_dtype)
-
-            def no_forward(stash, sums):
-                return stash, sums, jnp.zeros_like(fwd_buf)
-
-            stash, sums, h_out = jax.lax.cond(delay.live(jf) & ~is_last, forward, no_forward, stash, sums)
-
-            def backward(acc_l, acc_t, sums):
-                tokens, i = tokens_of(jb), delay.accumulator(jb)
-                entry = [ring[jnp.mod(step * M + jb, S)] for ring in stash]
-                x_again = lambda: jax.lax.cond(is_first, lambda: embed(jb, tokens), lambda: entry[0])  # noqa: E731
-                g_l, g_x = delay.run(jb, lambda lp: fns.backward(lp, entry, x_again, bwd_buf, template), cur_l, prev_l)
-                acc_t = jax.lax.cond(is_first, lambda: _lookup_transpose_add(acc_t, tokens[:, :-1], g_x, i),
-                                     lambda: acc_t)
-                return _add_at(acc_l, i, g_l), acc_t, sums, g_x.astype(act_dtype)
-
-            def last(acc_l, acc_t, sums):
-                i = delay.accumulator(jb)
-                tokens = tokens_of(jb)
-                g_l, g_h, g_x, stats = delay.run(jb, lambda w: fns.last(w[0], w[1], fwd_buf, tokens),
-                                                 (cur_l, cur_h), (prev_l, prev_h))
-                acc_t = {**acc_t, "head": _add_at(acc_t["head"], i, g_h)}
-                return _add_at(acc_l, i, g_l), acc_t, _add_at(sums, i, stats), g_x.astype(act_dtype)
-
-            def no_backward(acc_l, acc_t, sums):
-                return acc_l, acc_t, sums, jnp.zeros_like(bwd_buf)
-
-            acc_l, acc_t, sums, g_x = jax.lax.cond(
-                delay.live(jb), lambda *a: jax.lax.cond(is_last, last, backward, *a), no_backward, acc_l, acc_t, sums)
-            fwd_buf = jax.lax.ppermute(h_out, "stage", fwd_perm)
-            bwd_buf = jax.lax.ppermute(g_x, "stage", bwd_perm)
-            return (stash, fwd_buf, bwd_buf, acc_l, acc_t, sums), None
-
-        n_acc = delay.accumulators
+        dev = _Device(fns, OneStepDelay(is_async, prev_live), s, n_stages, cur_v, prev_v, batch, prev_batch, step,
+                      S, act_dtype, tied)
+        n_acc = dev.delay.accumulators
         zeros = lambda tree: _vary(jax.tree.map(lambda x: jnp.zeros((n_acc,) + x.shape, jnp.float32), tree))  # noqa: E731
-        sums0 = _vary({k: jnp.zeros((n_acc,), jnp.float32) for k in stat_names(model_cfg)})
-        rows = jnp.stack([jnp.take(jnp.asarray(table.forward), s, axis=1),
-                          jnp.take(jnp.asarray(table.backward), s, axis=1)], axis=1)
         # The embedding's lookup gradient (stage 0) and the head's (stage P-1, as [D, V]); a tied
         # table has one accumulator, in the head's layout, for both.
-        top_acc = {"head": cur_h} if tied else {"embed": cur_t["embed"], "head": cur_h}
-        carry = (stash, fwd_buf, bwd_buf, zeros(cur_l), zeros(top_acc), sums0)
-        (stash, fwd_buf, bwd_buf, acc_l, acc_t, sums), _ = jax.lax.scan(tick, carry, rows)
-
-        def reduce(k):  # accumulator k -> (gradient, loss sums) of its batch, over the whole mesh
-            head = jax.tree.map(lambda a: a[k], acc_t["head"])
-            if tied:  # both uses of the table, summed over stage in the head's layout
-                table = _reduce_tied_table(head["w"], uspec["embed"]["embedding"])
-                top = {"final_norm": head["final_norm"], "embed": {"embedding": table}}
-            else:
-                top = dense.grads_from_head(model_cfg, head)
-                top["embed"] = {"embedding": acc_t["embed"]["embedding"][k]}
-            grads = _reduce_grads(join_params(jax.tree.map(lambda a: a[k], acc_l), top), uspec, expert_parallel,
-                                  stage_reduced=lambda path: tied and path[0].key == "embed")
-            return grads, {n: jax.lax.pmean(jax.lax.psum(v[k], "stage"), "data") for n, v in sums.items()}
-
-        grads, totals = reduce(0)
-        new = None
-        if carries_state:
-            if is_async:  # batch t-1's head, reduced at the end of the previous step, joins its tail
-                keep = lambda a, p: a + jnp.where(prev_live, p, jnp.zeros_like(p))  # noqa: E731
-                grads = jax.tree.map(keep, grads, pstate.grad_partial)
-                totals = jax.tree.map(keep, totals, pstate.stats_partial)
-                partial, partial_sums = reduce(1)
-            else:
-                partial = jax.tree.map(jnp.zeros_like, grads)
-                partial_sums = jax.tree.map(jnp.zeros_like, totals)
-            grow = lambda x: x[None, None]  # noqa: E731
-            new = PipelineState(prev_params=cur, stash=[grow(r) for r in stash], fwd_buf=grow(fwd_buf),
-                                bwd_buf=grow(bwd_buf), grad_partial=partial, stats_partial=partial_sums,
-                                prev_batch=batch)
-        count = totals.pop("count")  # 0 at a fill update: no batch's gradient is applied, so no loss
-        stats = {k: v / count for k, v in totals.items()}
-        stats["loss_microbatches"] = count
-        return grads, stats, new
+        top_acc = {"head": cur_v[2]} if tied else {"embed": cur_v[1]["embed"], "head": cur_v[2]}
+        sums0 = _vary({k: jnp.zeros((n_acc,), jnp.float32) for k in stat_names(model_cfg)})
+        carry = (stash, fwd_buf, bwd_buf, zeros(cur_v[0]), zeros(top_acc), sums0)
+        carry, _ = jax.lax.scan(dev.tick, carry, jnp.take(rows, s, axis=1))
+        return _finish(model_cfg, carry, pstate, cur, batch, prev_live, is_async, carries_state, uspec,
+                       expert_parallel)
 
     def grads_fn(cur, prev, batch, pstate, prev_live, step):
         sspec = pipeline_state_specs(params_abstract, pstate, expert_parallel)
@@ -398,6 +374,46 @@ def _make_grads_fn(model_cfg, mesh, table: tick_tables.TickTable, is_async: bool
         return fn(cur, prev, batch, pstate, prev_live, step)
 
     return grads_fn
+
+
+def _reduce_accumulator(model_cfg, acc_l, acc_t, sums, k, uspec, expert_parallel):
+    """Accumulator ``k`` -> (gradient laid out as ``uspec``, loss sums) of its batch, over the mesh."""
+    head = jax.tree.map(lambda a: a[k], acc_t["head"])
+    tied = model_cfg.tie_embeddings
+    if tied:  # both uses of the table, summed over stage in the head's layout
+        top = {"final_norm": head["final_norm"],
+               "embed": {"embedding": _reduce_tied_table(head["w"], uspec["embed"]["embedding"])}}
+    else:
+        top = dense.grads_from_head(model_cfg, head)
+        top["embed"] = {"embedding": acc_t["embed"]["embedding"][k]}
+    grads = _reduce_grads(join_params(jax.tree.map(lambda a: a[k], acc_l), top), uspec, expert_parallel,
+                          stage_reduced=lambda path: tied and path[0].key == "embed")
+    return grads, {n: jax.lax.pmean(jax.lax.psum(v[k], "stage"), "data") for n, v in sums.items()}
+
+
+def _finish(model_cfg, carry, pstate, cur, batch, prev_live, is_async, carries_state, uspec, expert_parallel):
+    """The end of a step: the applied batch's gradient and loss (accumulator 0, joined under
+    ``2bw`` with its head carried in as ``grad_partial``), and the in-flight state to carry."""
+    stash, fwd_buf, bwd_buf, acc_l, acc_t, sums = carry
+    grads, totals = _reduce_accumulator(model_cfg, acc_l, acc_t, sums, 0, uspec, expert_parallel)
+    new = None
+    if carries_state:
+        if is_async:  # batch t-1's head, reduced at the end of the previous step, joins its tail
+            keep = lambda a, p: a + jnp.where(prev_live, p, jnp.zeros_like(p))  # noqa: E731
+            grads = jax.tree.map(keep, grads, pstate.grad_partial)
+            totals = jax.tree.map(keep, totals, pstate.stats_partial)
+            partial, partial_sums = _reduce_accumulator(model_cfg, acc_l, acc_t, sums, 1, uspec, expert_parallel)
+        else:
+            partial = jax.tree.map(jnp.zeros_like, grads)
+            partial_sums = jax.tree.map(jnp.zeros_like, totals)
+        grow = lambda x: x[None, None]  # noqa: E731
+        new = PipelineState(prev_params=cur, stash=[grow(r) for r in stash], fwd_buf=grow(fwd_buf),
+                            bwd_buf=grow(bwd_buf), grad_partial=partial, stats_partial=partial_sums,
+                            prev_batch=batch)
+    count = totals.pop("count")  # 0 at a fill update: no batch's gradient is applied, so no loss
+    stats = {k: v / count for k, v in totals.items()}
+    stats["loss_microbatches"] = count
+    return grads, stats, new
 
 
 def make_pipeline_train_step(model_cfg, optimizer, schedule: optax.Schedule, mesh, params_abstract,

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 IDLE = np.iinfo(np.int32).min  # no work in this slot
@@ -107,3 +109,39 @@ def async_table(n_stages: int, microbatches: int) -> TickTable:
     fwd = (k - s).astype(np.int32)
     bwd = (k - (2 * (P - 1) - s)).astype(np.int32)
     return TickTable("2bw", P, M, fwd, bwd)
+
+
+class OneStepDelay:
+    """Where the ``2bw`` delay lives: which weight version a slot uses, which gradient it feeds.
+
+    Microbatch ``j`` of a step's tick table is step-relative: ``j < 0`` belongs to batch ``t-1``
+    (in flight since the previous step), ``j >= 0`` to batch ``t``.  A microbatch uses its batch's
+    weights for both its forward and its backward, and its gradient lands in its batch's
+    accumulator, so that
+
+        w[t+1] = w[t] - U_t( sum_m grad L(w[t-1]; batch[t-1]_m) / M )       (PipeDream-2BW)
+
+    accumulator 0 is applied at this update (batch ``t-1``: its head was carried in from the
+    previous step as ``grad_partial``, its tail is finished here), accumulator 1 is carried to
+    update ``t+1`` (batch ``t``'s head).  The ``sync`` schedule (``is_async=False``) has one
+    accumulator and one weight version: every microbatch is batch ``t`` at ``w[t]``.  A batch's
+    microbatches count only if their step ran the delayed schedule (``prev_live``): at the first
+    delayed update accumulator 0 is empty and nothing is applied (the fill, as ``optim.delay``).
+    """
+
+    def __init__(self, is_async: bool, prev_live):
+        self.is_async, self.prev_live = is_async, prev_live
+        self.accumulators = 2 if is_async else 1
+
+    def live(self, j):
+        return (j != IDLE) & ((j >= 0) | self.prev_live)
+
+    def run(self, j, fn, cur, prev):
+        """``fn(weights of microbatch j)``, reading the version in place (a ``lax.cond`` on the
+        version, not an elementwise select over the weights at every slot)."""
+        if not self.is_async:
+            return fn(cur)
+        return jax.lax.cond(j < 0, lambda: fn(prev), lambda: fn(cur))
+
+    def accumulator(self, j):
+        return (j >= 0).astype(jnp.int32) if self.is_async else jnp.int32(0)
