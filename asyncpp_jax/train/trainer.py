@@ -32,7 +32,7 @@ from asyncpp_jax.data import load_corpus, make_eval_batches, make_train_iterator
 from asyncpp_jax.models import count_params, dense
 from asyncpp_jax.models.flops import flops_per_token
 from asyncpp_jax.optim import describe_routing
-from asyncpp_jax.train import fit, preemption
+from asyncpp_jax.train import dry_run, fit, preemption
 from asyncpp_jax.train import runner as runner_lib
 from asyncpp_jax.train import step as step_lib
 from asyncpp_jax.train.batch_layout import batch_layout, from_host
@@ -83,8 +83,6 @@ def _fit(config, devices):
     """``config`` resolved, its microbatches / remat decided against the device memory budget
     (train/fit.py): on an accelerator, or with ``train.device_memory_gb`` set, by compiling the
     step; with no budget (CPU) nothing is compiled.  A setting that does not fit is a ConfigError."""
-    from asyncpp_jax.train import dry_run
-
     budget = fit.budget_bytes(config, devices)
     decision = fit.decide(config, lambda c: dry_run._measure(c, devices, budget), budget)
     if not decision.fits:
