@@ -146,24 +146,71 @@ def _timed(fn, *args, reps: int = 5) -> float:
     return (time.perf_counter() - t0) / reps
 
 
+class SlotFns:
+    """Each slot kind of one stage jitted on its own: a stage's block forward ``F``, its backward
+    slot (the vjp, which with recompute also reruns the forward), the last stage's fused slot, the
+    embedding lookup."""
+
+    def __init__(self, args, P: int, recompute: bool):
+        cfg = model_cfg(args)
+        params = dense.compute_view(cfg, dense.init_params(cfg, jax.random.key(0)))
+        layers, top = stage.split_params(params)
+        self.mine, self.top = dense.slice_layers(layers, 0, args.layers // P), top
+        self.head = dense.head_params(cfg, top)
+        fns = stage.StageFns(cfg, 1, recompute)
+        self.toks = tokens(args, 1)[0]
+        self.x = dense.embed(cfg, top, self.toks[:, :-1])
+        self.fwd = jax.jit(lambda lp, h: fns.block(lp, h)[0][0])
+        vjp = jax.jit(lambda lp, h: jax.vjp(fns.block, lp, h, has_aux=True)[1]((h, jnp.float32(1.0))))
+        if recompute:
+            self.bwd = lambda lp, h: vjp(lp, h)
+        else:  # the residuals were kept by the forward: time the vjp of a closure built once
+            _, pull, _ = jax.vjp(fns.block, self.mine, self.x, has_aux=True)
+            bwd = jax.jit(lambda f, h: f((h, jnp.float32(1.0))))
+            self.bwd = lambda lp, h: bwd(pull, h)
+        self.last = jax.jit(lambda lp, tp, h, t: fns.last(lp, tp, h, t)[:3])
+        self.emb = jax.jit(lambda tp, t: dense.embed(cfg, tp, t[:, :-1]))
+
+    def costs(self) -> dict:
+        F = _timed(self.fwd, self.mine, self.x)
+        return {"F": F, "bwd_slot": _timed(self.bwd, self.mine, self.x),
+                "last": _timed(self.last, self.mine, self.head, self.x, self.toks),
+                "embed": _timed(self.emb, self.top, self.toks)}
+
+
 def slot_costs(args, P: int, recompute: bool) -> dict:
-    """Seconds of each slot kind on one device: a stage's block forward ``F``, its backward slot
-    (``F + B`` with recompute, ``B`` without), the last stage's fused slot, the embedding."""
-    cfg = model_cfg(args)
-    params = dense.compute_view(cfg, dense.init_params(cfg, jax.random.key(0)))
-    layers, top = stage.split_params(params)
-    mine = dense.slice_layers(layers, 0, args.layers // P)
-    head = dense.head_params(cfg, top)
-    fns = stage.StageFns(cfg, 1, recompute)
-    toks = tokens(args, 1)[0]
-    x = dense.embed(cfg, top, toks[:, :-1])
-    fwd = jax.jit(lambda lp, h: fns.block(lp, h)[0][0])
-    fb = jax.jit(lambda lp, h: jax.vjp(fns.block, lp, h, has_aux=True)[1]((h, jnp.float32(1.0))))
-    last = jax.jit(lambda lp, tp, h, t: fns.last(lp, tp, h, t)[:3])
-    emb = jax.jit(lambda tp, t: dense.embed(cfg, tp, t[:, :-1]))
-    F, FB = _timed(fwd, mine, x), _timed(fb, mine, x)
-    return {"F": F, "B": max(FB - F, 0.0), "bwd_slot": FB if recompute else max(FB - F, 0.0),
-            "last": _timed(last, mine, head, x, toks), "embed": _timed(emb, top, toks)}
+    """Seconds of each slot kind on one device (:class:`SlotFns`), and ``B``: the backward alone
+    (the recompute slot's time less a forward)."""
+    c = SlotFns(args, P, recompute).costs()
+    c["B"] = max(c["bwd_slot"] - c["F"], 0.0) if recompute else c["bwd_slot"]
+    return c
+
+
+class SlotWork:
+    """Every busy slot of a step's tick table run one after another, each its own jitted call: the
+    work of a step with no pipeline around it (no accumulators, transfers, optimizer or threads).
+    Timed in the same alternating rounds as the engine, so both see the same machine."""
+
+    def __init__(self, args, P: int, table: tick_tables.TickTable, recompute: bool):
+        self.f = SlotFns(args, P, recompute)
+        self.calls = []
+        for k in range(table.ticks):
+            for s in range(P):
+                fwd, bwd = table.forward[k, s] != tick_tables.IDLE, table.backward[k, s] != tick_tables.IDLE
+                if s == P - 1:
+                    self.calls += [(self.f.last, (self.f.mine, self.f.head, self.f.x, self.f.toks))] * bool(bwd)
+                    continue
+                if fwd and s == 0:
+                    self.calls.append((self.f.emb, (self.f.top, self.f.toks)))
+                self.calls += [(self.f.fwd, (self.f.mine, self.f.x))] * bool(fwd)
+                self.calls += [(self.f.bwd, (self.f.mine, self.f.x))] * bool(bwd)
+
+    def run(self, steps: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            outs = [fn(*a) for fn, a in self.calls]
+        jax.block_until_ready(outs)
+        return (time.perf_counter() - t0) / steps
 
 
 def _slot_seconds(table: tick_tables.TickTable, c: dict, k: int, s: int) -> float:
@@ -193,21 +240,21 @@ def work(args) -> None:
     print(f"work ratio: {jax.device_count()} fake devices on {len(os.sched_getaffinity(0))} core; "
           f"vocab {args.vocab}, d_model {args.d_model}, {args.layers} layers, P={P}, M={M}, "
           f"microbatch {args.rows} x {args.seq} tokens\n")
-    print("| schedule | recompute | engine / simulate step | slot work / simulate step | bound |")
-    print("|---|---|---|---|---|")
+    print("| schedule | recompute | engine / simulate step | slot work / simulate step | engine / slot work | bound |")
+    print("|---|---|---|---|---|---|")
     costs = slot_costs(args, P, True)
     f_share = costs["F"] / (costs["F"] + costs["B"])
     for recompute in (False, True):
         runs = {"simulate": Simulated(args, M), "sync": Pipelined(args, P, M, "sync", recompute),
-                "2bw": Pipelined(args, P, M, "2bw", recompute)}
+                "2bw": Pipelined(args, P, M, "2bw", recompute),
+                "slots sync": SlotWork(args, P, tick_tables.sync_table(P, M), recompute),
+                "slots 2bw": SlotWork(args, P, tick_tables.async_table(P, M), recompute)}
         t = time_side_by_side(runs, args.rounds, args.steps)
-        c = slot_costs(args, P, recompute)
         bound = 1.10 if not recompute else 1 + f_share + 0.10
         for name in ("sync", "2bw"):
-            make = tick_tables.sync_table if name == "sync" else tick_tables.async_table
-            slot_work = total_slot_seconds(make(P, M), c)
-            print(f"| {name} | {recompute} | {t[name] / t['simulate']:.3f} | {slot_work / t['simulate']:.3f} "
-                  f"| <= {bound:.2f} |", flush=True)
+            slots = t[f"slots {name}"]
+            print(f"| {name} | {recompute} | {t[name] / t['simulate']:.3f} | {slots / t['simulate']:.3f} "
+                  f"| {t[name] / slots:.3f} | <= {bound:.2f} |", flush=True)
         print(f"(simulate step {t['simulate']:.2f} s)", flush=True)
     print(f"\nmeasured F/(F+B) of one stage's block = {f_share:.3f} (F {costs['F'] * 1e3:.1f} ms, "
           f"B {costs['B'] * 1e3:.1f} ms, last stage's fused slot {costs['last'] * 1e3:.1f} ms)")
