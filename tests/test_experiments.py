@@ -7,6 +7,8 @@ import pytest
 from experiments import report as report_lib
 from experiments import sweep
 from experiments.studies import mitigations, optimizers
+from helpers import fake_sweep_run as fake_run
+from helpers import no_prepare as NO_PREPARE
 
 
 def test_expand_variants_grid_seeds_and_precedence():
@@ -47,29 +49,6 @@ def test_every_run_of_every_study_is_a_valid_config(name, preset):
                 target = target[part]
             target[field] = value
         configs.validate(c)  # raises with the field named if a preset asks for the impossible
-
-
-def NO_PREPARE(study, log):  # these tests never read a corpus
-    return []
-
-
-def fake_run(loss_of):
-    """A runner that writes the files a finished CLI run leaves behind."""
-    calls = []
-
-    def run(cmd, workdir, env):
-        calls.append(workdir.name)
-        workdir.mkdir(parents=True, exist_ok=True)
-        loss = loss_of(workdir.name)
-        rows = [{"step": 5, "loss": loss + 1, "val_loss_per_byte": loss + 0.5}, {"step": 10, "loss": loss,
-                                                                                 "val_loss_per_byte": loss}]
-        (workdir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-        (workdir / "config.json").write_text(json.dumps({"cmd": cmd[3:]}))
-        (workdir / "status.json").write_text(json.dumps({"status": "finished", "val_loss_per_byte": loss}))
-        return 0
-
-    run.calls = calls
-    return run
 
 
 def test_execute_collects_and_resumes(tmp_path):
