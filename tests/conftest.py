@@ -6,6 +6,8 @@ Platform rule (set here, before JAX starts):
   accelerator host; ``JAX_PLATFORMS=cuda`` or ``tpu`` insists on the accelerator).
 * Not set: the suite runs on the accelerator when a JAX accelerator plugin is installed (CUDA, ROCm,
   TPU), else on the CPU (``JAX_PLATFORMS=cpu``).
+* On an accelerator, float32 matmuls run at full precision (``JAX_DEFAULT_MATMUL_PRECISION=highest``
+  unless set), as the NumPy references assume.
 
 On the CPU, XLA is asked for 4 fake devices (unless ``XLA_FLAGS`` already says how many), so the
 data-parallel and pipeline tests have a mesh.  Tests that need more devices than the platform has
@@ -24,6 +26,8 @@ FAKE_CPU_DEVICES = 4
 
 if host_setup.cpu_only_host():
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+else:  # the references are float32/float64 NumPy: no TF32 or bf16 passes in an accelerator's f32 matmuls
+    os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 host_setup.add_host_devices(FAKE_CPU_DEVICES)  # affects the CPU backend only
 
 
