@@ -31,11 +31,6 @@ else:  # the references are float32/float64 NumPy: no TF32 or bf16 passes in an 
 host_setup.add_host_devices(FAKE_CPU_DEVICES)  # affects the CPU backend only
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "needs_devices(n): needs n JAX devices in the test process "
-                                       "(4 fake CPU devices by default); skipped where fewer are present")
-
-
 @pytest.hookimpl(tryfirst=True)  # before fixtures build a mesh the platform cannot hold
 def pytest_runtest_setup(item):
     marker = item.get_closest_marker("needs_devices")

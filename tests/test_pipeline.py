@@ -109,11 +109,14 @@ def test_2bw_needs_enough_microbatches():
         schedules.async_table(4, 5)
 
 
+# Marked slow (each compiles the engine): the variants whose code path another default test covers
+# (a second shape of the same schedule, the sync twin of a 2bw test, kept residuals at P = 4).
+
 # ------------------------------------------------------------------------------------------ parity
 
 
 @pytest.mark.needs_devices(4)
-@pytest.mark.parametrize("P, M", [(2, 2), (2, 4), (4, 4), (4, 8)])
+@pytest.mark.parametrize("P, M", [(2, 2), pytest.param(2, 4, marks=pytest.mark.slow), (4, 4), pytest.param(4, 8, marks=pytest.mark.slow)])
 def test_sync_schedule_equals_simulate(P, M):
     cfg, data = model_cfg(), batches(2, M, 2 * M)
     want, _ = run_simulate(cfg, make_opt("adamw"), data)
@@ -131,7 +134,8 @@ def test_sync_schedule_with_data_parallel_equals_one_device():
 
 
 @pytest.mark.needs_devices(2)
-@pytest.mark.parametrize("opt, ef", [("adamw", False), ("adamw", True), ("muon", False), ("muon", True)])
+@pytest.mark.parametrize("opt, ef", [("adamw", False), pytest.param("adamw", True, marks=pytest.mark.slow),
+                                     pytest.param("muon", False, marks=pytest.mark.slow), ("muon", True)])
 def test_2bw_equals_simulate_with_delay_one(opt, ef):
     cfg, data = model_cfg(), batches(10, 2, 4, seed=1)
     want, _ = run_simulate(cfg, optax.chain(delay(1), make_opt(opt, ef)), data)
@@ -165,7 +169,7 @@ def test_2bw_parity_across_sync_start_and_cooldown_four_stages():
 
 
 @pytest.mark.needs_devices(2)
-@pytest.mark.parametrize("schedule", ["sync", "2bw"])
+@pytest.mark.parametrize("schedule", [pytest.param("sync", marks=pytest.mark.slow), "2bw"])
 def test_moe_model_equals_simulate(schedule):
     """MoE (every other layer, 4 experts top-2, capacity 1.25): aux losses included on every stage."""
     cfg = model_cfg()
@@ -193,7 +197,7 @@ def test_moe_expert_parallel_in_the_engine_equals_simulate():
 
 
 @pytest.mark.needs_devices(2)
-@pytest.mark.parametrize("schedule", ["sync", "2bw"])
+@pytest.mark.parametrize("schedule", [pytest.param("sync", marks=pytest.mark.slow), "2bw"])
 def test_bubbles_filled_with_nan_leak_nothing(schedule):
     cfg, data = model_cfg(), batches(3, 4, 4, seed=3)
     clean, _ = run_pipeline(cfg, make_opt("adamw"), data, 2, schedule)
@@ -209,7 +213,7 @@ def test_bubbles_filled_with_nan_leak_nothing(schedule):
 
 
 @pytest.mark.needs_devices(4)
-@pytest.mark.parametrize("recompute", [True, False])
+@pytest.mark.parametrize("recompute", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_2bw_four_stages_eight_microbatches_equals_simulate(recompute):
     """P = 4, M = 8 > 2(P-1): the preset shape, where a step's window holds only part of a batch's
     tail.  Also the honest loss: update t logs batch t-1's loss at w[t-1], which is exactly what
@@ -250,7 +254,7 @@ BF16_U = 2.0 ** -8
 
 
 @pytest.mark.needs_devices(2)
-@pytest.mark.parametrize("schedule", ["sync", "2bw"])
+@pytest.mark.parametrize("schedule", [pytest.param("sync", marks=pytest.mark.slow), "2bw"])
 def test_bf16_transport_equals_simulate(schedule):
     cfg, data = model_cfg(), batches(3, 4, 8, seed=10)
     cfg.compute_dtype = "bfloat16"
