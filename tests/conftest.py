@@ -40,8 +40,9 @@ def pytest_runtest_setup(item):
 
     need, have = int(marker.args[0]), jax.device_count()
     if have < need:
-        pytest.skip(f"needs {need} devices, this {jax.default_backend()} platform has {have} "
-                    f"(run with JAX_PLATFORMS=cpu for {FAKE_CPU_DEVICES} fake CPU devices)")
+        fix = ("XLA_FLAGS sets fewer fake CPU devices" if jax.default_backend() == "cpu"
+               else f"run with JAX_PLATFORMS=cpu for {FAKE_CPU_DEVICES} fake CPU devices")
+        pytest.skip(f"needs {need} devices, this {jax.default_backend()} platform has {have} ({fix})")
 
 
 @pytest.fixture(scope="session")

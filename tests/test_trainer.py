@@ -137,7 +137,7 @@ def test_loss_goes_down(cache_dir, tmp_path):
 
 
 @pytest.mark.needs_devices(4)
-@pytest.mark.parametrize("n_devices", [2, 4])
+@pytest.mark.parametrize("n_devices", [pytest.param(2, marks=pytest.mark.slow), 4])
 def test_data_parallel_matches_single_device(cache_dir, n_devices):
     cfg = small_config(cache_dir)
     adamw, sched = build_optimizer(cfg.optimizer, cfg.train.steps)
@@ -190,7 +190,8 @@ def test_cli_rejects_bad_config_without_traceback(tmp_path):
 
 
 @pytest.mark.parametrize("parallel", [["--config.mesh.data=2"],
-                                      ["--config.pipeline.stages=2", "--config.pipeline.schedule=2bw"]])
+                                      pytest.param(["--config.pipeline.stages=2", "--config.pipeline.schedule=2bw"],
+                                                   marks=pytest.mark.slow)])
 @pytest.mark.needs_devices(2)
 def test_cli_trains_with_overrides_and_fake_devices(cache_dir, tmp_path, parallel):
     """Data parallel, or the pipeline engine: the CLI makes the fake CPU devices either needs."""
@@ -247,7 +248,7 @@ def test_cli_sigterm_checkpoints_and_exits_cleanly(cache_dir, tmp_path):
     assert (tmp_path / "run" / "checkpoints" / str(status["step"])).is_dir()
 
 
-@pytest.mark.parametrize("mode, mitigation", [("2bw", "ef"), ("pipedream", "taylor")])
+@pytest.mark.parametrize("mode, mitigation", [("2bw", "ef"), pytest.param("pipedream", "taylor", marks=pytest.mark.slow)])
 def test_staleness_modes_train_and_log_the_delay(cache_dir, tmp_path, mode, mitigation):
     cfg = small_config(cache_dir, steps=6, eval_every=6, checkpoint_every=6)
     cfg.staleness.update(mode=mode, stages=2, mitigation=mitigation, sync_start_steps=1, sync_cooldown_steps=2)
@@ -261,7 +262,8 @@ def test_staleness_modes_train_and_log_the_delay(cache_dir, tmp_path, mode, miti
 
 
 @pytest.mark.needs_devices(2)
-@pytest.mark.parametrize("runner", ["pipedream_mixed", "pipeline_2bw", "weight_prediction"])
+@pytest.mark.parametrize("runner", ["pipedream_mixed", pytest.param("pipeline_2bw", marks=pytest.mark.slow),
+                                    pytest.param("weight_prediction", marks=pytest.mark.slow)])
 def test_runner_state_resumes_exactly(cache_dir, tmp_path, runner):
     """A pause mid-run keeps PipeDream's weight history, the engine's in-flight microbatches, or the
     weight-prediction velocity."""
@@ -290,6 +292,7 @@ def test_runner_state_resumes_exactly(cache_dir, tmp_path, runner):
     assert leaves_equal(resumed.opt_state, full.opt_state)
 
 
+@pytest.mark.slow  # ~2 min: lowers and compiles a 10B model for 64 fake devices
 def test_cli_dry_run_of_moe10b_fits_its_mesh():
     """The flagship config lowers and compiles on 64 fake CPU devices without allocating the model."""
     out = run_cli(["--config=configs/moe10b.py", "--dry_run"], env={**os.environ, "JAX_PLATFORMS": "cpu"})
