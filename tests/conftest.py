@@ -1,4 +1,20 @@
-"""Shared fixtures.  Four fake CPU devices for the data-parallel tests: set before JAX starts."""
+"""Shared fixtures, the test platform, and the ``needs_devices`` marker.
+
+Platform rule (set here, before JAX starts):
+
+* ``JAX_PLATFORMS`` set by the user: honoured as given (``JAX_PLATFORMS=cpu`` forces the CPU on an
+  accelerator host; ``JAX_PLATFORMS=cuda`` or ``tpu`` insists on the accelerator).
+* Not set: the suite runs on the accelerator when a JAX accelerator plugin is installed (CUDA, ROCm,
+  TPU), else on the CPU (``JAX_PLATFORMS=cpu``).
+* On an accelerator, float32 matmuls run at full precision (``JAX_DEFAULT_MATMUL_PRECISION=highest``
+  unless set), as the NumPy references assume.
+
+On the CPU, XLA is asked for 4 fake devices (unless ``XLA_FLAGS`` already says how many), so the
+data-parallel and pipeline tests have a mesh.  Tests that need more devices than the platform has
+declare it with ``@pytest.mark.needs_devices(n)`` and are skipped, with the reason, where fewer are
+present (e.g. one GPU).  Multi-process launches (``asyncpp_jax.launch``) always use fake CPU devices
+in their child processes, so they run on any host.
+"""
 
 import os
 
@@ -6,11 +22,40 @@ import pytest
 
 from asyncpp_jax import host_setup  # no JAX import
 
-host_setup.add_host_devices(4)
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+FAKE_CPU_DEVICES = 4
+
+if host_setup.cpu_only_host():
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+else:  # the references are float32/float64 NumPy: no TF32 or bf16 passes in an accelerator's f32 matmuls
+    os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+host_setup.add_host_devices(FAKE_CPU_DEVICES)  # affects the CPU backend only
+
+
+@pytest.hookimpl(tryfirst=True)  # before fixtures build a mesh the platform cannot hold
+def pytest_runtest_setup(item):
+    marker = item.get_closest_marker("needs_devices")
+    if marker is None:
+        return
+    import jax
+
+    need, have = int(marker.args[0]), jax.device_count()
+    if have < need:
+        fix = ("XLA_FLAGS sets fewer fake CPU devices" if jax.default_backend() == "cpu"
+               else f"run with JAX_PLATFORMS=cpu for {FAKE_CPU_DEVICES} fake CPU devices")
+        pytest.skip(f"needs {need} devices, this {jax.default_backend()} platform has {have} ({fix})")
 
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
     """One corpus cache for the whole session: each small corpus is prepared once."""
     return str(tmp_path_factory.mktemp("corpora"))
+
+
+@pytest.fixture(scope="session")
+def mesh():
+    """A one-device data mesh (the simulate runner on the first device)."""
+    import jax
+
+    from asyncpp_jax.pipeline import make_mesh
+
+    return make_mesh(1, jax.devices()[:1])

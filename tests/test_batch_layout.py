@@ -29,12 +29,14 @@ def pipeline_sharding():
     ((0, 2), REPLICA_0 + REPLICA_1),  # stage 0 of both replicas
     ((0, 1, 2, 3), list(range(B))),
 ])
+@pytest.mark.needs_devices(4)
 def test_rows_follow_the_replicas_a_process_holds(pipeline_sharding, held, rows):
     mesh, sharding = pipeline_sharding
     devices = [mesh.devices.flat[i] for i in held]
     assert layout_lib.replica_rows(sharding, B, M, devices).tolist() == sorted(rows)
 
 
+@pytest.mark.needs_devices(4)
 def test_data_parallel_rows_split_over_processes():
     mesh = make_mesh(4, jax.devices()[:4])
     sharding = jax.sharding.NamedSharding(mesh, BATCH_SPEC)
@@ -42,6 +44,7 @@ def test_data_parallel_rows_split_over_processes():
     assert layout_lib.replica_rows(sharding, 16, 2, list(mesh.devices.flat[2:])).tolist() == [4, 5, 6, 7, 12, 13, 14, 15]
 
 
+@pytest.mark.needs_devices(4)
 def test_assembled_batch_is_the_global_batch(pipeline_sharding):
     mesh, _ = pipeline_sharding
     layout = layout_lib.batch_layout(mesh, B, M)
@@ -55,6 +58,7 @@ def test_assembled_batch_is_the_global_batch(pipeline_sharding):
         partial.assemble(full[REPLICA_0])
 
 
+@pytest.mark.needs_devices(4)
 def test_a_process_outside_the_mesh_is_a_clear_error(pipeline_sharding, monkeypatch):
     mesh, _ = pipeline_sharding
     other_host = types.SimpleNamespace(process_index=1)

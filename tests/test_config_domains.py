@@ -7,13 +7,11 @@ left without a bad value in the table.
 """
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 
 from asyncpp_jax import configs
+from helpers import run_cli
 
 NAN, INF = math.nan, math.inf
 
@@ -214,8 +212,7 @@ def test_cli_refuses_the_reported_settings_without_a_traceback(tmp_path):
            "optimizer.soap.shampoo_beta=5", "model.head_dim=-2", "model.norm_eps=-1", "model.z_loss=inf",
            "model.moe.lb_loss_coef=-10", "model.moe.capacity_factor=1e-9"]
     args = ["--config=configs/moe_tiny.py", f"--workdir={tmp_path}/run", *(f"--config.{b}" for b in bad)]
-    out = subprocess.run([sys.executable, "-m", "asyncpp_jax.main", *args], cwd=configs.REPO_ROOT,
-                         capture_output=True, text=True, timeout=120)
+    out = run_cli(args, timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     for b in bad:
         assert f"config.{b.split('=')[0]}=" in out.stderr, b
@@ -223,15 +220,12 @@ def test_cli_refuses_the_reported_settings_without_a_traceback(tmp_path):
 
 
 def test_cli_messages_for_missing_config_and_workdir_file(tmp_path):
-    env = dict(os.environ)
-    missing = subprocess.run([sys.executable, "-m", "asyncpp_jax.main", "--config=configs/nope.py"],
-                             cwd=configs.REPO_ROOT, capture_output=True, text=True, timeout=120, env=env)
+    missing = run_cli(["--config=configs/nope.py"], timeout=120)
     assert missing.returncode == 2 and "Traceback" not in missing.stderr, missing.stderr
     assert "--config=configs/nope.py could not be loaded (no such file)" in missing.stderr
     afile = tmp_path / "afile"
     afile.write_text("x")
-    clash = subprocess.run([sys.executable, "-m", "asyncpp_jax.main", f"--workdir={afile}"],
-                           cwd=configs.REPO_ROOT, capture_output=True, text=True, timeout=120, env=env)
+    clash = run_cli([f"--workdir={afile}"], timeout=120)
     assert clash.returncode == 2 and "Traceback" not in clash.stderr, clash.stderr
     assert f"{afile} is an existing file, not a directory" in clash.stderr
     assert afile.read_text() == "x"

@@ -254,15 +254,20 @@ def test_split_by_document_is_disjoint_and_deterministic(tmp_path, prepared, tex
     assert assign_splits(all_names, 0.25, 0) != assign_splits(all_names, 0.25, 1)
 
 
-def test_tiny_corpus_still_gets_a_val_split(tmp_path):
+def _corpus_of(tmp_path, docs, **prepare):
+    """A corpus prepared from the given ``{file name: text}`` documents."""
     src = tmp_path / "src"
     src.mkdir()
-    (src / "a.txt").write_text("first document")
-    (src / "b.txt").write_text("second document")
-    corpus = load_corpus(prepare_corpus(str(src), cache_dir=str(tmp_path / "cache"),
-                                        val_fraction=1e-6, log=lambda m: None))
+    for name, text in docs.items():
+        (src / name).write_text(text)
+    return load_corpus(prepare_corpus(str(src), cache_dir=str(tmp_path / "cache"), log=lambda m: None, **prepare))
+
+
+def test_tiny_corpus_still_gets_a_val_split(tmp_path):
+    corpus = _corpus_of(tmp_path, {"a.txt": "first document", "b.txt": "second document"}, val_fraction=1e-6)
     assert corpus.num_docs("train") == 1 and corpus.num_docs("val") == 1
     assert assign_splits(["a", "b"], 0.999999, 0).count(True) == 1  # train kept non-empty too
+    src = tmp_path / "src"
     (src / "b.txt").unlink()
     with pytest.raises(CorpusError, match="at least 2"):
         prepare_corpus(str(src), cache_dir=str(tmp_path / "cache"), log=lambda m: None)
@@ -471,12 +476,7 @@ def test_multiple_shards_are_read_in_place(tmp_path, text_dir):
 def test_unigram_entropy_hand_computed(tmp_path):
     # Two identical documents, so train and val hold the same tokens whichever way they split:
     # a, a, b, eos over 3 bytes.
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "x.txt").write_text("aab")
-    (src / "y.txt").write_text("aab")
-    corpus = load_corpus(prepare_corpus(str(src), cache_dir=str(tmp_path / "cache"),
-                                        log=lambda m: None))
+    corpus = _corpus_of(tmp_path, {"x.txt": "aab", "y.txt": "aab"})
     got = corpus.unigram_entropy_nats_per_byte()
     # p = (1/2, 1/4, 1/4): H = 1.5 ln 2 nats/token, x 4 tokens / 3 bytes = 2 ln 2 nats/byte.
     assert got["train_entropy"] == pytest.approx(2 * math.log(2), rel=1e-12)

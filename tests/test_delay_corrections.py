@@ -5,23 +5,20 @@ gradients; PipeMare's factor written out by hand; and a hand-written weight-pred
 keeps its own velocity, fills and schedule, against the real simulate runner.
 """
 
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding
 
 from asyncpp_jax import configs
 from asyncpp_jax.models import dense
 from asyncpp_jax.optim import (DelaySchedule, WeightPrediction, build_nesterov_main, build_optimizer, delay,
                                delay_aware_lr, label_params, muon, nesterov_lookahead)
-from asyncpp_jax.pipeline import make_mesh
-from asyncpp_jax import train_state as state_lib
-from asyncpp_jax.train import step as step_lib
+from helpers import run_cli, run_simulate_runner
+from helpers import tiny_model_cfg as model_cfg
+from helpers import token_batches as batches
 
 # ------------------------------------------------------------------------------ Nesterov look-ahead
 
@@ -104,31 +101,8 @@ def test_delay_aware_lr_is_pipemares_rule():
 
 # ---------------------------------------------------------------------------- weight prediction
 
-SEQ, BATCH, MICRO = 8, 4, 2
-
-
-def model_cfg():
-    m = configs.base_config().model
-    m.update(vocab_size=31, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8, d_ff=24)
-    return m
-
-
-def batches(n, seed=0):
-    rng = np.random.default_rng(seed)
-    return [jnp.asarray(rng.integers(0, 31, (MICRO, BATCH // MICRO, SEQ + 1)), jnp.int32) for _ in range(n)]
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    return make_mesh(1, jax.devices()[:1])
-
-
 def run_runner(cfg, tx, data, mesh, prediction=None):
-    step = step_lib.make_train_step(cfg, tx, optax.constant_schedule(0.0), mesh, weight_prediction=prediction)
-    state = jax.device_put(state_lib.init_state(cfg, tx, jax.random.key(0), prediction), state_lib.replicated(mesh))
-    for b in data:
-        state, _ = step(state, jax.device_put(b, NamedSharding(mesh, state_lib.BATCH_SPEC)))
-    return state
+    return run_simulate_runner(cfg, tx, data, mesh, weight_prediction=prediction)
 
 
 def reference_prediction(cfg, data, lr, beta, K, C, T, predict=True):
@@ -264,9 +238,7 @@ def test_factory_builds_the_look_ahead_for_adamw_and_muon():
 
 
 def test_cli_rejects_weight_prediction_on_the_engine_without_delay(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "asyncpp_jax.main", f"--workdir={tmp_path}/run",
-                          "--config.staleness.weight_prediction=True", "--config.pipeline.stages=2",
-                          "--config.pipeline.schedule=sync"],
-                         cwd=configs.REPO_ROOT, capture_output=True, text=True, timeout=120)
+    out = run_cli([f"--workdir={tmp_path}/run", "--config.staleness.weight_prediction=True",
+                   "--config.pipeline.stages=2", "--config.pipeline.schedule=sync"], timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "config.staleness.weight_prediction corrects a gradient delay, but there is none" in out.stderr

@@ -7,6 +7,8 @@ import pytest
 from experiments import report as report_lib
 from experiments import sweep
 from experiments.studies import mitigations, optimizers
+from helpers import fake_sweep_run as fake_run
+from helpers import no_prepare as NO_PREPARE
 
 
 def test_expand_variants_grid_seeds_and_precedence():
@@ -32,14 +34,11 @@ def test_real_studies_expand(preset):
 @pytest.mark.parametrize("name", ["optimizers", "momentum", "mitigations", "schemes", "sensitivity"])
 @pytest.mark.parametrize("preset", ["cpu", "paper"])
 def test_every_run_of_every_study_is_a_valid_config(name, preset):
-    import importlib
-
     from asyncpp_jax import configs
 
     study = sweep.load_study(name, preset)
-    module = importlib.import_module(study.config.removesuffix(".py").replace("/", "."))
     for run in sweep.expand(study):
-        c = module.get_config()
+        c = configs.load_file(study.config)
         for key, value in run.overrides.items():
             section, _, field = key.rpartition(".")
             target = c
@@ -47,29 +46,6 @@ def test_every_run_of_every_study_is_a_valid_config(name, preset):
                 target = target[part]
             target[field] = value
         configs.validate(c)  # raises with the field named if a preset asks for the impossible
-
-
-def NO_PREPARE(study, log):  # these tests never read a corpus
-    return []
-
-
-def fake_run(loss_of):
-    """A runner that writes the files a finished CLI run leaves behind."""
-    calls = []
-
-    def run(cmd, workdir, env):
-        calls.append(workdir.name)
-        workdir.mkdir(parents=True, exist_ok=True)
-        loss = loss_of(workdir.name)
-        rows = [{"step": 5, "loss": loss + 1, "val_loss_per_byte": loss + 0.5}, {"step": 10, "loss": loss,
-                                                                                 "val_loss_per_byte": loss}]
-        (workdir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-        (workdir / "config.json").write_text(json.dumps({"cmd": cmd[3:]}))
-        (workdir / "status.json").write_text(json.dumps({"status": "finished", "val_loss_per_byte": loss}))
-        return 0
-
-    run.calls = calls
-    return run
 
 
 def test_execute_collects_and_resumes(tmp_path):

@@ -12,7 +12,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import sysconfig
 
 import jax
 import jax.numpy as jnp
@@ -26,27 +25,18 @@ from asyncpp_jax.train.metrics import drop_rows_after
 from asyncpp_jax.train.resume import ResumeRefused
 from asyncpp_jax.train.preemption import StopFlag
 from asyncpp_jax.train.trainer import Trainer, TrainingDiverged
+from helpers import SMALL_MODEL, SOURCE, run_cli, small_train_config
 
-STDLIB = sysconfig.get_paths()["stdlib"]
-SOURCE = f"{STDLIB}/json/*.py,{STDLIB}/email/*.py"
-SMALL = dict(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64)
 
 
 def fault_config(cache_dir, **train):
-    c = configs.base_config()
-    c.name = "faults"
-    c.model.update(vocab_size=257, **SMALL)
-    c.data.update(source=SOURCE, cache_dir=cache_dir, seq_len=32, val_fraction=0.2)
-    c.train.update(steps=4, global_batch_size=8, microbatches=1, eval_every=2, eval_batches=1, log_every=1,
-                   checkpoint_every=2, keep_checkpoints=5, progress_bar=False)
-    c.train.update(**train)
-    c.optimizer.update(lr=1e-2, warmup_steps=1)
-    return c
+    train = dict(dict(steps=4, microbatches=1, eval_every=2, eval_batches=1, checkpoint_every=2), **train)
+    return small_train_config(cache_dir, "faults", 1, **train)
 
 
 def cli_args(cache_dir, workdir, *extra):
-    model = [f"--config.model.{k}={v}" for k, v in SMALL.items()]
-    return [sys.executable, "-m", "asyncpp_jax.main", f"--workdir={workdir}", f"--config.data.source={SOURCE}",
+    model = [f"--config.model.{k}={v}" for k, v in SMALL_MODEL.items()]
+    return [f"--workdir={workdir}", f"--config.data.source={SOURCE}",
             f"--config.data.cache_dir={cache_dir}", "--config.data.seq_len=32", "--config.data.val_fraction=0.2",
             *model, "--config.train.steps=4", "--config.train.global_batch_size=8",
             "--config.train.microbatches=1", "--config.train.eval_every=2", "--config.train.eval_batches=1",
@@ -153,8 +143,7 @@ def test_cli_no_intact_checkpoint_exits_1_and_changes_nothing(damaged_copy, cach
     for step in ("2", "4"):
         os.truncate(biggest_file(damaged_copy / "checkpoints" / step), 10)
     before = snapshot(damaged_copy)
-    out = subprocess.run(cli_args(cache_dir, damaged_copy), cwd=configs.REPO_ROOT, capture_output=True,
-                         text=True, timeout=300)
+    out = run_cli(cli_args(cache_dir, damaged_copy))
     assert out.returncode == 1, out.stderr[-3000:]
     assert "Traceback" not in out.stderr
     assert "none of the 2 checkpoint(s)" in out.stderr and "is intact" in out.stderr
@@ -273,7 +262,7 @@ def test_cli_unwritable_or_full_checkpoint_directory_fails_fast(cache_dir, tmp_p
     status.json saying so (orbax alone waits on a barrier for 5 minutes, then dies)."""
     workdir = tmp_path / "run"
     (workdir / "checkpoints").mkdir(parents=True)
-    cmd = " ".join(f"'{a}'" for a in cli_args(cache_dir, workdir))
+    cmd = " ".join(f"'{a}'" for a in [sys.executable, "-m", "asyncpp_jax.main", *cli_args(cache_dir, workdir)])
     if fault == "read_only":
         mount = (f"mount --bind {workdir}/checkpoints {workdir}/checkpoints && "
                  f"mount -o remount,ro,bind {workdir}/checkpoints")
@@ -321,6 +310,7 @@ def test_processes_agree_on_a_write_failure(tmp_path):
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"  # gloo between two CPU processes, on any host
     procs = [subprocess.Popen([sys.executable, "-c", _MULTIHOST_WORKER, str(i), str(port), str(tmp_path / "ck")],
                               cwd=configs.REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for i in (0, 1)]

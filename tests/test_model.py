@@ -1,6 +1,5 @@
 """Dense decoder: exact parameter counts, causality, stage slicing, GQA against a naive reference."""
 
-import importlib
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +7,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+from asyncpp_jax import configs
 from asyncpp_jax.configs import base_config
 from asyncpp_jax.models import dense, layers
 
@@ -29,8 +29,34 @@ def cfg_and_params():
     "name, expected", [("dense135m", 134_515_008), ("dense360m", 361_821_120)]
 )
 def test_smollm2_parameter_counts_exact(name, expected):
-    cfg = importlib.import_module(f"configs.{name}").get_config().model
+    cfg = configs.load_file(f"configs/{name}.py").model
     assert dense.count_params(dense.abstract_params(cfg)) == expected
+
+
+def _dense_layer(d, heads, kv_heads, hd, f):
+    """q and o (d x heads*hd), k and v (d x kv_heads*hd), SwiGLU (3 d f), two RMSNorm scales."""
+    return 2 * d * heads * hd + 2 * d * kv_heads * hd + 3 * d * f + 2 * d
+
+
+def _moe_layer(d, heads, kv_heads, hd, experts, expert_f):
+    """The dense layer with its MLP replaced by ``experts`` SwiGLU experts and a d x E router."""
+    return _dense_layer(d, heads, kv_heads, hd, 0) + experts * 3 * d * expert_f + d * experts
+
+
+# tiny: d 256, 4 layers, 4/2 heads of 64, SwiGLU 688, byte vocab 257, tied (table + final norm).
+_TINY_LAYER = _dense_layer(256, 4, 2, 64, 688)
+_TINY_OUTSIDE = 257 * 256 + 256
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("tiny", 4 * _TINY_LAYER + _TINY_OUTSIDE),
+    # moe_tiny: tiny with 8 experts of hidden 344 on every other layer (2 of the 4).
+    ("moe_tiny", 2 * _TINY_LAYER + 2 * _moe_layer(256, 4, 2, 64, 8, 344) + _TINY_OUTSIDE),
+])
+def test_cpu_config_parameter_counts_by_formula(name, expected):
+    cfg = configs.load_file(f"configs/{name}.py").model
+    assert dense.count_params(dense.abstract_params(cfg)) == expected
+    assert expected == {"tiny": 2_968_064, "moe_tiny": 6_142_464}[name]  # the README's table
 
 
 def test_param_count_matches_formula_and_untied_head():

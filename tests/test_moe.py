@@ -123,6 +123,7 @@ def test_dense_flops_per_token_is_6n_plus_attention():
     assert flops_per_token(c.model, 2048) == 6 * 134_515_008 + 12 * 30 * 2048 * 576
 
 
+@pytest.mark.needs_devices(4)
 def test_expert_parallel_equals_single_device_per_group():
     """Experts sharded over 4 devices with all_to_all == one device running each token group."""
     from jax.sharding import PartitionSpec as P

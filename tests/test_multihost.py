@@ -133,7 +133,7 @@ def test_sigterm_to_one_process_saves_the_same_step_everywhere_and_resumes_exact
     assert all(np.array_equal(x, y) for x, y in zip(a, b))
 
 
-@pytest.mark.slow
+# Not slow (~15 s): the default run's one multi-host launch (two processes form a job, both stop).
 def test_a_mesh_that_leaves_a_process_out_stops_every_process_with_a_clear_error(cache_dir, tmp_path):
     # data 2 on 2 processes x 2 devices: the mesh is process 0's two devices; process 1 holds none.
     args = _args(cache_dir, tmp_path / "run", **{"mesh.data": 2, "train.global_batch_size": 8})

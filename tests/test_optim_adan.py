@@ -4,10 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 import pytest
 
 from asyncpp_jax.optim.adan import adan, scale_by_adan
+from helpers import flat as _flat
+from helpers import orbax_round_trip
+from helpers import run_tx as _run
 
 B1, B2, B3, EPS = 0.98, 0.92, 0.99, 1e-8
 SHAPES = {"mat": (6, 4), "vec": (5,), "stack": (2, 3, 5), "norm": {"scale": (5,)}}
@@ -18,15 +20,6 @@ def _tree(rng, shapes, scale=1.0):
     if isinstance(shapes, dict):
         return {k: _tree(rng, v, scale) for k, v in shapes.items()}
     return (scale * rng.standard_normal(shapes)).astype(np.float32)
-
-
-def _flat(tree, prefix=()):
-    if isinstance(tree, dict):
-        out = {}
-        for k, v in tree.items():
-            out.update(_flat(v, prefix + (k,)))
-        return out
-    return {prefix: np.asarray(tree, np.float64)}
 
 
 def _lr(k):
@@ -75,18 +68,6 @@ def np_adan(params, grads, wd, mode, diff_weight="paper", lr=_lr):
         deltas.append(step)
         dirs.append(direction)
     return deltas, dirs
-
-
-def _run(tx, params, grads, jit=False):
-    state = tx.init(params)
-    update = jax.jit(tx.update) if jit else tx.update
-    p = params
-    out = []
-    for g in grads:
-        u, state = update(g, state, p)
-        p = optax.apply_updates(p, u)
-        out.append(_flat(u))
-    return out, state, p
 
 
 @pytest.fixture(scope="module")
@@ -166,11 +147,7 @@ def test_orbax_round_trip(problem, tmp_path):
     params, grads = problem
     tx = adan(LR_SCHEDULE, weight_decay=0.5)
     _, state, p = _run(tx, params, grads[:3])
-    ckpt = ocp.StandardCheckpointer()
-    ckpt.save(tmp_path / "opt", state)
-    ckpt.wait_until_finished()
-    restored = ckpt.restore(tmp_path / "opt", jax.tree.map(ocp.utils.to_shape_dtype_struct, state))
-    assert jax.tree.structure(restored) == jax.tree.structure(state)
+    restored = orbax_round_trip(state, tmp_path / "opt")
     u_ref, _ = tx.update(grads[3], state, p)
     u_rt, _ = tx.update(grads[3], restored, p)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), u_ref, u_rt)

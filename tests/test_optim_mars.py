@@ -3,11 +3,13 @@
 import jax
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 import pytest
 
 from asyncpp_jax.optim.adamw import AdamWBranch
 from asyncpp_jax.optim.mars import mars, scale_by_mars
+from helpers import flat as _flat
+from helpers import orbax_round_trip
+from helpers import run_tx as _run
 
 B1, B2, GAMMA, EPS = 0.95, 0.99, 0.025, 1e-8
 N_STEPS = 5
@@ -23,15 +25,6 @@ def _lr(k):
 
 
 LR_SCHEDULE = optax.linear_schedule(0.01, 0.03, 3)
-
-
-def _flat(tree, prefix=()):
-    if isinstance(tree, dict):
-        out = {}
-        for k, v in tree.items():
-            out.update(_flat(v, prefix + (k,)))
-        return out
-    return {prefix: np.asarray(tree, np.float64)}
 
 
 def np_mars(theta, grads, lr, wd, b1=B1, b2=B2, gamma=GAMMA, eps=EPS, per_matrix=True):
@@ -88,18 +81,6 @@ def np_adamw(theta, grads, lr, wd, b1, b2, eps):
             theta[key] = new
         deltas.append(step)
     return deltas
-
-
-def _run(tx, params, grads, jit=False):
-    state = tx.init(params)
-    update = jax.jit(tx.update) if jit else tx.update
-    p = params
-    out = []
-    for g in grads:
-        u, state = update(g, state, p)
-        p = optax.apply_updates(p, u)
-        out.append(_flat(u))
-    return out, state, p
 
 
 def _assert_steps(got, want, rtol=1e-5, atol=1e-8, keys=None):
@@ -218,11 +199,7 @@ def test_orbax_round_trip(model_params, tmp_path):
     grads = _model_grads(params, 3)
     tx = mars(LR_SCHEDULE, weight_decay=0.2, side=AdamWBranch(weight_decay=0.1))
     _, state, p = _run(tx, params, grads[:2], jit=True)
-    ckpt = ocp.StandardCheckpointer()
-    ckpt.save(tmp_path / "opt", state)
-    ckpt.wait_until_finished()
-    restored = ckpt.restore(tmp_path / "opt", jax.tree.map(ocp.utils.to_shape_dtype_struct, state))
-    assert jax.tree.structure(restored) == jax.tree.structure(state)
+    restored = orbax_round_trip(state, tmp_path / "opt")
     update = jax.jit(tx.update)
     u_ref, _ = update(grads[2], state, p)
     u_rt, _ = update(grads[2], restored, p)

@@ -15,6 +15,7 @@ from asyncpp_jax.configs import base_config
 from asyncpp_jax.models import dense
 from asyncpp_jax.optim.adamw import AdamWBranch, decay_mask
 from asyncpp_jax.optim.muon import MuonState, muon, orthogonalize, scale_by_muon
+from helpers import assert_trees_equal, orbax_round_trip
 
 COEFFS = (3.4445, -4.7750, 2.0315)
 SHAPES = {"a": (8, 16), "b": (16, 8), "c": (2, 8, 12), "v": (5,)}
@@ -258,22 +259,14 @@ def test_muon_under_jit_equals_eager(model_params):
 
 
 def test_state_round_trip_through_orbax(tmp_path, model_params):
-    import orbax.checkpoint as ocp
-
     params = model_params
     tx = muon(1e-2)
     params, state, _ = run_steps(tx, params, 2)
     muon_states = [s for s in jax.tree.leaves(state, is_leaf=lambda s: isinstance(s, MuonState))
                    if isinstance(s, MuonState)]
     assert len(muon_states) == 1 and int(muon_states[0].count) == 2
-    ckpt = ocp.StandardCheckpointer()
-    ckpt.save(tmp_path / "opt", state)
-    ckpt.wait_until_finished()
-    restored = ckpt.restore(tmp_path / "opt", jax.tree.map(ocp.utils.to_shape_dtype_struct, state))
-    assert jax.tree.structure(restored) == jax.tree.structure(state)
-    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(restored)):
-        assert a.dtype == b.dtype
-        np.testing.assert_array_equal(a, b)
+    restored = orbax_round_trip(state, tmp_path / "opt")
+    assert_trees_equal(state, restored)
     grads = jax.tree.map(lambda p: jnp.full_like(p, 0.3) + 0.01 * p, params)
     want, _ = tx.update(grads, state, params)
     got, _ = tx.update(grads, restored, params)

@@ -21,11 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 import pytest
 
 from asyncpp_jax.optim.adamw import AdamWBranch
 from asyncpp_jax.optim.soap import ScaleBySoapState, scale_by_soap, soap
+from helpers import orbax_round_trip
 
 
 class RefSoap:
@@ -281,10 +281,7 @@ def test_orbax_round_trip(tmp_path):
     update = jax.jit(tx.update)
     for g in gs[:3]:
         _, state = update(g, state)
-    ckpt = ocp.StandardCheckpointer()
-    ckpt.save(tmp_path / "opt", state)
-    ckpt.wait_until_finished()
-    restored = ckpt.restore(tmp_path / "opt", state)
+    restored = orbax_round_trip(state, tmp_path / "opt")
     assert isinstance(restored, ScaleBySoapState)
     # Two more updates: Adam step 3 (no refresh) and step 4 (refresh, f = 2).
     a, b = state, restored

@@ -10,44 +10,22 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding
 
-from asyncpp_jax.configs import base_config
 from asyncpp_jax.models import dense
 from asyncpp_jax.optim import DelaySchedule, WeightVersions, delay, pipedream_leaf_delays
-from asyncpp_jax.pipeline import make_mesh
-from asyncpp_jax import train_state as state_lib
-from asyncpp_jax.train import step as step_lib
+from helpers import run_simulate_runner, tiny_model_cfg
+from helpers import token_batches as batches
 
-N_LAYERS, SEQ, BATCH, MICRO = 4, 8, 4, 2
+N_LAYERS = 4
 
 
 def model_cfg(tie=False):
-    m = base_config().model
-    m.update(vocab_size=31, d_model=16, n_layers=N_LAYERS, n_heads=2, n_kv_heads=1, head_dim=8, d_ff=24,
-             tie_embeddings=tie)
-    return m
-
-
-def batches(n, seed=0):
-    rng = np.random.default_rng(seed)
-    return [jnp.asarray(rng.integers(0, 31, (MICRO, BATCH // MICRO, SEQ + 1)), jnp.int32) for _ in range(n)]
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    return make_mesh(1, jax.devices()[:1])
+    return tiny_model_cfg(N_LAYERS, tie)
 
 
 def run_runner(cfg, tx, data, mesh, versions=None):
     """The real simulate runner: returns the params after every update."""
-    step = step_lib.make_train_step(cfg, tx, optax.constant_schedule(0.0), mesh, weight_versions=versions)
-    state = jax.device_put(state_lib.init_state(cfg, tx, jax.random.key(0), versions), state_lib.replicated(mesh))
-    hist = [jax.tree.map(np.asarray, state.params)]
-    for b in data:
-        state, _ = step(state, jax.device_put(b, NamedSharding(mesh, state_lib.BATCH_SPEC)))
-        hist.append(jax.tree.map(np.asarray, state.params))
-    return hist
+    return run_simulate_runner(cfg, tx, data, mesh, history=True, weight_versions=versions)
 
 
 def mean_grad_fn(cfg):

@@ -22,6 +22,7 @@ from asyncpp_jax.optim.staleness import (
     pipedream_leaf_delays,
     taylor_compensation,
 )
+from helpers import orbax_round_trip
 
 # ------------------------------------------------------- a quadratic whose gradient depends on the params
 
@@ -410,8 +411,6 @@ def test_state_cost():
 
 
 def test_orbax_round_trip_mid_run_is_bit_exact(tmp_path):
-    import orbax.checkpoint as ocp
-
     kw = dict(sync_start_steps=1, sync_cooldown_steps=2, total_steps=10)
     delays = {"w": 1, "M": np.array([2, 0]), "b": 0}
     kw = dict(kw, leaf_delays=delays)
@@ -430,11 +429,7 @@ def test_orbax_round_trip_mid_run_is_bit_exact(tmp_path):
     w = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), w0)
     w_full, s_full = steps(w, tx.init(w), range(10))
     w_mid, s_mid = steps(w, tx.init(w), range(5))
-    ckpt = ocp.StandardCheckpointer()
-    ckpt.save(tmp_path / "ckpt", {"params": w_mid, "opt": s_mid})
-    ckpt.wait_until_finished()
-    target = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": w_mid, "opt": s_mid})
-    restored = ckpt.restore(tmp_path / "ckpt", target)
+    restored = orbax_round_trip({"params": w_mid, "opt": s_mid}, tmp_path / "ckpt")
     assert jax.tree.structure(restored["opt"]) == jax.tree.structure(s_mid)
     w_res, s_res = steps(restored["params"], restored["opt"], range(5, 10))
     for a, b in zip(jax.tree.leaves((w_full, s_full)), jax.tree.leaves((w_res, s_res))):

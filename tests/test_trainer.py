@@ -6,7 +6,6 @@ import re
 import signal
 import subprocess
 import sys
-import sysconfig
 import time
 
 import jax
@@ -21,21 +20,13 @@ from asyncpp_jax.pipeline import make_mesh
 from asyncpp_jax import train_state as state_lib
 from asyncpp_jax.train import step as step_lib
 from asyncpp_jax.train.trainer import Trainer, TrainingDiverged
+from helpers import SOURCE, run_cli, small_train_config
 
-STDLIB = sysconfig.get_paths()["stdlib"]
-SOURCE = f"{STDLIB}/json/*.py,{STDLIB}/email/*.py"  # ~40 real files, ~400 KB
 
 
 def small_config(cache_dir, **train):
-    c = configs.base_config()
-    c.name = "test"
-    c.model.update(vocab_size=257, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64)
-    c.data.update(source=SOURCE, cache_dir=cache_dir, seq_len=32, val_fraction=0.2)
-    c.train.update(steps=8, global_batch_size=8, microbatches=2, eval_every=4, eval_batches=2, log_every=1,
-                   checkpoint_every=4, keep_checkpoints=5, progress_bar=False)
-    c.train.update(**train)
-    c.optimizer.update(lr=1e-2, warmup_steps=2)
-    return c
+    train = dict(dict(steps=8, microbatches=2, eval_every=4, eval_batches=2, checkpoint_every=4), **train)
+    return small_train_config(cache_dir, "test", 2, **train)
 
 
 def leaves_equal(a, b) -> bool:
@@ -146,7 +137,8 @@ def test_loss_goes_down(cache_dir, tmp_path):
     assert result.val_loss_per_byte < result.unigram["val_cross_entropy"]
 
 
-@pytest.mark.parametrize("n_devices", [2, 4])
+@pytest.mark.needs_devices(4)
+@pytest.mark.parametrize("n_devices", [pytest.param(2, marks=pytest.mark.slow), 4])
 def test_data_parallel_matches_single_device(cache_dir, n_devices):
     cfg = small_config(cache_dir)
     adamw, sched = build_optimizer(cfg.optimizer, cfg.train.steps)
@@ -191,22 +183,17 @@ def test_microbatching_equals_one_big_batch(cache_dir):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def _cli(args, cwd, timeout=300):
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the CLI must create the fake devices it needs itself
-    return subprocess.run([sys.executable, "-m", "asyncpp_jax.main", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-
-
 def test_cli_rejects_bad_config_without_traceback(tmp_path):
-    out = _cli(["--config.model.n_heads=7"], cwd=configs.REPO_ROOT)
+    out = run_cli(["--config.model.n_heads=7"])
     assert out.returncode == 2
     assert "config.model.n_heads=7 does not divide config.model.d_model" in out.stderr
     assert "Traceback" not in out.stderr
 
 
 @pytest.mark.parametrize("parallel", [["--config.mesh.data=2"],
-                                      ["--config.pipeline.stages=2", "--config.pipeline.schedule=2bw"]])
+                                      pytest.param(["--config.pipeline.stages=2", "--config.pipeline.schedule=2bw"],
+                                                   marks=pytest.mark.slow)])
+@pytest.mark.needs_devices(2)
 def test_cli_trains_with_overrides_and_fake_devices(cache_dir, tmp_path, parallel):
     """Data parallel, or the pipeline engine: the CLI makes the fake CPU devices either needs."""
     args = [
@@ -217,7 +204,7 @@ def test_cli_trains_with_overrides_and_fake_devices(cache_dir, tmp_path, paralle
         "--config.train.eval_batches=1", "--config.train.global_batch_size=8",
         "--config.optimizer.warmup_steps=1", "--config.train.progress_bar=False", *parallel,
     ]
-    out = _cli(args, cwd=configs.REPO_ROOT)
+    out = run_cli(args)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "validation loss" in out.stdout and "nats/byte" in out.stdout
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
@@ -229,8 +216,8 @@ def test_cli_trains_with_overrides_and_fake_devices(cache_dir, tmp_path, paralle
 
 
 def test_cli_rejects_too_few_microbatches_for_2bw(tmp_path):
-    out = _cli(["--config.pipeline.stages=4", "--config.pipeline.schedule=2bw", "--config.train.microbatches=4",
-                f"--workdir={tmp_path}/run"], cwd=configs.REPO_ROOT)
+    out = run_cli(["--config.pipeline.stages=4", "--config.pipeline.schedule=2bw", "--config.train.microbatches=4",
+                f"--workdir={tmp_path}/run"])
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "config.train.microbatches=4 is too few for config.pipeline.schedule=2bw" in out.stderr
 
@@ -262,7 +249,7 @@ def test_cli_sigterm_checkpoints_and_exits_cleanly(cache_dir, tmp_path):
     assert (tmp_path / "run" / "checkpoints" / str(status["step"])).is_dir()
 
 
-@pytest.mark.parametrize("mode, mitigation", [("2bw", "ef"), ("pipedream", "taylor")])
+@pytest.mark.parametrize("mode, mitigation", [("2bw", "ef"), pytest.param("pipedream", "taylor", marks=pytest.mark.slow)])
 def test_staleness_modes_train_and_log_the_delay(cache_dir, tmp_path, mode, mitigation):
     cfg = small_config(cache_dir, steps=6, eval_every=6, checkpoint_every=6)
     cfg.staleness.update(mode=mode, pipedream_stages=2, mitigation=mitigation, sync_start_steps=1, sync_cooldown_steps=2)
@@ -275,7 +262,9 @@ def test_staleness_modes_train_and_log_the_delay(cache_dir, tmp_path, mode, miti
     assert [r["skipped_batches"] for r in rows] == [0, 0, 0, 0, 1, 0]  # in flight at the switch
 
 
-@pytest.mark.parametrize("runner", ["pipedream_mixed", "pipeline_2bw", "weight_prediction"])
+@pytest.mark.needs_devices(2)
+@pytest.mark.parametrize("runner", ["pipedream_mixed", pytest.param("pipeline_2bw", marks=pytest.mark.slow),
+                                    pytest.param("weight_prediction", marks=pytest.mark.slow)])
 def test_runner_state_resumes_exactly(cache_dir, tmp_path, runner):
     """A pause mid-run keeps PipeDream's weight history, the engine's in-flight microbatches, or the
     weight-prediction velocity."""
@@ -304,9 +293,10 @@ def test_runner_state_resumes_exactly(cache_dir, tmp_path, runner):
     assert leaves_equal(resumed.opt_state, full.opt_state)
 
 
+@pytest.mark.slow  # ~2 min: lowers and compiles a 10B model for 64 fake devices
 def test_cli_dry_run_of_moe10b_fits_its_mesh():
     """The flagship config lowers and compiles on 64 fake CPU devices without allocating the model."""
-    out = _cli(["--config=configs/moe10b.py", "--dry_run"], cwd=configs.REPO_ROOT)
+    out = run_cli(["--config=configs/moe10b.py", "--dry_run"], env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert out.returncode == 0, out.stderr[-3000:]
     assert "mesh {'data': 16, 'stage': 4} (64 devices)" in out.stdout
     assert "10,119,907,328 total" in out.stdout
@@ -327,6 +317,6 @@ def test_cli_dry_run_of_moe10b_fits_its_mesh():
 
 
 def test_cli_dry_run_works_for_the_default_config():
-    out = _cli(["--dry_run"], cwd=configs.REPO_ROOT)
+    out = run_cli(["--dry_run"])
     assert out.returncode == 0, out.stderr[-3000:]
     assert "dry run of tiny" in out.stdout and "2,968,064 total" in out.stdout
