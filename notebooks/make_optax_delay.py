@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from asyncpp_jax.optim import delay, error_feedback, muon
+from asyncpp_jax.optim import AdamWBranch, delay, error_feedback, muon
 
 STEPS = int(os.environ.get("OPTAX_DELAY_STEPS", "300"))
 D_IN, HIDDEN, BATCH, LR = 16, 64, 64, 3e-2
@@ -84,9 +84,9 @@ lives in `tx`'s state (`opt_state`), so it is checkpointed with the rest of the 
 
 
 # Muon on the hidden matrix w2; the input and output matrices and the biases go to its AdamW side
-# (adamw_pattern is a regex on the parameter path; optim.print_routing(params, pattern) shows the split).
+# (AdamWBranch's pattern is a regex on the parameter path; optim.print_routing(params, pattern) shows the split).
 optimizers = {"AdamW": lambda: optax.adamw(LR, weight_decay=0.0),
-              "Muon": lambda: muon(LR, weight_decay=0.0, adamw_pattern="w1|w3|b")}
+              "Muon": lambda: muon(LR, weight_decay=0.0, side=AdamWBranch(pattern="w1|w3|b"))}
 arms = {"sync": lambda make: make(),
         "delay(1)": lambda make: optax.chain(delay(1), make()),
         "delay(1) + EF": lambda make: optax.chain(delay(1), make(), error_feedback())}
