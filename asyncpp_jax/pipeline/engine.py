@@ -282,8 +282,6 @@ class _Device:
         entry = [ring[self.slot(j)] for ring in stash]
         x_again = lambda: jax.lax.cond(self.is_first, lambda: self.embed(j, tokens), lambda: entry[0])  # noqa: E731
         g_l, g_x = self.run(j, lambda lp: self.fns.backward(lp, entry, x_again, bwd_buf, self.template), 0)
-        acc_t = jax.lax.cond(self.is_first, lambda: self.lookup_transpose_add(acc_t, tokens[:, :-1], g_x, i),
-                             lambda: acc_t)
         return _add_at(acc_l, i, g_l), acc_t, sums, g_x.astype(self.act_dtype)
 
     def last(self, j, fwd_buf, acc_l, acc_t, sums):
@@ -315,6 +313,11 @@ class _Device:
             lambda *a: jax.lax.cond(self.is_last, lambda *b: self.last(jb, fwd_buf, *b),
                                     lambda *b: self.backward(jb, bwd_buf, stash, *b), *a),
             lambda *a: (*a, jnp.zeros_like(bwd_buf)), acc_l, acc_t, sums)
+        # Stage 0's input cotangent into the embedding's gradient rows, outside the conds (every
+        # stage scatters, the others zeros: b x T rows): updated inside a cond branch, XLA copies
+        # the whole vocabulary-sized accumulator at every backward slot.
+        ct = jnp.where(self.is_first, g_x, jnp.zeros_like(g_x)).astype(jnp.float32)
+        acc_t = self.lookup_transpose_add(acc_t, self.tokens_of(jb)[:, :-1], ct, self.delay.accumulator(jb))
         fwd_buf = jax.lax.ppermute(h_out, "stage", [(i, i + 1) for i in range(self.n_stages - 1)])
         bwd_buf = jax.lax.ppermute(g_x, "stage", [(i + 1, i) for i in range(self.n_stages - 1)])
         return (stash, fwd_buf, bwd_buf, acc_l, acc_t, sums), None
