@@ -207,7 +207,16 @@ def test_nan_at_the_first_update_blames_the_setup_not_the_lr(trainer, tmp_path):
     assert "Lower config.optimizer.lr" not in message
 
 
-def test_sigint_stops_like_sigterm_and_status_holds_one_step(trainer, tmp_path):
+@pytest.fixture
+def default_sigint():
+    """Python's own SIGINT handler for the test: a shell that starts the suite in the background
+    gives it SIGINT ignored, and the trainer rightly restores (and defers to) what it found."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_sigint_stops_like_sigterm_and_status_holds_one_step(trainer, tmp_path, default_sigint):
     """Ctrl-C at update 3: a checkpoint at 3, status 'preempted' at 3 without step 2's val loss."""
     t = trainer(tmp_path)
     inner = t.train_step
@@ -229,7 +238,7 @@ def test_sigint_stops_like_sigterm_and_status_holds_one_step(trainer, tmp_path):
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-def test_second_signal_stops_at_once():
+def test_second_signal_stops_at_once(default_sigint):
     with pytest.raises(KeyboardInterrupt):
         with StopFlag() as flag:
             signal.raise_signal(signal.SIGINT)
