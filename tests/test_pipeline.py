@@ -17,6 +17,7 @@ from asyncpp_jax.models import dense
 from asyncpp_jax.optim import DelaySchedule, WeightPrediction, delay, error_feedback, muon
 from asyncpp_jax.pipeline import engine, make_mesh, tick_tables
 from asyncpp_jax import train_state as state_lib
+from helpers import run_simulate_runner
 from asyncpp_jax.train import step as step_lib
 
 T = 8
@@ -55,22 +56,23 @@ def run_simulate(cfg, tx, data, data_size=1):
     return state, metrics
 
 
-def init_pipeline(cfg, tx, mesh, M, B, schedule, poison=False, ep=False, recompute=True):
+def init_pipeline(cfg, tx, mesh, M, B, schedule, poison=False, ep=False, recompute=True, prediction=None):
     abstract = dense.abstract_params(cfg)
     state = state_lib.init_state(cfg, tx, jax.random.key(0))
-    ps = engine.init_pipeline_state(cfg, state.params, mesh, M, B, T, schedule, recompute, ep)
+    ps = engine.init_pipeline_state(cfg, state.params, mesh, M, B, T, schedule, recompute, ep, prediction)
     if poison and ps is not None:  # every buffer a bubble slot could read: NaN (tokens stay valid ints)
         ps = ps._replace(**{k: jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), getattr(ps, k))
                             for k in ("prev_params", "stash", "fwd_buf", "bwd_buf", "grad_partial", "stats_partial")})
     return engine.place_state(state.replace(runner_state=ps), mesh, abstract, ep)
 
 
-def run_pipeline(cfg, tx, data, P, schedule, data_size=1, dsched=None, poison=False, ep=False, recompute=True):
+def run_pipeline(cfg, tx, data, P, schedule, data_size=1, dsched=None, poison=False, ep=False, recompute=True,
+                 prediction=None):
     M, B = data[0].shape[0], data[0].shape[0] * data[0].shape[1]
     mesh = engine.make_pipeline_mesh(data_size, P)
     step = engine.make_pipeline_train_step(cfg, tx, SCHED, mesh, dense.abstract_params(cfg), M, schedule, dsched,
-                                           expert_parallel=ep, recompute=recompute)
-    state = init_pipeline(cfg, tx, mesh, M, B, schedule, poison, ep, recompute)
+                                           expert_parallel=ep, recompute=recompute, weight_prediction=prediction)
+    state = init_pipeline(cfg, tx, mesh, M, B, schedule, poison, ep, recompute, prediction)
     metrics = []
     for b in data:
         state, m = step(state, jax.device_put(b, engine.global_batch_sharding(mesh)))
@@ -153,21 +155,9 @@ def test_2bw_weight_prediction_equals_simulate(smoothing):
     dsched = DelaySchedule(1, sync_start_steps=2, total_steps=6)
     prediction = WeightPrediction(dsched, smoothing)
     tx = make_opt("adamw")
-    mesh = make_mesh(1, jax.devices()[:1])
-    sim = step_lib.make_train_step(cfg, optax.chain(delay(1, sync_start_steps=2, total_steps=6), tx), SCHED, mesh,
-                                   dsched, weight_prediction=prediction)
-    want = jax.device_put(state_lib.init_state(cfg, optax.chain(delay(1, sync_start_steps=2, total_steps=6), tx),
-                                              jax.random.key(0), prediction), state_lib.replicated(mesh))
-    for b in data:
-        want, _ = sim(want, jax.device_put(b, NamedSharding(mesh, state_lib.BATCH_SPEC)))
-    pmesh = engine.make_pipeline_mesh(1, 2)
-    step = engine.make_pipeline_train_step(cfg, tx, SCHED, pmesh, dense.abstract_params(cfg), 2, "2bw", dsched,
-                                           weight_prediction=prediction)
-    state = state_lib.init_state(cfg, tx, jax.random.key(0))
-    ps = engine.init_pipeline_state(cfg, state.params, pmesh, 2, 4, T, "2bw", weight_prediction=prediction)
-    state = engine.place_state(state.replace(runner_state=ps), pmesh, dense.abstract_params(cfg))
-    for b in data:
-        state, _ = step(state, jax.device_put(b, engine.global_batch_sharding(pmesh)))
+    want = run_simulate_runner(cfg, optax.chain(delay(1, sync_start_steps=2, total_steps=6), tx), data,
+                               make_mesh(1, jax.devices()[:1]), weight_prediction=prediction)
+    state, _ = run_pipeline(cfg, tx, data, 2, "2bw", dsched=dsched, prediction=prediction)
     assert_params_close(state.params, want.params)
     # Not vacuous: without the prediction the engine lands elsewhere.
     plain, _ = run_pipeline(cfg, tx, data, 2, "2bw", dsched=dsched)

@@ -241,8 +241,11 @@ class _Device:
     step: Any
     slots: int  # stash ring slots
     act_dtype: Any
-    tied: bool
     template: ResidualTemplate = dataclasses.field(default_factory=ResidualTemplate)
+
+    @property
+    def tied(self) -> bool:
+        return self.fns.cfg.tie_embeddings
 
     @property
     def is_first(self):
@@ -323,13 +326,13 @@ class _Device:
         return (stash, fwd_buf, bwd_buf, acc_l, acc_t, sums), None
 
 
-def _versions(model_cfg, params, head_too: bool = True):
+def _versions(model_cfg, params):
     """(layers, top, head) of a weight version in ``compute_dtype``, device-varying.  The head is
     ``[D, V]`` (the tied table transposed once per step) on every stage: on CPU a ``cond`` that
     built it on the last stage only would fill a ``[D, V]`` buffer on the others and copy the
     transpose out of its branch."""
     layers, top = split_params(_vary(dense.compute_view(model_cfg, params)))
-    return layers, top, dense.head_params(model_cfg, top) if head_too else None
+    return layers, top, dense.head_params(model_cfg, top)
 
 
 def _make_grads_fn(model_cfg, mesh, table: tick_tables.TickTable, is_async: bool, carries_state: bool,
@@ -358,7 +361,7 @@ def _make_grads_fn(model_cfg, mesh, table: tick_tables.TickTable, is_async: bool
             stash = [_vary(jnp.zeros((S,) + e.shape, e.dtype)) for e in residual_shapes(fns, cur_v[0], fwd_buf)]
             prev_batch = batch
         dev = _Device(fns, OneStepDelay(is_async, prev_live), s, n_stages, cur_v, prev_v, batch, prev_batch, step,
-                      S, act_dtype, tied)
+                      S, act_dtype)
         n_acc = dev.delay.accumulators
         zeros = lambda tree: _vary(jax.tree.map(lambda x: jnp.zeros((n_acc,) + x.shape, jnp.float32), tree))  # noqa: E731
         # The embedding's lookup gradient (stage 0) and the head's (stage P-1, as [D, V]); a tied
