@@ -142,11 +142,12 @@ class Decoder(nn.Module):
 
     def logits(self, h: Array) -> Array:
         h = self.final_norm(h)
+        flat = h.reshape(-1, h.shape[-1])  # one 2-D matmul (see logits_from_head)
         if self.cfg.tie_embeddings:
-            out = self.embed.attend(h)
+            out = self.embed.attend(flat)
         else:
-            out = self.lm_head(h)
-        return out.astype(jnp.float32)
+            out = self.lm_head(flat)
+        return out.astype(jnp.float32).reshape(*h.shape[:-1], out.shape[-1])
 
 
 
@@ -250,7 +251,11 @@ def logits_from_head(cfg, head: dict, h: Array) -> Array:
     dtype = dtype_of(cfg.compute_dtype)
     norm = RMSNorm(cfg.norm_eps, dtype, dtype_of(cfg.param_dtype))
     h = norm.apply({"params": head["final_norm"]}, h)
-    return jnp.dot(h.astype(dtype), head["w"].astype(dtype)).astype(jnp.float32)
+    # One 2-D matmul: XLA:CPU runs ``[b, T, D] @ [D, V]`` and its weight gradient (a contraction
+    # over two axes) about 1.8x slower than the same product with ``b x T`` flattened to one axis.
+    flat = h.reshape(-1, h.shape[-1]).astype(dtype)
+    logits = jnp.dot(flat, head["w"].astype(dtype)).astype(jnp.float32)
+    return logits.reshape(*h.shape[:-1], logits.shape[-1])
 
 
 def slice_layers(layer_params: dict, start: int, stop: int) -> dict:
