@@ -33,7 +33,7 @@ CPU_SEEDS = (0, 1)
 GPU = {
     "data.source": os.environ.get("ASYNCPP_GPU_SOURCE", "stdlib"),
     "data.tokenizer": "byte", "model.vocab_size": 257, "model.compute_dtype": "bfloat16", "model.remat": True,
-    "data.seq_len": 2048, "train.global_batch_size": 128, "train.microbatches": 4, "train.steps": 5000,
+    "data.seq_len": 2048, "train.global_batch_size": 128, "train.microbatches": 2, "train.steps": 5000,
     "train.eval_every": 500, "train.eval_batches": 16, "train.checkpoint_every": 1000,
     "optimizer.warmup_steps": 250, "train.peak_tflops_per_device": 989.0,
 }
