@@ -259,7 +259,7 @@ def analyse_lr(rows, out: pathlib.Path, claims: dict) -> list[str]:
         if div.get(v):
             return f"diverged ({div[v]} of {div[v] + len(arms.get(v, []))})", None
         x = np.array([y for _, y in arms[v]])
-        e = stats.Estimate(float(x.mean()), math.sqrt(stats._var_of_mean(x)), False, len(x))
+        e = stats.Estimate(float(x.mean()), math.sqrt(stats.var_of_mean(x)), False, len(x))
         text = f"{e.value:.4f} ± {e.se:.4f}"
         return (f"**{text}** (pick)" if picks.get(opt) == lr else text), e
 

@@ -62,7 +62,7 @@ def _paired_seeds(arms: Arms, variants) -> list | None:
     return sorted(sets[0]) if all(s == sets[0] for s in sets) else None
 
 
-def _var_of_mean(x) -> float:
+def var_of_mean(x) -> float:
     x = np.asarray(x, float)
     return float(x.var(ddof=1) / len(x)) if len(x) > 1 else 0.0
 
@@ -79,10 +79,10 @@ def contrast(arms: Arms, coefs: dict) -> Estimate | None:
     seeds = _paired_seeds(arms, coefs)
     if seeds is not None:
         z = _combine(arms, coefs, seeds)
-        return Estimate(float(z.mean()), math.sqrt(_var_of_mean(z)), True, len(seeds))
+        return Estimate(float(z.mean()), math.sqrt(var_of_mean(z)), True, len(seeds))
     vals = {v: np.array([x for _, x in arms[v]]) for v in coefs}
     value = sum(c * vals[v].mean() for v, c in coefs.items())
-    var = sum(c * c * _var_of_mean(vals[v]) for v, c in coefs.items())
+    var = sum(c * c * var_of_mean(vals[v]) for v, c in coefs.items())
     return Estimate(float(value), math.sqrt(var), False, min(len(x) for x in vals.values()))
 
 
@@ -101,7 +101,7 @@ def ratio(arms: Arms, num: dict, den: dict) -> Estimate | None:
             vn = vd = cov = 0.0
     else:
         vals = {v: np.array([x for _, x in arms[v]]) for v in variants}
-        vom = {v: _var_of_mean(x) for v, x in vals.items()}
+        vom = {v: var_of_mean(x) for v, x in vals.items()}
         n_bar = sum(c * vals[v].mean() for v, c in num.items())
         d_bar = sum(c * vals[v].mean() for v, c in den.items())
         vn = sum(c * c * vom[v] for v, c in num.items())
