@@ -1,6 +1,9 @@
 """Process set-up that must happen before JAX's backend starts.
 
 * ``cpu_only_host()``: whether JAX will run on XLA:CPU (the config checks how many fake devices it can have).
+* ``pin_cpus()``: keep this process on the CPU ids in ``ASYNCPP_CPUS`` (e.g. ``"0"`` or ``"2-3"``), so
+  that jobs sharing a CPU host (``experiments.sweep --jobs N``) each get their own cores instead of
+  fighting over all of them.
 * ``add_host_devices(n)``: ``n`` fake CPU devices for a mesh on a CPU-only host, through JAX's
   ``jax_num_cpu_devices`` option.  Left alone when the user has chosen a count already
   (``JAX_NUM_CPU_DEVICES``, which ``launch`` sets per process, or ``--xla_force_host_platform_device_count``
@@ -17,6 +20,7 @@ import importlib.util
 import os
 
 FORCE_DEVICES = "--xla_force_host_platform_device_count"
+CPUS_ENV = "ASYNCPP_CPUS"
 _ACCELERATOR_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin", "libtpu")
 
 
@@ -54,6 +58,35 @@ def add_host_devices(n: int) -> None:
                            "the first JAX array or device query, e.g. at the top of the script.") from None
 
 
+def parse_cpus(spec: str) -> set[int]:
+    """``"0,2-3"`` -> ``{0, 2, 3}``: the cpu-list syntax of ``taskset -c``."""
+    cpus = set()
+    try:
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            lo, dash, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi if dash else lo) + 1))
+    except ValueError:
+        raise ValueError(f"{CPUS_ENV}={spec!r} is not a CPU list; write ids and ranges like '0' or '0,2-3'") from None
+    if not cpus:
+        raise ValueError(f"{CPUS_ENV}={spec!r} names no CPU; write ids and ranges like '0' or '0,2-3', or unset it")
+    return cpus
+
+
+def pin_cpus(environ=os.environ) -> set[int] | None:
+    """Restrict this process to the CPUs in ``ASYNCPP_CPUS``, if set (before JAX sizes its thread pools)."""
+    spec = environ.get(CPUS_ENV)
+    if not spec:
+        return None
+    cpus = parse_cpus(spec)
+    allowed = os.sched_getaffinity(0)
+    if not cpus <= allowed:
+        raise ValueError(f"{CPUS_ENV}={spec!r} names CPUs {sorted(cpus - allowed)} this process may not use "
+                         f"(allowed: {sorted(allowed)}); choose among those")
+    os.sched_setaffinity(0, cpus)
+    return cpus
+
+
 def prepare(host_devices: int = 1) -> None:
     """Everything above, for a run with ``host_devices`` mesh devices."""
+    pin_cpus()
     add_host_devices(host_devices)

@@ -77,7 +77,10 @@ def main(argv):
     needed = configs.devices_needed(config)
     # The dry run may compile its suggestions (2x/4x data or stages) on more fake devices.
     chosen_count = host_setup.FORCE_DEVICES in os.environ.get("XLA_FLAGS", "")
-    host_setup.prepare(min(4 * needed, configs.MAX_CPU_DEVICES) if _DRY_RUN.value else needed)
+    try:
+        host_setup.prepare(min(4 * needed, configs.MAX_CPU_DEVICES) if _DRY_RUN.value else needed)
+    except ValueError as e:  # a malformed ASYNCPP_CPUS
+        _fail(str(e))
     # Our own progress at INFO; the libraries' (orbax logs every checkpoint step) at WARNING.
     absl_logging.set_verbosity(absl_logging.WARNING)
     logging.getLogger("absl").addFilter(_OneLineLibraryErrors())

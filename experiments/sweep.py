@@ -15,7 +15,7 @@ checkpoint, so an interrupted study picks up where it stopped.  A run that diver
 a failure: its row has ``status: diverged`` and no final loss, the study goes on, and a rerun skips
 it (it would diverge again: a run is deterministic given its config).  ``--jobs N`` runs N at once, each
 on its own accelerators (:func:`job_envs`: ``CUDA_VISIBLE_DEVICES`` on GPUs, ``TPU_VISIBLE_CHIPS``
-and a process of its own on a TPU VM; on a CPU host the jobs share the cores, so keep 1 on 2 cores).
+and a process of its own on a TPU VM; on a CPU host each job gets its own cores).
 Before any job starts, each distinct corpus of the study is prepared once (:func:`prepare_corpora`),
 so N jobs do not all tokenize the same data.
 
@@ -151,12 +151,20 @@ def accelerators(environ=os.environ) -> tuple[str, list[str]]:
 _TPU_CHIP_BOUNDS = {1: "1,1,1", 2: "1,2,1", 4: "2,2,1", 8: "2,4,1"}
 
 
-def job_envs(kind: str, ids: list[str], jobs: int, base_port: int = 8476) -> list[dict]:
+def job_envs(kind: str, ids: list[str], jobs: int, base_port: int = 8476, cpus=None) -> list[dict]:
     """One environment per job slot: slot ``k`` sees only accelerators ``ids[k*g : (k+1)*g]``,
     ``g = len(ids) // jobs``.  A TPU job also gets its own process bounds and mesh-controller port,
-    so several single-host TPU programs run side by side.  CPU: no visibility to set."""
+    so several single-host TPU programs run side by side.  CPU: each job its own share of the cores
+    this process may use (``ASYNCPP_CPUS``, which ``host_setup`` applies before JAX starts), since
+    small models run faster on one core each than with every job's thread pool on every core."""
     if kind == "cpu":
-        return [{} for _ in range(max(jobs, 1))]
+        if jobs <= 1:
+            return [{}]
+        cores = sorted(os.sched_getaffinity(0)) if cpus is None else list(cpus)
+        if len(cores) < jobs:
+            raise ValueError(f"--jobs {jobs} needs at least {jobs} CPU cores, found {len(cores)}; lower --jobs.")
+        per = len(cores) // jobs
+        return [{"ASYNCPP_CPUS": ",".join(map(str, cores[k * per:(k + 1) * per]))} for k in range(jobs)]
     if len(ids) < jobs:
         raise ValueError(f"--jobs {jobs} needs at least {jobs} accelerators ({kind}), found {len(ids)}: "
                          f"{ids}; lower --jobs.")

@@ -121,7 +121,10 @@ def test_job_envs_give_each_job_its_own_accelerators():
     assert {e["TPU_CHIPS_PER_PROCESS_BOUNDS"] for e in tpu} == {"1,1,1"}
     assert len({e["TPU_MESH_CONTROLLER_PORT"] for e in tpu}) == 4  # each job its own TPU process
     assert sweep.job_envs("tpu", ["0", "1", "2", "3"], 2)[1]["TPU_CHIPS_PER_PROCESS_BOUNDS"] == "1,2,1"
-    assert sweep.job_envs("cpu", [], 3) == [{}, {}, {}]
+    assert sweep.job_envs("cpu", [], 1) == [{}]
+    assert sweep.job_envs("cpu", [], 2, cpus={0, 1, 2, 3, 4}) == [{"ASYNCPP_CPUS": "0,1"}, {"ASYNCPP_CPUS": "2,3"}]
+    with pytest.raises(ValueError, match="--jobs 3 needs at least 3 CPU cores"):
+        sweep.job_envs("cpu", [], 3, cpus={0, 1})
     with pytest.raises(ValueError, match="--jobs 8 needs at least 8 accelerators"):
         sweep.job_envs("gpu", ["0", "1"], 8)
     with pytest.raises(ValueError, match="choose --jobs"):

@@ -35,3 +35,20 @@ def test_add_host_devices_sets_the_option_unless_the_user_chose(env, want):
     n, xla_flags, num_cpu = _probe(**env)
     assert n == want
     assert xla_flags == env.get("XLA_FLAGS", "") and num_cpu == env.get("JAX_NUM_CPU_DEVICES", "")
+
+
+def test_asyncpp_cpus_pins_the_process_and_rejects_bad_lists():
+    from asyncpp_jax import host_setup
+
+    assert host_setup.parse_cpus("0,2-3") == {0, 2, 3}
+    for bad in ("x", "1-", ","):
+        with pytest.raises(ValueError, match="ASYNCPP_CPUS"):
+            host_setup.parse_cpus(bad)
+    assert host_setup.pin_cpus({}) is None
+    first = min(os.sched_getaffinity(0))
+    out = subprocess.run([sys.executable, "-c", "import os; from asyncpp_jax import host_setup; "
+                          "host_setup.pin_cpus(); print(sorted(os.sched_getaffinity(0)))"],
+                         capture_output=True, text=True, timeout=60, env={**os.environ, "ASYNCPP_CPUS": str(first)})
+    assert out.returncode == 0 and out.stdout.strip() == f"[{first}]", out.stderr[-1000:]
+    with pytest.raises(ValueError, match="may not use"):
+        host_setup.pin_cpus({"ASYNCPP_CPUS": "100000"})
