@@ -13,9 +13,9 @@ process (so each gets its own fake devices, SOAP's one-core pin, a clean JAX).  
 checkpoint, so an interrupted study picks up where it stopped.  A run that diverged (status
 ``diverged``: a non-finite loss, e.g. a learning rate too high in the ``lr`` study) is a result, not
 a failure: its row has ``status: diverged`` and no final loss, the study goes on, and a rerun skips
-it (it would diverge again: a run is deterministic given its config).  ``--jobs N`` runs N at once, each
-on its own accelerators (:func:`job_envs`: ``CUDA_VISIBLE_DEVICES`` on GPUs, ``TPU_VISIBLE_CHIPS``
-and a process of its own on a TPU VM; on a CPU host each job gets its own cores).
+it (it would diverge again: a run is deterministic given its config).  ``--jobs N`` runs N at
+once, each on its own accelerators (:func:`job_envs`: ``CUDA_VISIBLE_DEVICES`` on GPUs,
+``TPU_VISIBLE_CHIPS`` and a process of its own on a TPU VM; on a CPU host each job gets its own cores).
 Before any job starts, each distinct corpus of the study is prepared once (:func:`prepare_corpora`),
 so N jobs do not all tokenize the same data.
 
