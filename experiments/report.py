@@ -9,12 +9,16 @@ committed report regenerates from the repository alone; ``--check DIR`` does tha
 directory and compares ``report.md`` exactly (plots are not compared: their bytes depend on
 matplotlib's version).
 
-Per study: a table of final validation loss (nats/byte), mean ± std over seeds, per variant; the
-study's derived quantity (delay gap ``2bw - sync`` per optimizer, per momentum, per depth, per
-setting; every mitigation ranked by the fraction of the gap it recovers, ± its standard error);
-and plots (loss curves sync vs async, gap vs momentum, gap vs depth, recovered fraction).  Then a
-verdict on each of the paper's claims that the given studies can test, stated as measured: a claim
-that does not hold here is reported as not reproduced.
+Per study: a table of final validation loss (nats/byte), mean ± sample std over seeds, per variant
+(diverged runs counted apart); the study's derived quantities (delay gap ``2bw - sync`` per
+optimizer, per momentum, per depth, per setting, per learning rate; every mitigation ranked by the
+fraction of the gap it recovers) each ± its standard error, paired over seeds where the arms share
+seeds (:mod:`experiments.stats`: a seed fixes both the initial weights and the data order); the
+delay gap over training tokens for the headline arms, with the trend test; the ``lr`` study's
+table of synchronous loss per learning rate with each optimizer's pick (:mod:`experiments.tuning`);
+and plots.  Then a verdict on each of the paper's claims that the given studies can test: exactly
+one of "reproduced", "not reproduced", "inconclusive at this scale", with the test (an estimate
+against two standard errors) and the numbers.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import collections
 import difflib
 import hashlib
 import json
+import math
 import pathlib
 import re
 import sys
@@ -31,9 +36,14 @@ import tempfile
 
 import numpy as np
 
+from experiments import stats, tuning
+
 # Thresholds that turn the paper's words into a test, stated in the report.
 FAR_LARGER = 2.0  # "AdamW's gap is far larger than Muon's": at least this ratio
 LARGE_PART = 0.5  # "EF recovers a large part of the gap": at least this fraction
+# "The gap does not grow with training": its growth from the midpoint to the last evaluation is
+# shown to stay under this fraction of the midpoint gap.
+GROWTH_MARGIN = 0.1
 
 
 RESULTS = "results.jsonl"
@@ -87,82 +97,255 @@ def by_variant(rows) -> dict[str, np.ndarray]:
     return {k: np.asarray(v, float) for k, v in out.items()}
 
 
+def diverged(rows) -> collections.Counter:
+    """Runs per variant without a final loss (status ``diverged``)."""
+    return collections.Counter(r["variant"] for r in rows if r.get("final_val") is None)
+
+
 def fmt(values: np.ndarray) -> str:
     if len(values) > 1:
         return f"{values.mean():.4f} ± {values.std(ddof=1):.4f}"
     return f"{values.mean():.4f}"
 
 
-def gap(stats, async_key, sync_key) -> tuple[float, float] | None:
-    """Mean gap and its standard error (independent seeds)."""
-    if async_key not in stats or sync_key not in stats:
-        return None
-    a, s = stats[async_key], stats[sync_key]
-    se = np.sqrt((a.var(ddof=1) / len(a) if len(a) > 1 else 0.0) + (s.var(ddof=1) / len(s) if len(s) > 1 else 0.0))
-    return float(a.mean() - s.mean()), float(se)
+def _est(e: stats.Estimate | None, pct: bool = False) -> str:
+    if e is None:
+        return "-"
+    return e.pct() if pct else str(e)
 
 
-def _var_of_mean(x: np.ndarray) -> float:
-    return float(x.var(ddof=1) / len(x)) if len(x) > 1 else 0.0
+def _claim(claims: dict, name: str, verdict: str, test: str, measured: str) -> None:
+    assert verdict in stats.VERDICTS, verdict
+    claims[name] = (verdict, test, measured)
 
 
-def recovered(stats, opt: str, arm: str) -> tuple[float, float] | None:
-    """Fraction of the delay gap ``arm`` recovers, ``f = 1 - (arm - sync) / (none - sync)``, and its SE.
+def _both(verdicts: list[str]) -> str:
+    """All parts shown: reproduced; any part contradicted: not reproduced; else inconclusive."""
+    if all(v == stats.REPRODUCED for v in verdicts):
+        return stats.REPRODUCED
+    if any(v == stats.NOT_REPRODUCED for v in verdicts):
+        return stats.NOT_REPRODUCED
+    return stats.INCONCLUSIVE
 
-    The standard error is the delta method on the three means (independent seeds, the same
-    assumption as :func:`gap`), counting that both gaps share the synchronous mean:
-    ``Var f = [Var(G_a) + r^2 Var(G_n) - 2 r Var(sync)] / G_n^2`` with ``r = G_a / G_n``.
+
+def _se_kind(e: stats.Estimate | None) -> str:
+    if e is None:
+        return "-"
+    return f"paired, {e.n} seed{'s' * (e.n != 1)}" if e.paired else f"independent, >= {e.n} runs per arm"
+
+
+# ---------------------------------------------------------------------------------------------
+# The delay gap over training
+
+
+def _curve(row) -> dict[int, float]:
+    return {int(s): float(v) for s, v in row.get("val_curve") or [] if v is not None and math.isfinite(v)}
+
+
+def _tokens_per_update(row) -> int | None:
+    """``global_batch_size x seq_len`` from the row's saved config; None if it was not saved."""
+    c = row.get("config") or {}
+    b, t = (c.get("train") or {}).get("global_batch_size"), (c.get("data") or {}).get("seq_len")
+    return int(b) * int(t) if isinstance(b, int) and isinstance(t, int) else None
+
+
+def gap_curve(rows, delayed: str, sync: str):
+    """The gap ``delayed - sync`` at every evaluation both arms' runs share, and its change from the
+    midpoint evaluation (the first at or after half the last) to the last one.
+
+    Returns ``(points, change, mid_step, last_step, tokens_per_update)`` with ``points`` a list of
+    ``(step, Estimate)``, or None with fewer than two shared evaluations.  The change is the contrast
+    of the per-run changes ``v(last) - v(mid)``, so it is paired over seeds when the seeds pair.
     """
-    keys = [f"{opt}/{arm}", f"{opt}/none", f"{opt}/sync"]
-    if any(k not in stats for k in keys):
+    runs = [r for r in rows if r["variant"] in (delayed, sync) and r.get("final_val") is not None]
+    if not {r["variant"] for r in runs} == {delayed, sync}:
         return None
-    a, n, s = (stats[k] for k in keys)
-    g_a, g_n = a.mean() - s.mean(), n.mean() - s.mean()
-    if g_n == 0:
+    curves = [(r, _curve(r)) for r in runs]
+    steps = sorted(set.intersection(*(set(c) for _, c in curves)))
+    if len(steps) < 2:
         return None
-    r = g_a / g_n
-    va, vn, vs = _var_of_mean(a), _var_of_mean(n), _var_of_mean(s)
-    var = ((va + vs) + r * r * (vn + vs) - 2 * r * vs) / g_n**2
-    return float(1 - r), float(np.sqrt(max(var, 0.0)))
+    points = []
+    for step in steps:
+        arms = stats.arms_of([r for r, _ in curves], value=lambda r, s=step: _curve(r)[s])
+        points.append((step, stats.gap(arms, delayed, sync)))
+    last = steps[-1]
+    mid = next(s for s in steps if s >= last / 2)
+    if mid == last:
+        mid = steps[-2]
+    change_arms = stats.arms_of([r for r, _ in curves], value=lambda r: _curve(r)[last] - _curve(r)[mid])
+    tokens = {_tokens_per_update(r) for r in runs}
+    return points, stats.gap(change_arms, delayed, sync), mid, last, (tokens.pop() if len(tokens) == 1 else None)
 
 
-def minus_ef(stats, opt: str, arm: str) -> tuple[float, float] | None:
-    """``f_arm - f_ef = (ef - arm) / (none - sync)`` and its delta-method SE (independent seeds)."""
-    keys = [f"{opt}/{arm}", f"{opt}/ef", f"{opt}/none", f"{opt}/sync"]
-    if any(k not in stats for k in keys):
-        return None
-    a, e, n, s = (stats[k] for k in keys)
-    g_n = n.mean() - s.mean()
-    if g_n == 0:
-        return None
-    diff = (e.mean() - a.mean()) / g_n
-    var = (_var_of_mean(a) + _var_of_mean(e)) / g_n**2 + (diff / g_n) ** 2 * (_var_of_mean(n) + _var_of_mean(s))
-    return float(diff), float(np.sqrt(var))
+def trend(change: stats.Estimate) -> str:
+    """grows / shrinks / stays, by the change of the gap against two standard errors."""
+    if change.n < 2:
+        return "unknown (one seed: no standard error)"
+    if change.value > 2 * change.se:
+        return "grows"
+    if change.value < -2 * change.se:
+        return "shrinks"
+    return "stays (within noise)"
 
 
-def analyse_mitigations(stats, out: pathlib.Path, claims: dict) -> list[str]:
+def analyse_gap_over_time(name: str, rows, pairs, out: pathlib.Path, claims: dict, headline: dict,
+                          prefer: bool) -> list[str]:
+    """Plot and table of the gap over training tokens for ``pairs`` = ``[(label, delayed, sync)]``;
+    ``headline`` maps an optimizer to its plain-delay label, whose curve tests "the gap does not grow"."""
+    series, table, lines = {}, [], []
+    unit = "tokens"
+    for label, delayed, sync in pairs:
+        got = gap_curve(rows, delayed, sync)
+        if got is None:
+            continue
+        points, change, mid, last, per_update = got
+        if per_update is None:
+            unit = "update"
+        series[label] = (points, per_update)
+        g_mid = dict(points)[mid]
+        g_last = dict(points)[last]
+        table.append((label, f"{mid} / {last}", str(g_mid), str(g_last), str(change), trend(change)))
+        opt = next((o for o, lab in headline.items() if lab == label), None)
+        if opt is not None and change.n >= 2:
+            margin = GROWTH_MARGIN * max(g_mid.value, 0.0)
+            if change.value - 2 * change.se > 0:
+                verdict = stats.NOT_REPRODUCED
+            elif change.value + 2 * change.se < margin:
+                verdict = stats.REPRODUCED
+            else:
+                verdict = stats.INCONCLUSIVE
+            key = f"The delay gap does not grow with training ({opt})"
+            if prefer or key not in claims:
+                _claim(claims, key, verdict,
+                       f"change c of the gap from the midpoint to the last evaluation: reproduced if c + 2 SE < "
+                       f"{GROWTH_MARGIN:.0%} of the midpoint gap, not reproduced if c - 2 SE > 0",
+                       f"`{name}`, {label}: gap {g_mid} at update {mid} -> {g_last} at update {last}; "
+                       f"c = {change}")
+    if not series:
+        return lines
+    lines += ["### The delay gap over training", "",
+              "Gap (async minus sync) at each evaluation, ± 1 SE over seeds (paired when the seeds pair). "
+              "Test of the trend: the change c of the gap from the midpoint evaluation (the first at or after "
+              "half the run) to the last: grows if c > 2 SE, shrinks if c < -2 SE, else stays (within noise).", ""]
+    lines += _table(["arms", "evaluations (mid / last)", "gap at mid", "gap at last", "change c", "trend"], table)
+    lines += ["", f"![gap over training]({plot_bands(series, out / f'{name}_gap_over_time.png', unit)})", ""]
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# The learning-rate study
+
+
+def analyse_lr(rows, out: pathlib.Path, claims: dict) -> list[str]:
+    """Sync final val per optimizer x lr (the pick marked), val vs lr, and AdamW's and Muon's delay gap
+    and EF's recovered fraction at every learning rate."""
+    lines = []
+    sync = tuning.sync_means(rows)
+    picks = tuning.pick_lrs(rows)
+    arms = stats.arms_of(rows)
+    # variant names by (optimizer, lr, arm); the lr is the one each run trained with
+    names = {}
+    for r in rows:
+        parsed = tuning.parse(r["variant"])
+        if parsed:
+            names[(parsed[0], tuning.lr_of_row(r), parsed[2])] = r["variant"]
+    lrs = sorted({lr for (_, lr, _) in names})
+    div = diverged(rows)
+
+    def cell(opt, lr):
+        v = names.get((opt, lr, "sync"))
+        if v is None:
+            return "", None
+        if div.get(v):
+            return f"diverged ({div[v]} of {div[v] + len(arms.get(v, []))})", None
+        x = np.array([y for _, y in arms[v]])
+        e = stats.Estimate(float(x.mean()), math.sqrt(stats.var_of_mean(x)), False, len(x))
+        text = f"{e.value:.4f} ± {e.se:.4f}"
+        return (f"**{text}** (pick)" if picks.get(opt) == lr else text), e
+
+    table, series = [], {}
+    for opt in sorted(sync):
+        row = [opt]
+        for lr in sorted(lr for (o, lr, arm) in names if o == opt and arm == "sync"):
+            text, e = cell(opt, lr)
+            row.append(f"{lr:g}: {text}")
+            if e is not None:
+                series.setdefault(opt, []).append((lr, e.value, e.se))
+        table.append(row)
+    width = max((len(r) for r in table), default=1) - 1
+    table = [r + [""] * (width + 1 - len(r)) for r in table]
+    lines += ["### Synchronous final validation loss per learning rate", "",
+              "Each cell is `lr: mean ± SE over seeds`, learning rates ascending; the pick (lowest mean; a "
+              "learning rate at which any seed diverged is never picked) is what `common.TUNED_LR[preset]` must "
+              "hold for this preset (`tests/test_tuning.py` checks it against the committed rows).", ""]
+    lines += _table(["optimizer"] + [f"lr {k + 1}" for k in range(width)], table) + [""]
+    lines.append("Picks: " + ", ".join(f"{k} {v:g}" for k, v in sorted(picks.items())) + ".")
+    lines.append("")
+    if series:
+        lines.append(f"![val vs lr]({plot_xy(series, out / 'lr_val.png', 'peak learning rate', 'final val loss (nats/byte)', 'sync loss vs learning rate', logx=True, zero=False)})")
+        lines.append("")
+    gap_series, frac_series, table = {}, {}, []
+    for opt in ("adamw", "muon"):
+        for lr in lrs:
+            v = {arm: names.get((opt, lr, arm)) for arm in ("sync", "2bw", "ef")}
+            if v["sync"] is None or v["2bw"] is None:
+                continue
+            g = stats.gap(arms, v["2bw"], v["sync"])
+            g_ef = stats.gap(arms, v["ef"], v["sync"]) if v["ef"] else None
+            f = stats.recovered(arms, v["ef"], v["2bw"], v["sync"]) if v["ef"] else None
+            table.append((opt, f"{lr:g}", _est(g), _est(g_ef), _est(f, pct=True), _se_kind(g)))
+            if g:
+                gap_series.setdefault(opt, []).append((lr, g.value, g.se))
+            if f:
+                frac_series.setdefault(opt, []).append((lr, f.value, f.se))
+    if table:
+        lines += ["### Delay gap and EF recovery per learning rate", "",
+                  "Gap = 2bw - sync, EF gap = 2bw+EF - sync, recovered = 1 - EF gap / gap (delta method).", ""]
+        lines += _table(["optimizer", "lr", "delay gap", "EF gap", "EF recovers", "standard errors"], table) + [""]
+    if gap_series:
+        lines.append(f"![gap vs lr]({plot_xy(gap_series, out / 'lr_gap.png', 'peak learning rate', 'delay gap 2bw - sync', 'delay gap vs learning rate', logx=True)})")
+        lines.append("")
+    if frac_series:
+        lines.append(f"![EF recovery vs lr]({plot_xy(frac_series, out / 'lr_ef_recovered.png', 'peak learning rate', 'fraction of the gap EF recovers', 'EF recovery vs learning rate', logx=True)})")
+        lines.append("")
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# Mitigations
+
+
+def analyse_mitigations(rows, out: pathlib.Path, claims: dict) -> list[str]:
     """Every mitigation ranked by the fraction of the gap it recovers, per optimizer, ± SE."""
+    arms = stats.arms_of(rows)
     series, table, lines = collections.defaultdict(list), [], []
-    for opt in sorted({v.split("/")[0] for v in stats}):
-        arms = sorted({v.split("/", 1)[1] for v in stats if v.startswith(f"{opt}/")} - {"sync", "none"})
-        fracs = [(arm, f) for arm in arms if (f := recovered(stats, opt, arm))]
+    for opt in sorted({v.split("/")[0] for v in arms}):
+        names = sorted({v.split("/", 1)[1] for v in arms if v.startswith(f"{opt}/")} - {"sync", "none"})
+        sync, none = f"{opt}/sync", f"{opt}/none"
+        fracs = [(arm, f) for arm in names if (f := stats.recovered(arms, f"{opt}/{arm}", none, sync))]
         if fracs:  # bars in one (alphabetical) arm order for every optimizer; the table is ranked
-            series[opt] = [(arm, f[0], f[1]) for arm, f in fracs]
-        for rank, (arm, f) in enumerate(sorted(fracs, key=lambda x: -x[1][0]), start=1):
-            vs = minus_ef(stats, opt, arm) if arm != "ef" else None
-            table.append((opt, rank, arm, _gap_str(gap(stats, f"{opt}/{arm}", f"{opt}/sync")),
-                          f"{f[0]:.0%} ± {f[1]:.0%}", "-" if vs is None else f"{vs[0]:+.0%} ± {vs[1]:.0%}"))
+            series[opt] = [(arm, f.value, f.se) for arm, f in fracs]
+        for rank, (arm, f) in enumerate(sorted(fracs, key=lambda x: -x[1].value), start=1):
+            # f_arm - f_ef = (ef - arm) / (none - sync)
+            vs = stats.ratio(arms, {f"{opt}/ef": 1.0, f"{opt}/{arm}": -1.0}, {none: 1.0, sync: -1.0}) \
+                if arm != "ef" else None
+            table.append((opt, rank, arm, _est(stats.gap(arms, f"{opt}/{arm}", sync)), f.pct(),
+                          "-" if vs is None else f"{vs.value:+.0%} ± {vs.se:.0%}", _se_kind(f)))
+        ef = stats.recovered(arms, f"{opt}/ef", none, sync)
+        if ef is not None:
+            _claim(claims, f"Error feedback recovers a large part of the gap ({opt})",
+                   stats.verdict(ef, LARGE_PART, at_least=True),
+                   f"EF's fraction f: reproduced if f - 2 SE >= {LARGE_PART:.0%}, not reproduced if "
+                   f"f + 2 SE < {LARGE_PART:.0%}",
+                   f"f = {ef.pct()} ({_se_kind(ef)})")
     lines += _table(["optimizer", "rank", "mitigation", "gap vs sync", "fraction of the gap recovered",
-                     "minus EF's fraction"], table) + [""]
+                     "minus EF's fraction", "standard errors"], table) + [""]
     if series:
         lines.append(f"![recovered]({plot_xy(series, out / 'mitigations_recovered.png', 'mitigation', 'fraction recovered', 'gap recovered', bars=True)})")
         lines.append("")
-        ef = {opt: dict((a, f) for a, f, _ in pts).get("ef") for opt, pts in series.items()}
-        ef = {k: v for k, v in ef.items() if v is not None}
-        if ef:
-            claims["Error feedback recovers a large part of the gap"] = (
-                all(v >= LARGE_PART for v in ef.values()),
-                ", ".join(f"{k} {v:.0%}" for k, v in ef.items()) + f" (test: >= {LARGE_PART:.0%})")
+    pairs = [(f"{opt} {arm}", f"{opt}/{arm}", f"{opt}/sync") for opt in ("adamw", "muon") for arm in ("none", "ef")]
+    lines += analyse_gap_over_time("mitigations", rows, pairs, out, claims,
+                                   {"adamw": "adamw none", "muon": "muon none"}, prefer=False)
     return lines
 
 
@@ -180,19 +363,20 @@ def plot_curves(rows, out: pathlib.Path, title: str) -> str:
     plt = _plt()
     curves = collections.defaultdict(list)
     for r in rows:
-        if r["val_curve"]:
+        if r["val_curve"] and r.get("final_val") is not None:
             curves[r["variant"]].append(np.asarray(r["val_curve"], float))
     fig, ax = plt.subplots(figsize=(7, 4.5))
     # One colour per setting (the variant without its last part), dashed for the synchronous arm.
     settings = sorted({v.rsplit("/", 1)[0] for v in curves})
-    colours = {k: plt.get_cmap("tab20" if len(settings) > 10 else "tab10")(i) for i, k in enumerate(settings)}
+    cmap = plt.get_cmap("tab20" if len(settings) > 10 else "tab10")
+    colours = {k: cmap(i % cmap.N) for i, k in enumerate(settings)}
     for variant, cs in sorted(curves.items()):
         n = min(len(c) for c in cs)
         mean = np.mean([c[:n, 1] for c in cs], axis=0)
         style = "--" if variant.rsplit("/", 1)[-1] == "sync" else "-"
         ax.plot(cs[0][:n, 0], mean, style, color=colours[variant.rsplit("/", 1)[0]], label=variant)
     ax.set(xlabel="update", ylabel="validation loss (nats/byte)", title=title)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=6 if len(curves) > 20 else 7, ncol=2 if len(curves) <= 30 else 3)
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)
@@ -200,7 +384,7 @@ def plot_curves(rows, out: pathlib.Path, title: str) -> str:
 
 
 def plot_xy(series: dict[str, list[tuple[float, float, float]]], out: pathlib.Path, xlabel: str, ylabel: str,
-            title: str, bars: bool = False) -> str:
+            title: str, bars: bool = False, logx: bool = False, zero: bool = True) -> str:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 4))
     for i, (name, pts) in enumerate(sorted(series.items())):
@@ -211,8 +395,32 @@ def plot_xy(series: dict[str, list[tuple[float, float, float]]], out: pathlib.Pa
             ax.set_xticks(np.arange(len(xs)) + 0.2, [str(x) for x in xs], rotation=30, fontsize=8)
         else:
             ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=name)
-    ax.axhline(0, color="gray", lw=0.5)
+    if zero:
+        ax.axhline(0, color="gray", lw=0.5)
+    if logx:
+        ax.set_xscale("log")
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out.name
+
+
+def plot_bands(series: dict, out: pathlib.Path, unit: str) -> str:
+    """Gap vs training tokens (or updates, if a run did not save its batch shape), mean ± 1 SE band."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for label, (points, per_update) in sorted(series.items()):
+        scale = per_update if unit == "tokens" else 1
+        xs = np.array([s * scale for s, _ in points], float)
+        ys = np.array([e.value for _, e in points])
+        es = np.array([e.se for _, e in points])
+        line, = ax.plot(xs, ys, "-" if label.endswith(("2bw", "none")) else "--", marker=".", label=label)
+        ax.fill_between(xs, ys - es, ys + es, color=line.get_color(), alpha=0.2)
+    ax.axhline(0, color="gray", lw=0.5)
+    ax.set(xlabel="training tokens" if unit == "tokens" else "update", ylabel="delay gap (nats/byte)",
+           title="delay gap over training (± 1 SE)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out)
@@ -225,72 +433,95 @@ def _table(header, rows) -> list[str]:
         ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
 
 
-def _gap_str(g):
-    return "-" if g is None else f"{g[0]:+.4f} ± {g[1]:.4f}"
-
-
 def analyse(name: str, rows: list[dict], out: pathlib.Path, claims: dict) -> list[str]:
-    stats = by_variant(rows)
+    table = by_variant(rows)
+    arms = stats.arms_of(rows)
+    div = diverged(rows)
     lines = [f"## Study `{name}`", "", f"{len(rows)} runs, seeds {sorted({r['seed'] for r in rows})}.", ""]
     lines += _table(["variant", "final val loss (nats/byte)", "runs"],
-                    [(v, fmt(x), len(x)) for v, x in sorted(stats.items())]) + [""]
+                    [(v, fmt(table[v]) if v in table else "-",
+                      f"{len(table.get(v, []))}" + (f" (+{div[v]} diverged)" if div.get(v) else ""))
+                     for v in sorted(set(table) | set(div))]) + [""]
     lines.append(f"![curves]({plot_curves(rows, out / f'{name}_curves.png', name)})")
     lines.append("")
 
     if name in ("optimizers", "sensitivity"):
-        prefixes = sorted({v.rsplit("/", 1)[0] for v in stats})
-        gaps = {p: gap(stats, f"{p}/2bw", f"{p}/sync") for p in prefixes}
-        lines += _table(["setting", "delay gap 2bw - sync"], [(p, _gap_str(g)) for p, g in gaps.items()]) + [""]
+        prefixes = sorted({v.rsplit("/", 1)[0] for v in arms})
+        gaps = {p: stats.gap(arms, f"{p}/2bw", f"{p}/sync") for p in prefixes}
+        lines += _table(["setting", "delay gap 2bw - sync", "standard error"],
+                        [(p, _est(g), _se_kind(g)) for p, g in gaps.items()]) + [""]
         if name == "optimizers" and gaps.get("adamw") and gaps.get("muon"):
-            a, m = gaps["adamw"][0], gaps["muon"][0]
-            claims["AdamW's delay gap is far larger than Muon's"] = (
-                a > FAR_LARGER * max(m, 1e-9) and a > 0,
-                f"AdamW {a:+.4f} vs Muon {m:+.4f} (test: AdamW > {FAR_LARGER}x Muon)")
+            d = stats.contrast(arms, {"adamw/2bw": 1.0, "adamw/sync": -1.0,
+                                      "muon/2bw": -FAR_LARGER, "muon/sync": FAR_LARGER})
+            verdict = stats.verdict(d)
+            if verdict == stats.REPRODUCED and gaps["adamw"].value <= 0:
+                verdict = stats.INCONCLUSIVE  # "far larger" than a gap that helps says nothing of the delay's harm
+            _claim(claims, "AdamW's delay gap is far larger than Muon's", verdict,
+                   f"d = G_AdamW - {FAR_LARGER:g} G_Muon: reproduced if d > 2 SE, not reproduced if d < -2 SE",
+                   f"G_AdamW {gaps['adamw']}, G_Muon {gaps['muon']}; d = {d} ({_se_kind(d)})")
+        if name == "optimizers":
+            pairs = [(f"{opt} 2bw", f"{opt}/2bw", f"{opt}/sync") for opt in ("adamw", "muon")]
+            lines += analyse_gap_over_time(name, rows, pairs, out, claims,
+                                           {"adamw": "adamw 2bw", "muon": "muon 2bw"}, prefer=True)
     elif name == "momentum":
-        series = collections.defaultdict(list)
-        for v in stats:
+        series, found = collections.defaultdict(list), collections.defaultdict(list)
+        for v in arms:
             m = re.match(r"(\w+)/beta=([\d.]+)/2bw$", v)
             if m:
-                g = gap(stats, v, v[: -len("2bw")] + "sync")
+                g = stats.gap(arms, v, v[: -len("2bw")] + "sync")
                 if g:
-                    series[m.group(1)].append((float(m.group(2)), *g))
+                    series[m.group(1)].append((float(m.group(2)), g.value, g.se))
+                    found[m.group(1)].append((float(m.group(2)), g, m.group(2)))
         series = {k: sorted(v) for k, v in series.items()}
-        lines += _table(["optimizer", "momentum", "delay gap"],
-                        [(k, x, f"{y:+.4f} ± {e:.4f}") for k, pts in series.items() for x, y, e in pts]) + [""]
+        lines += _table(["optimizer", "momentum", "delay gap", "standard error"],
+                        [(k, x, str(g), _se_kind(g)) for k, pts in sorted(found.items())
+                         for x, g, _ in sorted(pts, key=lambda p: p[0])]) + [""]
         lines.append(f"![gap vs momentum]({plot_xy(series, out / 'momentum_gap.png', 'b1 / mu', 'delay gap', 'gap vs momentum')})")
         lines.append("")
-        verdicts = {k: pts[-1][1] < pts[0][1] for k, pts in series.items() if len(pts) > 1}
-        if verdicts:
-            claims["Higher momentum shrinks the delay gap"] = (
-                all(verdicts.values()),
-                "; ".join(f"{k}: gap {series[k][0][1]:+.4f} at {series[k][0][0]} -> {series[k][-1][1]:+.4f} at "
-                          f"{series[k][-1][0]}" for k in verdicts))
+        for opt, pts in sorted(found.items()):
+            if len(pts) < 2:
+                continue
+            pts = sorted(pts, key=lambda p: p[0])
+            (lo, g_lo, s_lo), (hi, g_hi, s_hi) = pts[0], pts[-1]
+            shrink = stats.contrast(arms, {f"{opt}/beta={s_lo}/2bw": 1.0, f"{opt}/beta={s_lo}/sync": -1.0,
+                                           f"{opt}/beta={s_hi}/2bw": -1.0, f"{opt}/beta={s_hi}/sync": 1.0})
+            _claim(claims, f"Higher momentum shrinks the delay gap ({opt})", stats.verdict(shrink),
+                   "s = gap at the lowest momentum - gap at the highest: reproduced if s > 2 SE, "
+                   "not reproduced if s < -2 SE",
+                   f"gap {g_lo} at {lo:g} -> {g_hi} at {hi:g}; s = {shrink} ({_se_kind(shrink)})")
     elif name == "mitigations":
-        lines += analyse_mitigations(stats, out, claims)
+        lines += analyse_mitigations(rows, out, claims)
+    elif name == "lr":
+        lines += analyse_lr(rows, out, claims)
     elif name == "schemes":
         pts = []
-        for v in stats:
+        for v in arms:
             m = re.search(r"/pipedream/P=(\d+)$", v)
             if m:
-                g = gap(stats, v, v.split("/")[0] + "/sync")
+                g = stats.gap(arms, v, v.split("/")[0] + "/sync")
                 if g:
-                    pts.append((int(m.group(1)), *g))
-        pts.sort()
-        two = gap(stats, "adamw/2bw", "adamw/sync")
-        series = {"pipedream": pts}
+                    pts.append((int(m.group(1)), g, v))
+        pts.sort(key=lambda p: p[0])
+        two = stats.gap(arms, "adamw/2bw", "adamw/sync")
+        series = {"pipedream": [(p, g.value, g.se) for p, g, _ in pts]}
         if two and pts:
-            series["2bw"] = [(p, *two) for p, _, _ in pts]
-        lines += _table(["scheme", "P", "delay gap"], [("pipedream", p, f"{y:+.4f} ± {e:.4f}") for p, y, e in pts]
-                        + ([("2bw", "any", _gap_str(two))] if two else [])) + [""]
+            series["2bw"] = [(p, two.value, two.se) for p, _, _ in pts]
+        lines += _table(["scheme", "P", "delay gap", "standard error"],
+                        [("pipedream", p, str(g), _se_kind(g)) for p, g, _ in pts]
+                        + ([("2bw", "any", str(two), _se_kind(two))] if two else [])) + [""]
         if pts:
             lines.append(f"![gap vs depth]({plot_xy(series, out / 'schemes_gap.png', 'pipeline depth P', 'delay gap', 'gap vs depth')})")
             lines.append("")
         if two and len(pts) > 1:
-            grows = all(b[1] > a[1] for a, b in zip(pts, pts[1:]))
-            claims["PipeDream degrades with depth while 2BW does not"] = (
-                grows and pts[-1][1] > two[0],
-                f"PipeDream gap {' -> '.join(f'{y:+.4f}' for _, y, _ in pts)} for P = "
-                f"{', '.join(str(p) for p, _, _ in pts)}; 2BW {two[0]:+.4f} (one delay at any depth)")
+            (p_lo, _, v_lo), (p_hi, _, v_hi) = pts[0], pts[-1]
+            deeper = stats.contrast(arms, {v_hi: 1.0, v_lo: -1.0})
+            vs_2bw = stats.contrast(arms, {v_hi: 1.0, "adamw/2bw": -1.0})
+            _claim(claims, "PipeDream degrades with depth while 2BW does not",
+                   _both([stats.verdict(deeper), stats.verdict(vs_2bw)]),
+                   f"d1 = PipeDream(P={p_hi}) - PipeDream(P={p_lo}) and d2 = PipeDream(P={p_hi}) - 2BW: "
+                   "reproduced if both > 2 SE, not reproduced if either < -2 SE (2BW has one delay at any depth)",
+                   f"PipeDream gap {' -> '.join(str(g) for _, g, _ in pts)} for P = "
+                   f"{', '.join(str(p) for p, _, _ in pts)}; 2BW {two}; d1 = {deeper}, d2 = {vs_2bw}")
     return lines
 
 
@@ -305,18 +536,27 @@ def report(paths, out: pathlib.Path) -> pathlib.Path:
     for line in rows:
         row = json.loads(line)
         studies[row["study"]].append(row)
-    claims: dict[str, tuple[bool, str]] = {}
+    claims: dict[str, tuple[str, str, str]] = {}
     body = []
     for name in sorted(studies):
         body += analyse(name, studies[name], out, claims)
     digest = hashlib.sha256(data.encode()).hexdigest()[:16]
     lines = ["# Async PP study report", "", f"Made from `{RESULTS}` beside this file ({len(rows)} runs, sha256 "
              f"`{digest}`); regenerate with `python -m experiments.report --check <this directory>`.", "",
-             "Final validation loss in nats/byte; mean ± sample std over seeds; "
-             "a delay gap is async minus sync (± its standard error).", "", "## The paper's claims at this scale", ""]
+             "Final validation loss in nats/byte. The variant tables give the mean ± sample std over seeds. "
+             "Every derived quantity (a delay gap is async minus sync; a fraction recovered; a difference of "
+             "gaps) is given ± its standard error (SE). Runs with the same seed start from the same weights and "
+             "read the same batches (the seed fixes both the initialization and the data order, whatever the "
+             "optimizer or delay), so where all arms of a comparison share their seeds the SE is that of the "
+             "per-seed differences (paired: the seed's own luck cancels); otherwise the arms count as "
+             "independent (SE^2 = sum of each mean's SE^2). Ratios take the delta method. Each table says which "
+             "was used.", "", "## The paper's claims at this scale", "",
+             "Each claim gets exactly one verdict: reproduced (the test's estimate is more than 2 SE on the "
+             "claim's side of its threshold), not reproduced (more than 2 SE on the other side), or "
+             "inconclusive at this scale (within 2 SE, or fewer than two seeds).", ""]
     if claims:
-        lines += _table(["claim", "reproduced here?", "measured"],
-                        [(c, "yes" if ok else "**no**", why) for c, (ok, why) in claims.items()])
+        lines += _table(["claim", "verdict", "test", "measured"],
+                        [(c, v, test, why) for c, (v, test, why) in claims.items()])
     else:
         lines.append("None of the given studies tests a claim.")
     lines += [""] + body

@@ -2,20 +2,26 @@
 
     python -m experiments.sweep optimizers --preset=cpu [--out runs/studies] [--jobs 1] [--list]
 
+Studies: ``optimizers``, ``momentum``, ``mitigations``, ``schemes``, ``sensitivity``, ``lr``; presets
+``cpu``, ``gpu``, ``paper`` (``experiments/studies/common.py``).
+
 A study (``experiments/studies/<name>.py``, ``study(preset) -> Study``) is named variants (each a
 dict of ``--config`` overrides) x a cartesian grid of overrides x seeds.  Each run is the real CLI,
 ``python -m asyncpp_jax.main --config=FILE --workdir=OUT/STUDY/RUN_ID --config.k=v ...``, in its own
 process (so each gets its own fake devices, SOAP's one-core pin, a clean JAX).  A run whose
 ``status.json`` says ``finished`` is skipped, and an unfinished one resumes from its last
-checkpoint, so an interrupted study picks up where it stopped.  ``--jobs N`` runs N at once, each
-on its own accelerators (:func:`job_envs`: ``CUDA_VISIBLE_DEVICES`` on GPUs, ``TPU_VISIBLE_CHIPS``
-and a process of its own on a TPU VM; on a CPU host each job gets its own cores).
+checkpoint, so an interrupted study picks up where it stopped.  A run that diverged (status
+``diverged``: a non-finite loss, e.g. a learning rate too high in the ``lr`` study) is a result, not
+a failure: its row has ``status: diverged`` and no final loss, the study goes on, and a rerun skips
+it (it would diverge again: a run is deterministic given its config).  ``--jobs N`` runs N at
+once, each on its own accelerators (:func:`job_envs`: ``CUDA_VISIBLE_DEVICES`` on GPUs,
+``TPU_VISIBLE_CHIPS`` and a process of its own on a TPU VM; on a CPU host each job gets its own cores).
 Before any job starts, each distinct corpus of the study is prepared once (:func:`prepare_corpora`),
 so N jobs do not all tokenize the same data.
 
 Results: ``OUT/STUDY/results.jsonl``, one line per run: study, run id, variant, grid point, seed,
-overrides, final and best validation loss (nats/byte), the validation and training loss curves,
-wall time, and the run's saved config.
+overrides, status (``finished`` or ``diverged``), final and best validation loss (nats/byte; none
+for a diverged run), the validation and training loss curves, wall time, and the run's saved config.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ import shutil
 import subprocess
 import sys
 import time
+
+from experiments.studies.common import PRESETS
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -90,9 +98,16 @@ def command(study: Study, run: Run, workdir: pathlib.Path) -> list[str]:
             "--config.train.progress_bar=False", *(_flag(k, v) for k, v in run.overrides.items())]
 
 
-def is_finished(workdir: pathlib.Path) -> bool:
+DONE = ("finished", "diverged")  # a run with either status is not run again
+
+
+def run_status(workdir: pathlib.Path) -> str | None:
     status = workdir / "status.json"
-    return status.exists() and json.loads(status.read_text()).get("status") == "finished"
+    return json.loads(status.read_text()).get("status") if status.exists() else None
+
+
+def is_finished(workdir: pathlib.Path) -> bool:
+    return run_status(workdir) in DONE
 
 
 def collect(study: Study, run: Run, workdir: pathlib.Path, seconds: float | None = None) -> dict:
@@ -101,10 +116,10 @@ def collect(study: Study, run: Run, workdir: pathlib.Path, seconds: float | None
     val = [(r["step"], r["val_loss_per_byte"]) for r in rows if "val_loss_per_byte" in r]
     train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
     status = json.loads((workdir / "status.json").read_text())
-    final = status.get("val_loss_per_byte")
+    final = status.get("val_loss_per_byte") if status.get("status") == "finished" else None
     return {
         "study": study.name, "run_id": run.run_id, "variant": run.variant, "point": dict(run.point),
-        "seed": run.seed, "overrides": run.overrides, "final_val": final,
+        "seed": run.seed, "overrides": run.overrides, "status": status.get("status"), "final_val": final,
         "best_val": min([v for _, v in val] + ([final] if final is not None else [])) if (val or final) else None,
         "val_curve": val, "train_curve": train, "seconds": seconds,
         "config": json.loads((workdir / "config.json").read_text()),
@@ -227,7 +242,7 @@ def execute(study: Study, out: pathlib.Path, jobs: int = 1, runner=None, log=pri
     def one(run: Run):
         workdir = root / run.run_id
         if is_finished(workdir):
-            log(f"[{study.name}] {run.run_id}: finished before, skipped")
+            log(f"[{study.name}] {run.run_id}: {run_status(workdir)} before, skipped")
             return run, None
         env = slots.get()
         try:
@@ -236,7 +251,9 @@ def execute(study: Study, out: pathlib.Path, jobs: int = 1, runner=None, log=pri
             code = runner(command(study, run, workdir), workdir, env)
         finally:
             slots.put(env)
-        if code != 0:
+        if code != 0 and run_status(workdir) == "diverged":
+            log(f"[{study.name}] {run.run_id}: diverged (recorded without a final loss)")
+        elif code != 0:
             raise RuntimeError(f"run {run.run_id} of study {study.name} failed with exit code {code}; "
                                f"its log is in {workdir}; rerun the study to resume")
         seconds[run.run_id] = time.time() - t0
@@ -258,8 +275,9 @@ def load_study(name: str, preset: str) -> Study:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("study", help="a module of experiments/studies: optimizers, momentum, mitigations, schemes, sensitivity")
-    ap.add_argument("--preset", default="cpu", choices=("cpu", "paper"))
+    ap.add_argument("study", help="a module of experiments/studies: optimizers, momentum, mitigations, schemes, "
+                    "sensitivity, lr")
+    ap.add_argument("--preset", default="cpu", choices=PRESETS)
     ap.add_argument("--out", default="runs/studies")
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--list", action="store_true", help="print the runs and exit")

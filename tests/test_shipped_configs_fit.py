@@ -2,7 +2,7 @@
 
 Each file in configs/ names its target in its docstring and in ``config.hardware``; the dry run of
 it (at its real shape, compiled on fake CPU devices by the CLI) must report a peak per device
-within that target's memory.  So must the studies' ``paper`` presets and the quickstart notebook's
+within that target's memory.  So must the studies' ``paper`` and ``gpu`` presets and the quickstart notebook's
 accelerator presets.  The dry run's peak is XLA:CPU's memory analysis, an estimate of the
 accelerator compiler's (see asyncpp_jax/train/dry_run.py).  The full-size configs compile for one
 to several minutes each on a busy 2-core machine, hence ``slow``.
@@ -95,6 +95,33 @@ def test_paper_preset_fits(model):
     config_file, overrides, _, _ = common.preset("paper", model)
     hardware = _config(os.path.basename(config_file)).hardware
     _assert_fits(config_file, _flags(overrides), hardware)
+
+
+@pytest.mark.slow
+def test_gpu_preset_fits():
+    """The studies' ``gpu`` preset (dense135m body, 2 microbatches of 64 x 2048): one run per 80 GB GPU."""
+    config_file, overrides, _, _ = common.preset("gpu")
+    hardware = _config(os.path.basename(config_file)).hardware
+    assert hardware == "h100-80gb"
+    _assert_fits(config_file, _flags(overrides), hardware)
+
+
+def test_gpu_preset_note_states_its_compute():
+    """The note's figures follow from the preset: tokens, model FLOPs (asyncpp_jax.models.flops) and
+    H100-hours at 40% MFU of 989 TFLOP/s."""
+    from asyncpp_jax.models import flops
+
+    config_file, o, _, note = common.preset("gpu")
+    c = configs.load_file(config_file)
+    for key, value in o.items():
+        section, _, field = key.rpartition(".")
+        c[section][field] = value
+    tokens = o["train.steps"] * o["train.global_batch_size"] * o["data.seq_len"]
+    total = tokens * flops.flops_per_token(c.model, o["data.seq_len"])
+    hours = total / (0.4 * 989e12) / 3600
+    sci = lambda x: f"{x:.2e}".replace("e+0", "e").replace("e+", "e")  # noqa: E731  (1.31e9, as written)
+    assert f"{sci(tokens)} tokens" in note and f"{sci(total)} model FLOPs" in note
+    assert f"~{hours:.1f} H100-hour" in note and 0.8 < hours < 1.2
 
 
 @pytest.mark.slow

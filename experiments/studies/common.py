@@ -1,10 +1,16 @@
 """Presets shared by the studies.
 
 ``cpu``: the tiny byte-level model, shrunk so one run takes 15-25 s on 2 CPU cores (d_model 128,
-4 layers, seq 64, batch 16, 150 updates).  ``paper``: the SmolLM2-360M shape for the headline
+4 layers, seq 64, batch 16, 150 updates).  ``gpu``: the SmolLM2-135M shape (``configs/dense135m.py``)
+on the offline corpus with the byte tokenizer, sized so one run (one variant, one seed) takes about
+an hour on one H100 (see :data:`GPU_NOTE`).  ``paper``: the SmolLM2-360M shape for the headline
 studies (optimizers, mitigations), SmolLM2-135M for the sweeps (momentum, schemes, sensitivity),
 on FineWeb-Edu through the prepare step with the SmolLM2 tokenizer (its tokenizer.json path in
 ``ASYNCPP_TOKENIZER``).
+
+Learning rates: :func:`optimizer` takes each optimizer's peak learning rate from ``TUNED_LR[preset]``
+when the preset has a tuned table (picked by the ``lr`` study, :mod:`experiments.tuning`), else from
+the untuned defaults ``LR``.  The ``lr`` study itself always sweeps around ``LR``.
 """
 
 from __future__ import annotations
@@ -18,6 +24,24 @@ CPU = {
 }
 CPU_SEEDS = (0, 1)
 
+# One run = 5000 updates of 128 x 2048 byte tokens (1.31e9 tokens) of the dense135m body with a
+# byte vocabulary (106,351,488 parameters): asyncpp_jax.models.flops gives 1.063e9 model FLOPs per
+# token, so 1.39e18 per run, 0.98 H100-hours at 40% MFU of 989 bf16 TFLOP/s.  The offline corpus is
+# the Python standard library (~30M train bytes): a run repeats it ~44 times, so the validation loss
+# is that of a heavily repeated corpus.  ASYNCPP_GPU_SOURCE points the preset at a larger local text
+# corpus (a glob or directory; still the byte tokenizer, so no other setting changes).
+GPU = {
+    "data.source": os.environ.get("ASYNCPP_GPU_SOURCE", "stdlib"),
+    "data.tokenizer": "byte", "model.vocab_size": 257, "model.compute_dtype": "bfloat16", "model.remat": True,
+    "data.seq_len": 2048, "train.global_batch_size": 128, "train.microbatches": 2, "train.steps": 5000,
+    "train.eval_every": 500, "train.eval_batches": 16, "train.checkpoint_every": 1000,
+    "optimizer.warmup_steps": 250, "train.peak_tflops_per_device": 989.0,
+}
+GPU_SEEDS = (0, 1, 2)
+GPU_NOTE = ("dense135m body, byte vocabulary (106.4M parameters), 5000 x 128 x 2048 = 1.31e9 tokens per run: "
+            "1.39e18 model FLOPs, ~1.0 H100-hour at 40% MFU; the offline stdlib corpus repeats ~44 times "
+            "(ASYNCPP_GPU_SOURCE for a larger one); learning rates untuned (common.LR)")
+
 PAPER = {
     "data.source": "hf:HuggingFaceFW/fineweb-edu:sample-10BT",
     "data.tokenizer": os.environ.get("ASYNCPP_TOKENIZER", "tokenizer.json"),
@@ -30,22 +54,40 @@ PAPER_MODELS = {
     "135m": ("configs/dense135m.py", "dense135m, 10.5B tokens per run: 1.29e19 model FLOPs, ~9 H100-hours at 40% MFU"),
     "360m": ("configs/dense360m.py", "dense360m, 10.5B tokens per run: 3.07e19 model FLOPs, ~22 H100-hours at 40% MFU"),
 }
+PRESETS = ("cpu", "gpu", "paper")
+
+# Untuned defaults: one peak learning rate per optimizer (Lion's 10x lower, as its update is a sign).
 LR = {"adamw": 3e-3, "muon": 3e-3, "soap": 3e-3, "adan": 3e-3, "lion": 3e-4, "mars": 3e-3}
+# Per preset, each optimizer's best synchronous learning rate from that preset's `lr` study
+# (experiments.tuning.pick_lrs; tests/test_tuning.py holds the table to its committed evidence).
+# A preset without a table (gpu, paper) trains at the untuned LR above.
+TUNED_LR = {
+    "cpu": dict(LR),  # filled from experiments/results/cpu (lr study)
+}
 WD = {"lion": 1.0}
 
 
 def preset(name: str, paper_model: str = "135m") -> tuple[str, dict, tuple, str]:
-    """(config file, base overrides, seeds, note) for ``cpu`` or ``paper`` (at ``paper_model``)."""
+    """(config file, base overrides, seeds, note) for ``cpu``, ``gpu`` or ``paper`` (at ``paper_model``)."""
     if name == "cpu":
         return "configs/tiny.py", dict(CPU), CPU_SEEDS, "about 15-25 s per run on 2 CPU cores"
+    if name == "gpu":
+        return "configs/dense135m.py", dict(GPU), GPU_SEEDS, GPU_NOTE
     if name == "paper":
         config, note = PAPER_MODELS[paper_model]
-        return config, dict(PAPER), PAPER_SEEDS, note
-    raise ValueError(f"unknown preset {name!r}; choose cpu or paper")
+        return config, dict(PAPER), PAPER_SEEDS, note + "; learning rates untuned (common.LR)"
+    raise ValueError(f"unknown preset {name!r}; choose one of {PRESETS}")
 
 
-def optimizer(name: str) -> dict:
-    out = {"optimizer.name": name, "optimizer.lr": LR[name]}
+def lr_of(name: str, preset_name: str | None) -> float:
+    """``name``'s peak learning rate at ``preset_name``: the tuned one if that preset has a table, else LR's."""
+    return TUNED_LR.get(preset_name, LR)[name]
+
+
+def optimizer(name: str, preset_name: str | None) -> dict:
+    """The overrides that select optimizer ``name`` at its learning rate for ``preset_name``
+    (:func:`lr_of`; ``None``: the untuned default) and its weight decay."""
+    out = {"optimizer.name": name, "optimizer.lr": lr_of(name, preset_name)}
     if name in WD:
         out["optimizer.weight_decay"] = WD[name]
     return out

@@ -26,5 +26,5 @@ def study(name: str) -> Study:
         "nesterov": {"staleness.mode": "2bw", "staleness.nesterov": True},
         "weight_prediction": {"staleness.mode": "2bw", "staleness.weight_prediction": True},
     }
-    variants = {f"{opt}/{arm}": {**optimizer(opt), **o} for opt in ("adamw", "muon") for arm, o in arms.items()}
+    variants = {f"{opt}/{arm}": {**optimizer(opt, name), **o} for opt in ("adamw", "muon") for arm, o in arms.items()}
     return Study("mitigations", config, variants, seeds=seeds, base=base, note=note)

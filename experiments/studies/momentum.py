@@ -12,5 +12,5 @@ def study(name: str) -> Study:
     for opt, key in (("adamw", "optimizer.adamw.b1"), ("muon", "optimizer.muon.mu")):
         for beta in MOMENTA:
             for mode in ("sync", "2bw"):
-                variants[f"{opt}/beta={beta}/{mode}"] = {**optimizer(opt), key: beta, "staleness.mode": mode}
+                variants[f"{opt}/beta={beta}/{mode}"] = {**optimizer(opt, name), key: beta, "staleness.mode": mode}
     return Study("momentum", config, variants, seeds=seeds, base=base, note=note)

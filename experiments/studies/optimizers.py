@@ -8,5 +8,5 @@ NAMES = ("adamw", "muon", "soap", "adan", "lion", "mars")
 
 def study(name: str) -> Study:
     config, base, seeds, note = preset(name, paper_model="360m")  # the paper's headline size
-    variants = {f"{opt}/{mode}": {**optimizer(opt), "staleness.mode": mode} for opt in NAMES for mode in ("sync", "2bw")}
+    variants = {f"{opt}/{mode}": {**optimizer(opt, name), "staleness.mode": mode} for opt in NAMES for mode in ("sync", "2bw")}
     return Study("optimizers", config, variants, seeds=seeds, base=base, note=note)

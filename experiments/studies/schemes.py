@@ -11,8 +11,8 @@ def study(name: str) -> Study:
     # Divisible by every depth: 8 layers for the CPU preset; for the paper preset SmolLM2-135M's 30
     # layers become 32 (138.5M parameters instead of 134.5M).
     base["model.n_layers"] = 8 if name == "cpu" else 32
-    variants = {"adamw/sync": {**optimizer("adamw"), "staleness.mode": "sync"}}
-    variants["adamw/2bw"] = {**optimizer("adamw"), "staleness.mode": "2bw"}
+    variants = {"adamw/sync": {**optimizer("adamw", name), "staleness.mode": "sync"}}
+    variants["adamw/2bw"] = {**optimizer("adamw", name), "staleness.mode": "2bw"}
     for p in DEPTHS:
-        variants[f"adamw/pipedream/P={p}"] = {**optimizer("adamw"), "staleness.mode": "pipedream", "staleness.pipedream_stages": p}
+        variants[f"adamw/pipedream/P={p}"] = {**optimizer("adamw", name), "staleness.mode": "pipedream", "staleness.pipedream_stages": p}
     return Study("schemes", config, variants, seeds=seeds, base=base, note=note)

@@ -9,7 +9,7 @@ def study(name: str) -> Study:
     batch = base.get("train.global_batch_size", 256)
     variants = {}
     for opt in ("adamw", "muon"):
-        lr = optimizer(opt)["optimizer.lr"]
+        lr = optimizer(opt, name)["optimizer.lr"]
         settings = {
             "default": {},
             "batch/2": {"train.global_batch_size": batch // 2},
@@ -21,5 +21,5 @@ def study(name: str) -> Study:
         }
         for label, o in settings.items():
             for mode in ("sync", "2bw"):
-                variants[f"{opt}/{label}/{mode}"] = {**optimizer(opt), **o, "staleness.mode": mode}
+                variants[f"{opt}/{label}/{mode}"] = {**optimizer(opt, name), **o, "staleness.mode": mode}
     return Study("sensitivity", config, variants, seeds=seeds, base=base, note=note)

@@ -1,0 +1,144 @@
+"""Estimates over seeds for the study report: linear contrasts of arms, ratios of contrasts, and the
+three-way verdict a claim gets from one of them.
+
+Pairing.  A run's seed fixes both its initial parameters (``jax.random.key(config.seed)`` in
+``Trainer.restore_or_init``) and its data order (the grain shuffle seeded from ``config.seed`` in
+``data.pipeline.make_train_dataset``); neither depends on the optimizer or the staleness settings.
+So two arms of one study run with the same seed start from the same weights and see the same batches,
+and their difference per seed removes the seed's own luck.  When every arm of a contrast has the same
+seeds (each once), the estimate is the mean of the per-seed contrasts and its standard error that of
+the per-seed values, ``SE = sd(z_s) / sqrt(n)`` with ``z_s = sum_k c_k x_{k,s}`` (a paired
+comparison).  Otherwise the arms are treated as independent: ``SE^2 = sum_k c_k^2 sd_k^2 / n_k``.
+
+A ratio of two contrasts ``q = N / D`` (the fraction of the delay gap a mitigation recovers) takes
+the delta method, ``Var q = [Var N + q^2 Var D - 2 q Cov(N, D)] / D^2``, with the variances and the
+covariance of the two means estimated from the per-seed values when paired, and from the shared arms
+(``Cov = sum_k a_k b_k sd_k^2 / n_k``) when independent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+# variant -> [(seed, value), ...]: one entry per finished run
+Arms = dict
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    value: float
+    se: float
+    paired: bool
+    n: int  # seeds (paired), or the fewest runs of any arm (independent)
+
+    def __str__(self) -> str:
+        return f"{self.value:+.4f} ± {self.se:.4f}"
+
+    def pct(self) -> str:
+        return f"{self.value:.0%} ± {self.se:.0%}"
+
+
+def arms_of(rows, value=lambda r: r.get("final_val")) -> Arms:
+    """``{variant: [(seed, value)]}`` over the rows whose ``value`` is a finite number."""
+    out: dict = {}
+    for r in rows:
+        v = value(r)
+        if v is not None and math.isfinite(v):
+            out.setdefault(r["variant"], []).append((r["seed"], float(v)))
+    return out
+
+
+def _paired_seeds(arms: Arms, variants) -> list | None:
+    """The common seeds if every variant has the same seeds, each once; else None."""
+    sets = []
+    for v in variants:
+        seeds = [s for s, _ in arms[v]]
+        if len(set(seeds)) != len(seeds):
+            return None
+        sets.append(frozenset(seeds))
+    return sorted(sets[0]) if all(s == sets[0] for s in sets) else None
+
+
+def var_of_mean(x) -> float:
+    x = np.asarray(x, float)
+    return float(x.var(ddof=1) / len(x)) if len(x) > 1 else 0.0
+
+
+def _combine(arms: Arms, coefs: dict, seeds: list) -> np.ndarray:
+    table = {v: dict(arms[v]) for v in coefs}
+    return np.array([sum(c * table[v][s] for v, c in coefs.items()) for s in seeds])
+
+
+def contrast(arms: Arms, coefs: dict) -> Estimate | None:
+    """``sum_k c_k mean(arm_k)`` with its standard error (paired if the seeds pair); None if an arm is missing."""
+    if not coefs or any(not arms.get(v) for v in coefs):
+        return None
+    seeds = _paired_seeds(arms, coefs)
+    if seeds is not None:
+        z = _combine(arms, coefs, seeds)
+        return Estimate(float(z.mean()), math.sqrt(var_of_mean(z)), True, len(seeds))
+    vals = {v: np.array([x for _, x in arms[v]]) for v in coefs}
+    value = sum(c * vals[v].mean() for v, c in coefs.items())
+    var = sum(c * c * var_of_mean(vals[v]) for v, c in coefs.items())
+    return Estimate(float(value), math.sqrt(var), False, min(len(x) for x in vals.values()))
+
+
+def ratio(arms: Arms, num: dict, den: dict) -> Estimate | None:
+    """``N / D`` of two contrasts with its delta-method standard error; None if an arm is missing or D = 0."""
+    variants = {**num, **den}
+    if any(not arms.get(v) for v in variants):
+        return None
+    seeds = _paired_seeds(arms, variants)
+    if seeds is not None:
+        x, y = _combine(arms, num, seeds), _combine(arms, den, seeds)
+        n_bar, d_bar, n = x.mean(), y.mean(), len(seeds)
+        if n > 1:
+            vn, vd, cov = x.var(ddof=1) / n, y.var(ddof=1) / n, float(np.cov(x, y, ddof=1)[0, 1]) / n
+        else:
+            vn = vd = cov = 0.0
+    else:
+        vals = {v: np.array([x for _, x in arms[v]]) for v in variants}
+        vom = {v: var_of_mean(x) for v, x in vals.items()}
+        n_bar = sum(c * vals[v].mean() for v, c in num.items())
+        d_bar = sum(c * vals[v].mean() for v, c in den.items())
+        vn = sum(c * c * vom[v] for v, c in num.items())
+        vd = sum(c * c * vom[v] for v, c in den.items())
+        cov = sum(c * den[v] * vom[v] for v, c in num.items() if v in den)
+        n = min(len(x) for x in vals.values())
+    if d_bar == 0:
+        return None
+    q = n_bar / d_bar
+    var = (vn + q * q * vd - 2 * q * cov) / d_bar**2
+    return Estimate(float(q), math.sqrt(max(var, 0.0)), seeds is not None, n)
+
+
+def gap(arms: Arms, delayed: str, sync: str) -> Estimate | None:
+    """The delay gap ``delayed - sync``."""
+    return contrast(arms, {delayed: 1.0, sync: -1.0})
+
+
+def recovered(arms: Arms, arm: str, none: str, sync: str) -> Estimate | None:
+    """Fraction of the delay gap ``arm`` recovers: ``f = 1 - (arm - sync) / (none - sync)``."""
+    q = ratio(arms, {arm: 1.0, sync: -1.0}, {none: 1.0, sync: -1.0})
+    return None if q is None else dataclasses.replace(q, value=1.0 - q.value)
+
+
+REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE = "reproduced", "not reproduced", "inconclusive at this scale"
+VERDICTS = (REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE)
+
+
+def verdict(est: Estimate, above: float = 0.0, at_least: bool = False) -> str:
+    """The claim "the quantity exceeds ``above``" judged with two standard errors: reproduced if
+    ``value - 2 SE > above`` (``>=`` when ``at_least``), not reproduced if ``value + 2 SE < above``,
+    else inconclusive; inconclusive too with fewer than two seeds (no standard error)."""
+    if est.n < 2:
+        return INCONCLUSIVE
+    lo, hi = est.value - 2 * est.se, est.value + 2 * est.se
+    if lo > above or (at_least and lo >= above):
+        return REPRODUCED
+    if hi < above:
+        return NOT_REPRODUCED
+    return INCONCLUSIVE

@@ -1,0 +1,40 @@
+"""Learning-rate sweep: each optimizer's synchronous loss over a geometric grid of peak learning
+rates around its untuned default (``common.LR``), and, for AdamW and Muon, the same grid under 2BW's
+one-step delay and 2BW + error feedback, so the delay gap and EF's recovered fraction are measured at
+every learning rate rather than at one that suits the synchronous arm.
+
+Grid: ``LR[opt] x {1/3, 1/sqrt 3, 1, sqrt 3, 3}`` (9x wide, two significant figures), so Lion's
+grid sits 10x below the others as its default does.  Variant names: ``OPT/lr=VALUE/ARM`` with ARM
+``sync``, ``2bw`` or ``ef``.  The best synchronous learning rate per optimizer
+(:func:`experiments.tuning.pick_lrs`) is what ``common.TUNED_LR`` holds for the preset.
+"""
+
+import math
+
+from experiments.studies.common import LR, optimizer, preset
+from experiments.sweep import Study
+
+NAMES = ("adamw", "muon", "soap", "adan", "lion", "mars")
+FACTORS = (1 / 3, 1 / math.sqrt(3), 1.0, math.sqrt(3), 3.0)
+DELAYED = ("adamw", "muon")  # the optimizers whose delay gap and EF recovery are swept too
+ARMS = {
+    "sync": {"staleness.mode": "sync"},
+    "2bw": {"staleness.mode": "2bw"},
+    "ef": {"staleness.mode": "2bw", "staleness.mitigation": "ef"},
+}
+
+
+def grid(opt: str) -> list[float]:
+    """``opt``'s learning rates, ascending, rounded to two significant figures."""
+    return [float(f"{LR[opt] * f:.2g}") for f in FACTORS]
+
+
+def study(name: str) -> Study:
+    config, base, seeds, note = preset(name)
+    variants = {}
+    for opt in NAMES:
+        for lr in grid(opt):
+            for arm in ARMS if opt in DELAYED else ("sync",):
+                # Untuned defaults: this study is what the tuned tables are picked from.
+                variants[f"{opt}/lr={lr:g}/{arm}"] = {**optimizer(opt, None), "optimizer.lr": lr, **ARMS[arm]}
+    return Study("lr", config, variants, seeds=seeds, base=base, note=note)

@@ -1,0 +1,80 @@
+"""Tuned learning rates from the ``lr`` study's rows.
+
+    python -m experiments.tuning experiments/results/cpu/results.jsonl   # prints a TUNED_LR entry
+
+:func:`pick_lrs`: per optimizer, the learning rate whose synchronous runs (``OPT/lr=VALUE/sync``)
+reach the lowest mean final validation loss over seeds.  A learning rate at which any seed
+diverged (or has no final loss) is never picked: a setting that fails on some seeds is not a
+safe default.  ``experiments.studies.common.TUNED_LR[preset]`` holds these picks for the preset the
+rows came from (``tests/test_tuning.py`` compares the two).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import pathlib
+import re
+
+VARIANT = re.compile(r"^(?P<opt>\w+)/lr=(?P<lr>[^/]+)/(?P<arm>\w+)$")
+
+
+def parse(variant: str) -> tuple[str, float, str] | None:
+    """``(optimizer, lr, arm)`` of an ``lr`` study variant such as ``adamw/lr=0.003/sync``; else None."""
+    m = VARIANT.match(variant)
+    if not m:
+        return None
+    try:
+        return m["opt"], float(m["lr"]), m["arm"]
+    except ValueError:
+        return None
+
+
+def lr_of_row(row: dict) -> float | None:
+    """The learning rate the run trained with: its ``optimizer.lr`` override, else the one in its name."""
+    lr = (row.get("overrides") or {}).get("optimizer.lr")
+    if lr is not None:
+        return float(lr)
+    parsed = parse(row["variant"])
+    return parsed[1] if parsed else None
+
+
+def sync_means(rows) -> dict[str, dict[float, float | None]]:
+    """``{optimizer: {lr: mean final val over seeds, or None if a seed diverged}}`` (sync arms of the lr study)."""
+    runs = collections.defaultdict(list)
+    for r in rows:
+        parsed = parse(r["variant"]) if r.get("study") == "lr" else None
+        if parsed and parsed[2] == "sync":
+            runs[(parsed[0], lr_of_row(r))].append(r.get("final_val"))
+    out: dict = collections.defaultdict(dict)
+    for (opt, lr), vals in sorted(runs.items()):
+        ok = all(v is not None and math.isfinite(v) for v in vals)
+        out[opt][lr] = sum(vals) / len(vals) if ok else None
+    return dict(out)
+
+
+def pick_lrs(rows) -> dict[str, float]:
+    """Each optimizer's best synchronous learning rate (lowest mean final val over seeds)."""
+    picks = {}
+    for opt, by_lr in sync_means(rows).items():
+        finite = {lr: m for lr, m in by_lr.items() if m is not None}
+        if finite:
+            picks[opt] = min(finite, key=lambda lr: (finite[lr], lr))
+    return picks
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("results", nargs="+", help="results.jsonl holding the lr study's rows")
+    a = ap.parse_args(argv)
+    rows = [json.loads(line) for p in a.results for line in pathlib.Path(p).read_text().splitlines() if line.strip()]
+    picks = pick_lrs(rows)
+    if not picks:
+        raise SystemExit(f"error: no lr-study rows in {', '.join(a.results)}; run `python -m experiments.sweep lr`")
+    print("{" + ", ".join(f'"{k}": {v!r}' for k, v in sorted(picks.items())) + "}")
+
+
+if __name__ == "__main__":
+    main()
