@@ -86,7 +86,7 @@ def test_verdict_against_two_standard_errors(value, se, n, kw, want):
 def test_lr_study_grid_and_variant_names():
     study = lr_study.study("cpu")
     runs = sweep.expand(study)
-    assert len(runs) == (6 * 5 + 2 * 5 * 2) * len(common.CPU_SEEDS)
+    assert len(runs) == (6 * 5 + 2 * 5 * 2) * len(lr_study.CPU_SEEDS)
     for opt in lr_study.NAMES:
         grid = lr_study.grid(opt)
         assert len(grid) >= 4 and grid == sorted(grid) and 8 <= grid[-1] / grid[0] <= 11
