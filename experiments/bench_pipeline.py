@@ -50,6 +50,8 @@ def _args():
     ap.add_argument("--rows", type=int, default=2, help="sequences per microbatch")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=2, help="updates timed per round")
+    ap.add_argument("--microbatches", default="2,4,8", help="overlap: the values of M to time")
+    ap.add_argument("--recompute", default="True,False", help="overlap: the recompute settings to time")
     return ap.parse_args()
 
 
@@ -266,9 +268,9 @@ def overlap(args) -> None:
           f"vocab {args.vocab}, d_model {args.d_model}, {args.layers} layers, P={P}\n")
     print("| P | M | recompute | measured sync/2bw | tick-table critical path | textbook (M+P-1)/M |")
     print("|---|---|---|---|---|---|")
-    for recompute in (True, False):
+    for recompute in (v.strip() == "True" for v in args.recompute.split(",")):
         costs = slot_costs(args, P, recompute)
-        for M in (2, 4, 8):
+        for M in (int(m) for m in args.microbatches.split(",")):
             runs = {"sync": Pipelined(args, P, M, "sync", recompute), "2bw": Pipelined(args, P, M, "2bw", recompute)}
             t = time_side_by_side(runs, args.rounds, args.steps)
             pred = (predicted_step_seconds(tick_tables.sync_table(P, M), costs)
@@ -276,7 +278,7 @@ def overlap(args) -> None:
             print(f"| {P} | {M} | {recompute} | {t['sync'] / t['2bw']:.3f} | {pred:.3f} | {(M + P - 1) / M:.3f} |",
                   flush=True)
     for P, M in ((4, 8), (8, 16)):
-        c = slot_costs(args, P, True) if P != 2 else costs
+        c = slot_costs(args, P, True)
         pred = (predicted_step_seconds(tick_tables.sync_table(P, M), c)
                 / predicted_step_seconds(tick_tables.async_table(P, M), c))
         print(f"| {P} | {M} | True | (predicted only) | {pred:.3f} | {(M + P - 1) / M:.3f} |")

@@ -86,10 +86,14 @@ def test_verdict_against_two_standard_errors(value, se, n, kw, want):
 def test_lr_study_grid_and_variant_names():
     study = lr_study.study("cpu")
     runs = sweep.expand(study)
-    assert len(runs) == (6 * 5 + 2 * 5 * 2) * len(lr_study.CPU_SEEDS)
+    extra = {opt: len(f) for opt, f in lr_study.EXTEND.items()}
+    n_sync = sum(5 + extra.get(opt, 0) for opt in lr_study.NAMES)
+    n_delayed = sum(2 * (5 + extra.get(opt, 0)) for opt in lr_study.DELAYED)
+    assert len(runs) == (n_sync + n_delayed) * len(lr_study.CPU_SEEDS)
     for opt in lr_study.NAMES:
         grid = lr_study.grid(opt)
-        assert len(grid) >= 4 and grid == sorted(grid) and 8 <= grid[-1] / grid[0] <= 11
+        assert len(grid) >= 4 and grid == sorted(grid) and 8 <= grid[4] / grid[0] <= 11
+        assert all(1.6 < b / a < 1.9 for a, b in zip(grid, grid[1:]))  # one ratio, sqrt 3, throughout
         assert common.LR[opt] in grid
     assert lr_study.grid("lion")[0] == pytest.approx(lr_study.grid("adamw")[0] / 10)
     for variant, o in study.variants.items():
