@@ -1,6 +1,6 @@
 """Presets shared by the studies.
 
-``cpu``: the tiny byte-level model, shrunk so one run takes about 90 s on one CPU core (d_model
+``cpu``: the tiny byte-level model, shrunk so one run takes about 100 s on one CPU core (d_model
 128, 4 layers, seq 128, batch 16, 200 updates).  ``gpu``: the SmolLM2-135M shape (``configs/dense135m.py``)
 on the offline corpus with the byte tokenizer, sized so one run (one variant, one seed) takes about
 an hour on one H100 (see :data:`GPU_NOTE`).  ``paper``: the SmolLM2-360M shape for the headline
@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 
 # 0.76M parameters, 200 updates of 16 x 128 byte tokens (410k tokens, ~5 tokens per parameter)
-# with a cosine to 10% of the peak: about 90 s per run on one core (`--jobs 2` on 2 cores).  Sized
+# with a cosine to 10% of the peak: about 100 s per run on one core (`--jobs 2` on 2 cores).  Sized
 # so a synchronous run ends >= 1 nat/byte below the corpus's unigram entropy (3.25) with its
 # validation loss flat over the last 10% of updates; validation every 20 updates for the gap over
 # training.
@@ -28,7 +28,7 @@ CPU = {
     "train.eval_batches": 8, "train.checkpoint_every": 200, "optimizer.warmup_steps": 20,
 }
 CPU_SEEDS = (0, 1, 2)
-CPU_NOTE = "about 90 s per run on one CPU core; --jobs 2 runs two at once on 2 cores"
+CPU_NOTE = "about 100 s per run on one CPU core; --jobs 2 runs two at once on 2 cores"
 
 # One run = 5000 updates of 128 x 2048 byte tokens (1.31e9 tokens) of the dense135m body with a
 # byte vocabulary (106,351,488 parameters): asyncpp_jax.models.flops gives 1.063e9 model FLOPs per
