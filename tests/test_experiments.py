@@ -31,11 +31,13 @@ def test_real_studies_expand(preset):
     assert {r.variant.split("/")[1] for r in runs} >= {"sync", "none", "ef", "taylor", "sync_start", "sync_cooldown"}
 
 
-@pytest.mark.parametrize("name", ["optimizers", "momentum", "mitigations", "schemes", "sensitivity", "lr"])
+@pytest.mark.parametrize("name", ["optimizers", "momentum", "mitigations", "schemes", "sensitivity", "lr", "ef_causes"])
 @pytest.mark.parametrize("preset", ["cpu", "gpu", "paper"])
 def test_every_run_of_every_study_is_a_valid_config(name, preset):
     from asyncpp_jax import configs
 
+    if name == "ef_causes" and preset != "cpu":
+        pytest.skip("ef_causes varies the cpu preset only (tested to refuse the others)")
     study = sweep.load_study(name, preset)
     for run in sweep.expand(study):
         c = configs.load_file(study.config)
@@ -46,6 +48,20 @@ def test_every_run_of_every_study_is_a_valid_config(name, preset):
                 target = target[part]
             target[field] = value
         configs.validate(c)  # raises with the field named if a preset asks for the impossible
+
+
+def test_ef_causes_changes_one_setting_per_cause_and_is_cpu_only():
+    from experiments.studies import ef_causes
+
+    study = ef_causes.study("cpu")
+    for cause, changed in ef_causes.CAUSES.items():
+        for arm in ef_causes.ARMS:
+            v, base = study.variants[f"adamw/{cause}/{arm}"], study.variants[f"adamw/base/{arm}"]
+            assert {k for k in set(v) | set(base) if v.get(k) != base.get(k)} == set(changed)
+    assert study.variants["adamw/strength=2/ef"]["staleness.ef_strength"] == 2.0
+    assert len(sweep.expand(study)) == (3 * len(ef_causes.CAUSES) + len(ef_causes.STRENGTHS)) * len(ef_causes.SEEDS)
+    with pytest.raises(ValueError, match="--preset=cpu"):
+        ef_causes.study("gpu")
 
 
 def test_execute_collects_and_resumes(tmp_path):
