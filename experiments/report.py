@@ -349,6 +349,54 @@ def analyse_mitigations(rows, out: pathlib.Path, claims: dict) -> list[str]:
     return lines
 
 
+BOOKKEEPING = ("train.eval_every", "train.checkpoint_every")  # scaled with a run's length, not causes
+
+
+def analyse_ef_causes(rows, out: pathlib.Path) -> list[str]:
+    """Per suspected cause (one setting changed from the preset): AdamW's delay gap, EF's gap and the
+    fraction EF recovers, and that fraction minus the preset's own (``base``), each ± SE."""
+    from experiments.studies import ef_causes  # the settings each cause changes, for the table
+
+    arms = stats.arms_of(rows)
+    fb = stats.recovered(arms, "adamw/base/ef", "adamw/base/2bw", "adamw/base/sync")
+    cases = [(c, f"adamw/{c}/ef", f"adamw/{c}/2bw", f"adamw/{c}/sync",
+              ", ".join(f"{k.rsplit('.', 1)[1]}={v}" for k, v in o.items() if k not in BOOKKEEPING) or "the preset")
+             for c, o in ef_causes.CAUSES.items()]
+    cases += [(f"strength={s:g}", f"adamw/strength={s:g}/ef", "adamw/base/2bw", "adamw/base/sync", f"ef_strength={s:g}")
+              for s in ef_causes.STRENGTHS]
+    table, series = [], []
+    for cause, ef, none, sync, setting in cases:
+        f = stats.recovered(arms, ef, none, sync)
+        if f is None:
+            continue
+        series.append((cause, f.value, f.se))
+        sync_val = stats.contrast(arms, {sync: 1.0})
+        if cause == "base" or fb is None:
+            diff, effect = None, "-"
+        else:
+            # f_cause - f_base = N_base/D_base - N_cause/D_cause, N = ef - sync, D = 2bw - sync
+            diff = stats.ratio_difference(
+                arms, ({"adamw/base/ef": 1.0, "adamw/base/sync": -1.0}, {"adamw/base/2bw": 1.0, "adamw/base/sync": -1.0}),
+                ({ef: 1.0, sync: -1.0}, {none: 1.0, sync: -1.0}))
+            effect = ("no standard error (one seed)" if diff.n < 2 else "raises it" if diff.value - 2 * diff.se > 0
+                      else "lowers it" if diff.value + 2 * diff.se < 0 else "no effect within 2 SE")
+        table.append((cause, setting, f"{sync_val.value:.3f}", _est(stats.gap(arms, none, sync)),
+                      _est(stats.gap(arms, ef, sync)), f.pct(),
+                      "-" if diff is None else f"{diff.value:+.0%} ± {diff.se:.0%}", effect, _se_kind(f)))
+    if not table:
+        return []
+    lines = ["### What error feedback's share of AdamW's gap depends on", "",
+             "Each cause changes one setting of the preset (AdamW at its tuned lr) and runs sync, 2bw and "
+             "2bw + EF; `strength` changes only the EF arm. EF recovers = 1 - (EF - sync) / (2bw - sync) "
+             "(delta method); minus base's = that fraction minus the preset's own, its SE from the "
+             "linearised difference (paired over seeds). Raises / lowers it: the difference beyond 2 SE.", ""]
+    lines += _table(["cause", "setting", "sync val", "delay gap", "EF gap", "EF recovers", "minus base's",
+                     "effect", "standard errors"], table) + [""]
+    lines.append(f"![EF recovery per cause]({plot_xy({'adamw': series}, out / 'ef_causes_recovered.png', 'cause', 'fraction of the gap EF recovers', 'EF recovery per cause', bars=True)})")
+    lines.append("")
+    return lines
+
+
 def _plt():
     import matplotlib
 
@@ -493,6 +541,8 @@ def analyse(name: str, rows: list[dict], out: pathlib.Path, claims: dict) -> lis
         lines += analyse_mitigations(rows, out, claims)
     elif name == "lr":
         lines += analyse_lr(rows, out, claims)
+    elif name == "ef_causes":
+        lines += analyse_ef_causes(rows, out)
     elif name == "schemes":
         pts = []
         for v in arms:

@@ -115,6 +115,30 @@ def ratio(arms: Arms, num: dict, den: dict) -> Estimate | None:
     return Estimate(float(q), math.sqrt(max(var, 0.0)), seeds is not None, n)
 
 
+def ratio_difference(arms: Arms, first: tuple[dict, dict], second: tuple[dict, dict]) -> Estimate | None:
+    """``N1/D1 - N2/D2`` of four contrasts with its delta-method standard error.
+
+    Linearised in the arm means: ``d(N/D)/d x_v = (a_v - q b_v) / D`` (``a``, ``b`` the numerator's and
+    denominator's coefficients), so the difference is the contrast ``sum_v g_v x_v`` with
+    ``g_v = (a1_v - q1 b1_v)/D1 - (a2_v - q2 b2_v)/D2``, whose standard error :func:`contrast` gives
+    (paired over seeds when all arms share them, which keeps the covariance of the two ratios).
+    None if an arm is missing or a denominator is 0."""
+    (num1, den1), (num2, den2) = first, second
+    variants = {**num1, **den1, **num2, **den2}
+    if any(not arms.get(v) for v in variants):
+        return None
+    mean = {v: float(np.mean([x for _, x in arms[v]])) for v in variants}
+    d1, d2 = (sum(c * mean[v] for v, c in den.items()) for den in (den1, den2))
+    if d1 == 0 or d2 == 0:
+        return None
+    q1 = sum(c * mean[v] for v, c in num1.items()) / d1
+    q2 = sum(c * mean[v] for v, c in num2.items()) / d2
+    g = {v: (num1.get(v, 0.0) - q1 * den1.get(v, 0.0)) / d1 - (num2.get(v, 0.0) - q2 * den2.get(v, 0.0)) / d2
+         for v in variants}
+    lin = contrast(arms, g)
+    return dataclasses.replace(lin, value=float(q1 - q2))
+
+
 def gap(arms: Arms, delayed: str, sync: str) -> Estimate | None:
     """The delay gap ``delayed - sync``."""
     return contrast(arms, {delayed: 1.0, sync: -1.0})

@@ -66,6 +66,21 @@ def test_recovered_fraction_paired_and_the_independent_delta_method():
     assert not f.paired and f.value == pytest.approx(1 - r) and f.se == pytest.approx(want)
 
 
+def test_ratio_difference_reduces_to_one_ratio_when_the_other_is_exact():
+    s, n, a = [1.0, 1.2, 1.1], [2.0, 2.4, 2.3], [1.5, 1.5, 1.7]
+    c = {"s2": 1.0, "n2": 3.0, "a2": 2.0}  # the same value at every seed: q2 = (2 - 1) / (3 - 1) exactly
+    for paired in (True, False):  # one seed set, then every arm on seeds of its own
+        seeds = lambda k: range(3) if paired else range(3 * k, 3 * k + 3)  # noqa: E731
+        arms = {name: list(zip(seeds(k), vals)) for k, (name, vals) in enumerate(
+            [("s", s), ("n", n), ("a", a)] + [(name, [v] * 3) for name, v in c.items()])}
+        first = ({"a": 1.0, "s": -1.0}, {"n": 1.0, "s": -1.0})
+        q1 = stats.ratio(arms, *first)
+        d = stats.ratio_difference(arms, first, ({"a2": 1.0, "s2": -1.0}, {"n2": 1.0, "s2": -1.0}))
+        assert d.value == pytest.approx(q1.value - 0.5) and d.se == pytest.approx(q1.se)
+        assert d.paired == q1.paired == paired
+    assert stats.ratio_difference(arms, first, ({"zz": 1.0}, {"n2": 1.0})) is None
+
+
 @pytest.mark.parametrize("value,se,n,kw,want", [
     (1.0, 0.4, 2, {}, stats.REPRODUCED),
     (1.0, 0.6, 2, {}, stats.INCONCLUSIVE),
@@ -242,3 +257,20 @@ def test_a_diverged_run_is_recorded_and_not_rerun(tmp_path):
     again = fake_sweep_run(lambda name: 1.0)
     sweep.execute(study, tmp_path, runner=again, log=lambda *_: None, prepare=no_prepare)
     assert again.calls == []
+
+
+def test_ef_causes_section_compares_each_cause_with_the_preset(tmp_path):
+    finals = {}  # per cause: sync 1.0, 2bw 2.0 (gap 1.0), EF recovering the given share (+ a little seed noise)
+    for cause, share in {"base": 0.2, "warmup": 0.2, "batch": 0.8, "b1": 0.6}.items():
+        finals.update({f"adamw/{cause}/sync": 1.0, f"adamw/{cause}/2bw": 2.0, f"adamw/{cause}/ef": 2.0 - share})
+    finals["adamw/strength=0.5/ef"] = 1.9  # 10% of base's gap
+    data = [row("ef_causes", v, seed, x + 0.01 * seed * (v.endswith("/ef"))) for v, x in finals.items()
+            for seed in (0, 1, 2)]
+    md = write(tmp_path, data)
+    lines = {line.split(" | ")[0][2:]: line for line in md.splitlines() if line.startswith("| ") and "adamw" not in line}
+    assert "| base | the preset | 1.000 |" in lines["base"] and "| 19% ± 1% |" in lines["base"]
+    assert "| batch | global_batch_size=64 |" in lines["batch"] and "+60% ± 0% | raises it |" in lines["batch"]
+    assert "| no effect within 2 SE |" in lines["warmup"]
+    assert "| strength=0.5 | ef_strength=0.5 |" in lines["strength=0.5"] and "| lowers it |" in lines["strength=0.5"]
+    assert "length" not in lines  # a cause that did not run is left out, not faked
+    assert (tmp_path / "rep" / "ef_causes_recovered.png").stat().st_size > 1000
