@@ -175,21 +175,51 @@ def embed(cfg, params: dict, tokens: Array) -> Array:
     return Decoder(cfg).apply({"params": params}, tokens, method=lambda m, t: m.embed(t))
 
 
-def apply_layers(cfg, layer_params: dict, h: Array) -> Array:
+def apply_layers(cfg, layer_params: dict, h: Array, live: Array | None = None) -> Array:
     """Run a contiguous slice of the layer stack (leading axis = its layers) with ``lax.scan``."""
-    return apply_layers_with_aux(cfg, layer_params, h)[0]
+    return apply_layers_with_aux(cfg, layer_params, h, live)[0]
 
 
-def apply_layers_with_aux(cfg, layer_params: dict, h: Array):
-    """:func:`apply_layers`, also returning the slice's MoE aux values summed over its layers."""
+def apply_layers_with_aux(cfg, layer_params: dict, h: Array, live: Array | None = None):
+    """:func:`apply_layers`, also returning the slice's MoE aux values summed over its layers.
+
+    ``live`` (an int, possibly traced): only the first ``live`` rows of the stack are layers; the
+    rest are padding (the pipeline engine's uneven split, :func:`asyncpp_jax.pipeline.engine.pad_layers`).
+    Each padded row is skipped by a ``lax.cond``: it computes nothing, passes ``h`` through, adds
+    no aux and, by the cond's transpose, gets an exactly zero gradient.
+    """
     block = _block_cls(cfg)(cfg)
     positions = jnp.broadcast_to(jnp.arange(h.shape[1]), h.shape[:2])
 
     def body(carry, p):
         return block.apply({"params": p}, carry, positions)
 
-    h, aux = jax.lax.scan(body, h, layer_params)
+    if live is None:
+        h, aux = jax.lax.scan(body, h, layer_params)
+        return h, jax.tree.map(jnp.sum, aux)
+
+    def masked(carry, xs):
+        p, i = xs
+        # Inside a shard_map both branches must vary over the same mesh axes: the aux as the carry.
+        run = lambda c: (lambda o: (o[0], _varying_like(o[1], c)))(body(c, p))  # noqa: E731
+        skip = lambda c: (c, _varying_like(_no_moe_aux(), c))  # noqa: E731
+        return jax.lax.cond(i < live, run, skip, carry)
+
+    rows = jax.tree.leaves(layer_params)[0].shape[0]
+    h, aux = jax.lax.scan(masked, h, (layer_params, jnp.arange(rows)))
     return h, jax.tree.map(jnp.sum, aux)
+
+
+def _varying_like(tree, like: Array):
+    """``tree`` cast to vary over every manual mesh axis ``like`` varies over (a no-op outside a
+    ``shard_map``)."""
+    axes = tuple(jax.typeof(like).manual_axis_type.varying)
+
+    def one(x):
+        missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(one, tree)
 
 
 def aux_loss(cfg, aux: dict) -> Array:

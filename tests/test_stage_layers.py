@@ -1,0 +1,185 @@
+"""An uneven layer split for the pipeline engine (``config.pipeline.stage_layers``).
+
+The engine holds the layer stack padded to ``[P * Lmax, ...]`` (``engine.pad_layers``); the
+contract is parity with the simulate runner on the unpadded params (as tests/test_pipeline.py, at
+its 2e-5 tolerance) and padding rows that stay exactly zero through training.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from asyncpp_jax import configs
+from asyncpp_jax import train_state as state_lib
+from asyncpp_jax.models import dense
+from asyncpp_jax.optim import build_optimizer, delay
+from asyncpp_jax.pipeline import engine
+from test_pipeline import SCHED, T, assert_params_close, batches, make_opt, model_cfg, run_simulate
+
+
+def run_split(cfg, tx, data, P, schedule, stage_layers, recompute=True, poison=False, opt_shapes=False):
+    """``(final state, metrics)`` of the engine with ``stage_layers``; the state is padded."""
+    rows = engine.stage_split(cfg, P, stage_layers)
+    M, B = data[0].shape[0], data[0].shape[0] * data[0].shape[1]
+    mesh = engine.make_pipeline_mesh(1, P)
+    abstract = jax.eval_shape(lambda p: engine.pad_layers(p, rows), dense.abstract_params(cfg))
+    step = engine.make_pipeline_train_step(cfg, tx, SCHED, mesh, abstract, M, schedule, recompute=recompute,
+                                           stage_rows=rows)
+    params = engine.pad_layers(dense.init_params(cfg, jax.random.key(0)), rows)
+    state = state_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+    ps = engine.init_pipeline_state(cfg, params, mesh, M, B, T, schedule, recompute, stage_rows=rows)
+    if poison and ps is not None:  # in-flight buffers a bubble slot could read: NaN
+        ps = ps._replace(**{k: jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), getattr(ps, k))
+                            for k in ("stash", "fwd_buf", "bwd_buf")})
+    state = engine.place_state(state.replace(runner_state=ps), mesh, abstract)
+    metrics = []
+    for b in data:
+        state, m = step(state, jax.device_put(b, engine.global_batch_sharding(mesh)))
+        metrics.append(jax.device_get(m))
+    return state, metrics, rows
+
+
+def assert_padding_zero(params, rows):
+    for path, x in jax.tree_util.tree_leaves_with_path(engine.padding_of(params, rows)):
+        assert x.size > 0 and not np.any(np.asarray(x)), jax.tree_util.keystr(path)
+
+
+# ------------------------------------------------------------------------------------ layout
+
+
+def test_pad_unpad_round_trip_and_layout():
+    cfg = model_cfg()
+    params = dense.init_params(cfg, jax.random.key(0))
+    rows = engine.stage_split(cfg, 4, (2, 1, 0, 1))
+    assert rows == (2, 1, 0, 1)
+    padded = engine.pad_layers(params, rows)
+    leaf, big = params["layers"]["attn"]["q"]["kernel"], padded["layers"]["attn"]["q"]["kernel"]
+    assert big.shape == (8,) + leaf.shape[1:]
+    for s, want in zip(range(4), [[0, 1], [2], [], [3]]):  # stage s: rows [2s, 2s + n_s)
+        np.testing.assert_array_equal(big[2 * s:2 * s + len(want)], leaf[np.asarray(want, int)])
+    assert_padding_zero(padded, rows)
+    back = engine.unpad_layers(padded, rows)
+    jax.tree.map(np.testing.assert_array_equal, back, params)
+    # An even split, given or not, is today's layout.
+    assert engine.stage_split(cfg, 2, (2, 2)) is None and engine.stage_split(cfg, 2, ()) is None
+    assert engine.pad_layers(params, None) is params
+
+
+def test_stage_split_rejects_bad_splits():
+    cfg = model_cfg()
+    for bad in [(3, 2), (4,), (5, -1)]:
+        with pytest.raises(ValueError, match=r"config.pipeline.stage_layers"):
+            engine.stage_split(cfg, 2, bad)
+
+
+# ------------------------------------------------------------------------------------------ parity
+
+
+@pytest.mark.needs_devices(2)
+@pytest.mark.parametrize("schedule, recompute", [("sync", True), ("2bw", False),
+                                                 pytest.param("sync", False, marks=pytest.mark.slow),
+                                                 pytest.param("2bw", True, marks=pytest.mark.slow)])
+def test_uneven_split_equals_simulate_two_stages(schedule, recompute):
+    cfg, data = model_cfg(), batches(3, 2, 4, seed=1)
+    want, _ = run_simulate(cfg, make_opt("adamw") if schedule == "sync" else optax.chain(delay(1), make_opt("adamw")),
+                           data)
+    got, metrics, rows = run_split(cfg, make_opt("adamw"), data, 2, schedule, (3, 1), recompute=recompute)
+    assert_params_close(engine.unpad_layers(got.params, rows), want.params)
+    assert_padding_zero(got.params, rows)
+    assert np.isfinite(metrics[-1]["loss"])
+
+
+@pytest.mark.slow
+@pytest.mark.needs_devices(4)
+@pytest.mark.parametrize("schedule", ["sync", "2bw"])
+@pytest.mark.parametrize("recompute", [True, False])
+def test_uneven_split_equals_simulate_four_stages(schedule, recompute):
+    """P = 4 with an empty third stage and a last stage of one layer; (1, 1, 1, 0) below covers a
+    last stage that runs only the final norm, head and loss."""
+    cfg, data = model_cfg(), batches(3, 6, 6, seed=2)
+    want, _ = run_simulate(cfg, make_opt("adamw") if schedule == "sync" else optax.chain(delay(1), make_opt("adamw")),
+                           data)
+    got, _, rows = run_split(cfg, make_opt("adamw"), data, 4, schedule, (2, 1, 0, 1), recompute=recompute)
+    assert_params_close(engine.unpad_layers(got.params, rows), want.params)
+    assert_padding_zero(got.params, rows)
+
+
+@pytest.mark.needs_devices(4)
+def test_head_only_last_stage_equals_simulate():
+    """The last stage holds no layer (only final norm, head and loss); 2bw, kept residuals, NaN in
+    the in-flight buffers that bubble slots could read."""
+    cfg, data = model_cfg(), batches(3, 6, 6, seed=3)
+    want, _ = run_simulate(cfg, optax.chain(delay(1), make_opt("adamw")), data)
+    got, _, rows = run_split(cfg, make_opt("adamw"), data, 4, "2bw", (1, 2, 1, 0), recompute=False, poison=True)
+    assert_params_close(engine.unpad_layers(got.params, rows), want.params)
+    assert_padding_zero(got.params, rows)
+
+
+@pytest.mark.needs_devices(2)
+def test_explicit_even_split_equals_default():
+    cfg, data = model_cfg(), batches(2, 2, 4)
+    from test_pipeline import run_pipeline
+    want, _ = run_pipeline(cfg, make_opt("adamw"), data, 2, "2bw")
+    got, _, rows = run_split(cfg, make_opt("adamw"), data, 2, "2bw", (2, 2))
+    assert rows is None
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(got.params), jax.device_get(want.params))
+
+
+@pytest.mark.needs_devices(4)
+@pytest.mark.parametrize("P, split", [(2, (3, 1)), (4, (2, 1, 0, 1))])
+def test_eval_step_with_uneven_split_equals_simulate(P, split):
+    cfg = model_cfg()
+    rows = engine.stage_split(cfg, P, split)
+    params = dense.init_params(cfg, jax.random.key(0))
+    mesh = engine.make_pipeline_mesh(1, P)
+    padded = engine.pad_layers(params, rows)
+    abstract = jax.eval_shape(lambda p: p, padded)
+    eval_step = engine.make_pipeline_eval_step(cfg, mesh, abstract, 2, stage_rows=rows)
+    batch = batches(1, 4, 8, seed=5)[0].reshape(8, T + 1)
+    total, count = eval_step(padded, batch)
+    logits = dense.Decoder(cfg).apply({"params": params}, batch[:, :-1])
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    want = jnp.sum(lse - jnp.take_along_axis(logits, batch[:, 1:, None], axis=-1)[..., 0])
+    assert float(count) == batch[:, 1:].size
+    np.testing.assert_allclose(float(total), float(want), rtol=2e-5)
+
+
+# -------------------------------------------------------------------- padding stays zero
+
+
+@pytest.mark.needs_devices(2)
+@pytest.mark.parametrize("name", ["adamw", "muon", "soap", "adan", "lion", "mars"])
+def test_padding_stays_zero_with_every_optimizer(name):
+    """Zero gradient on a zero row gives a zero update with each optimizer of the factory, with
+    weight decay, error feedback and (under 2bw) weight prediction, built on the padded shapes."""
+    c = configs.base_config()
+    c.model = model_cfg()
+    c.optimizer.name = name
+    c.optimizer.weight_decay = 0.1
+    c.pipeline.update(stages=2, schedule="2bw", stage_layers=(3, 1))
+    c.staleness.update(mode="2bw", mitigation="ef", weight_prediction=True)
+    configs.validate(c)
+    rows = engine.stage_split(c.model, 2, c.pipeline.stage_layers)
+    shapes = jax.eval_shape(lambda p: engine.pad_layers(p, rows), dense.abstract_params(c.model))
+    staleness = configs.effective_staleness(c)
+    from asyncpp_jax.optim import weight_prediction, delay_schedule
+    tx, schedule = build_optimizer(c.optimizer, 4, staleness, shapes, delay_in_chain=False)
+    data = batches(4, 2, 4, seed=6)
+    mesh = engine.make_pipeline_mesh(1, 2)
+    prediction = weight_prediction(staleness, 4)
+    step = engine.make_pipeline_train_step(c.model, tx, schedule, mesh, shapes, 2, "2bw", delay_schedule(staleness, 4),
+                                           weight_prediction=prediction, stage_rows=rows)
+    params = engine.pad_layers(dense.init_params(c.model, jax.random.key(0)), rows)
+    state = state_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+    ps = engine.init_pipeline_state(c.model, params, mesh, 2, 4, T, "2bw", True, weight_prediction=prediction,
+                                    stage_rows=rows)
+    state = engine.place_state(state.replace(runner_state=ps), mesh, shapes)
+    before = jax.device_get(engine.unpad_layers(state.params, rows))
+    for b in data:
+        state, m = step(state, jax.device_put(b, engine.global_batch_sharding(mesh)))
+    assert np.isfinite(float(m["loss"]))
+    assert_padding_zero(state.params, rows)
+    after = jax.device_get(engine.unpad_layers(state.params, rows))
+    assert np.max(np.abs(after["layers"]["attn"]["q"]["kernel"] - before["layers"]["attn"]["q"]["kernel"])) > 0
