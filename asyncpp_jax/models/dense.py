@@ -185,8 +185,8 @@ def apply_layers_with_aux(cfg, layer_params: dict, h: Array, live: Array | None 
 
     ``live`` (an int, possibly traced): only the first ``live`` rows of the stack are layers; the
     rest are padding (the pipeline engine's uneven split, :func:`asyncpp_jax.pipeline.engine.pad_layers`).
-    Each padded row is skipped by a ``lax.cond``: it computes nothing, passes ``h`` through, adds
-    no aux and, by the cond's transpose, gets an exactly zero gradient.
+    Each padded row is skipped (:func:`_skippable`): it computes nothing in the forward or the
+    backward, passes ``h`` through, adds no aux, and gets an exactly zero gradient.
     """
     block = _block_cls(cfg)(cfg)
     positions = jnp.broadcast_to(jnp.arange(h.shape[1]), h.shape[:2])
@@ -198,16 +198,76 @@ def apply_layers_with_aux(cfg, layer_params: dict, h: Array, live: Array | None 
         h, aux = jax.lax.scan(body, h, layer_params)
         return h, jax.tree.map(jnp.sum, aux)
 
-    def masked(carry, xs):
-        p, i = xs
-        # Inside a shard_map both branches must vary over the same mesh axes: the aux as the carry.
-        run = lambda c: (lambda o: (o[0], _varying_like(o[1], c)))(body(c, p))  # noqa: E731
-        skip = lambda c: (c, _varying_like(_no_moe_aux(), c))  # noqa: E731
-        return jax.lax.cond(i < live, run, skip, carry)
-
+    layer = _skippable(lambda p, c: body(c, p))
     rows = jax.tree.leaves(layer_params)[0].shape[0]
-    h, aux = jax.lax.scan(masked, h, (layer_params, jnp.arange(rows)))
+    h, aux = jax.lax.scan(lambda c, xs: layer(xs[0], c, xs[1] < live), h, (layer_params, jnp.arange(rows)))
     return h, jax.tree.map(jnp.sum, aux)
+
+
+def _skippable(layer):
+    """``layer(p, h) -> (h, aux)`` as ``f(p, h, run) -> (h, aux)`` that computes nothing when ``run``
+    is False: ``(h, 0)``, with cotangents ``(0, ct_h)``.
+
+    A plain ``lax.cond`` would do, except that its linearization copies every residual out of the
+    branch, the weights included: under ``lax.scan`` the weights would then be stacked as new
+    residuals instead of forwarded (and the pipeline engine's kept-residual stash would hold a
+    copy of the stage's weights per microbatch).  Here the forward returns the weights ``p``
+    themselves as a residual (forwarded by the scan), and only the branch's other residuals come
+    out of the ``cond`` (zeros from a skipped layer); the backward rebuilds the layer's vjp from
+    the two, under a ``cond`` too.
+    """
+    where = {}  # filled while the run branch traces: the vjp closure's structure
+
+    def layer_v(p, h):  # inside a shard_map both branches must vary over the same mesh axes: the aux as h
+        out, aux = layer(p, h)
+        return out, _varying_like(aux, h)
+
+    def run(p, h):
+        out, vjp_fn = jax.vjp(layer_v, p, h)
+        weights = {id(w): i for i, w in enumerate(jax.tree.leaves(p))}
+        leaves, where["treedef"] = jax.tree.flatten(vjp_fn)
+        kept = {}  # a residual the closure holds twice leaves the cond once
+        for x in leaves:
+            if id(x) not in weights:
+                kept.setdefault(id(x), (len(kept), x))
+        where["leaves"] = [("w", weights[id(x)]) if id(x) in weights else ("r", kept[id(x)][0]) for x in leaves]
+        residuals = [x for _, x in kept.values()]
+        where["avals"] = [jax.typeof(x) for x in (*jax.tree.leaves(out), *residuals)]
+        return out, residuals
+
+    def skip(p, h):
+        # lax.cond traces the true branch (``run``) first: its outputs' types are known here.
+        residuals = [_zeros_as(a) for a in where["avals"][len(jax.tree.leaves(_no_moe_aux())) + 1:]]
+        return (h, _varying_like(_no_moe_aux(), h)), residuals
+
+    def rebuild(p, residuals):
+        weights = jax.tree.leaves(p)
+        return jax.tree.unflatten(where["treedef"],
+                                  [weights[i] if kind == "w" else residuals[i] for kind, i in where["leaves"]])
+
+    @jax.custom_vjp
+    def f(p, h, on):
+        return jax.lax.cond(on, layer_v, lambda p, h: (h, _varying_like(_no_moe_aux(), h)), p, h)
+
+    def f_fwd(p, h, on):
+        out, residuals = jax.lax.cond(on, run, skip, p, h)
+        return out, (p, on, residuals)
+
+    def f_bwd(res, ct):
+        p, on, residuals = res
+        g_p, g_h = jax.lax.cond(on, lambda p, r, ct: rebuild(p, r)(ct),
+                                lambda p, r, ct: (jax.tree.map(jnp.zeros_like, p), ct[0]), p, residuals, ct)
+        return g_p, g_h, None
+
+    f.defvjp(f_fwd, f_bwd)
+    return f
+
+
+def _zeros_as(aval):
+    """Zeros of ``aval``'s shape and dtype, varying over the mesh axes it varies over."""
+    z = jnp.zeros(aval.shape, aval.dtype)
+    axes = tuple(aval.manual_axis_type.varying) if hasattr(aval, "manual_axis_type") else ()
+    return jax.lax.pcast(z, axes, to="varying") if axes else z
 
 
 def _varying_like(tree, like: Array):
