@@ -616,6 +616,15 @@ def _pipeline_defaults() -> ml_collections.ConfigDict:
     )
 
 
+def uneven_split(c) -> tuple | None:
+    """The layers per stage a (valid) config runs with, or ``None`` for the engine's even split
+    (``stage_layers`` empty or all equal) and for the simulate runner: what a resume must match."""
+    split = tuple(c.pipeline.get("stage_layers", ()) or ())
+    if not (uses_pipeline(c) and c.pipeline.stages > 1) or len(set(split)) <= 1:
+        return None
+    return split
+
+
 def stage_layers_errors(c) -> list[str]:
     """What is wrong with ``config.pipeline.stage_layers`` (empty: nothing)."""
     pipe, m = c.pipeline, c.model
