@@ -56,8 +56,7 @@ def _check_split(workdir: pathlib.Path, old: dict | None, config) -> None:
         raise ResumeRefused(
             f"refusing to resume the run in {workdir}: its checkpoints hold the layer stack split as "
             f"{show(saved)}, this config asks for {show(now)} (config.pipeline.stage_layers); the padded "
-            "layouts do not map onto each other.
-"
+            "layouts do not map onto each other.\n"
             f"Fix: rerun with config.pipeline.stage_layers={','.join(map(str, saved)) if saved else '()'} "
             "(as in config.json) to resume, or pass a new --workdir to start a new run. Nothing in the "
             "workdir was changed.")
