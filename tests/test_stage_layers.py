@@ -117,6 +117,23 @@ def test_head_only_last_stage_equals_simulate():
     assert_padding_zero(got.params, rows)
 
 
+@pytest.mark.slow
+@pytest.mark.needs_devices(2)
+@pytest.mark.parametrize("recompute", [True, False])
+def test_moe_uneven_split_equals_simulate(recompute):
+    """MoE layers grouped in pairs (``moe.every = 2``: two groups), both on stage 0: the last stage
+    runs only the head; the aux losses come from the real groups only."""
+    cfg = model_cfg()
+    cfg.moe.update(num_experts=4, top_k=2, expert_d_ff=8, every=2, capacity_factor=1.25)
+    data = batches(4, 2, 4, seed=5)
+    want, _ = run_simulate(cfg, optax.chain(delay(1), make_opt("adamw")), data)
+    got, metrics, rows = run_split(cfg, make_opt("adamw"), data, 2, "2bw", (4, 0), recompute=recompute)
+    assert rows == (2, 0)
+    assert_params_close(engine.unpad_layers(got.params, rows), want.params)
+    assert_padding_zero(got.params, rows)
+    assert metrics[-1]["moe_lb_loss"] > 0
+
+
 @pytest.mark.needs_devices(2)
 def test_explicit_even_split_equals_default():
     cfg, data = model_cfg(), batches(2, 2, 4)

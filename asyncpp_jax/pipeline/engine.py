@@ -5,6 +5,16 @@ leading axis over ``stage``); the embedding, final norm and head are replicated,
 runs the embedding and only stage ``P-1`` the final norm, head and loss
 (:mod:`asyncpp_jax.pipeline.stage` says what each slot computes).
 
+An uneven split, ``config.pipeline.stage_layers = (L_0, ..., L_{P-1})`` (:func:`stage_split`), gives
+stage ``s`` ``L_s`` layers, e.g. fewer to the last stage, which also runs the head and loss.  SPMD
+needs one shape per device, so the stacked leaves are held padded to ``[P Lmax, ...]``
+(:func:`pad_layers`; ``Lmax = max L_s``): stage ``s``'s rows ``[s Lmax, s Lmax + L_s)`` are its
+layers, the rest zeros.  A padded row computes nothing in any slot (forward, backward with or
+without recompute, the fused last slot, eval: ``dense.apply_layers_with_aux``'s ``live``), gets an
+exactly zero gradient, and so stays zero under every optimizer (zero gradient, zero weight: zero
+update).  The padding costs ``(P Lmax - L) / L`` of the layer stack over the mesh (params,
+optimizer moments, the ``2bw`` weight version), nothing per device beyond the largest stage.
+
 Per tick (:mod:`asyncpp_jax.pipeline.tick_tables` says which microbatch), each stage runs a
 forward slot and a backward slot, each under a ``lax.cond`` on whether the tick table gives it
 work: an idle slot computes nothing (and so cannot let a NaN through).  Activations go to
