@@ -636,8 +636,9 @@ def stage_layers_errors(c) -> list[str]:
         return [f"{name} must be a tuple of integers, one per stage (--config.pipeline.stage_layers=26,6), "
                 "or () for an even split."]
     if not (uses_pipeline(c) and _is_int(pipe.stages) and pipe.stages > 1):
-        return [f"{name} splits the layers over the pipeline engine's stages; it needs config.pipeline.stages > 1 "
-                "(the simulate runner has no stages): set config.pipeline.stages or leave stage_layers=()."]
+        return [f"{name} splits the layers over the pipeline engine's stages, but this config runs the simulate "
+                f"runner, which has none (config.runner={c.runner!r}, config.pipeline.stages={pipe.stages}): set "
+                "config.pipeline.stages > 1 (config.runner auto or pipeline), or leave stage_layers=()."]
     errs = []
     if len(split) != pipe.stages:
         errs.append(f"{name} has {len(split)} entries; it needs one per stage (config.pipeline.stages="

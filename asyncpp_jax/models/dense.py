@@ -209,36 +209,52 @@ def _skippable(layer):
     is False: ``(h, 0)``, with cotangents ``(0, ct_h)``.
 
     A plain ``lax.cond`` would do, except that its linearization copies every residual out of the
-    branch, the weights included: under ``lax.scan`` the weights would then be stacked as new
-    residuals instead of forwarded (and the pipeline engine's kept-residual stash would hold a
-    copy of the stage's weights per microbatch).  Here the forward returns the weights ``p``
-    themselves as a residual (forwarded by the scan), and only the branch's other residuals come
-    out of the ``cond`` (zeros from a skipped layer); the backward rebuilds the layer's vjp from
-    the two, under a ``cond`` too.
+    branch: under ``lax.scan`` the weights would then be stacked as new residuals instead of
+    forwarded (the pipeline engine's kept-residual stash would hold a copy of the stage's weights
+    per microbatch), and so would the residuals that depend on neither the weights nor ``h`` (the
+    RoPE tables and the causal mask, functions of the positions), which a plain scan computes once
+    and shares across its layers.  Here the forward returns the weights ``p`` themselves (forwarded
+    by the scan), computes the input-free residuals outside the ``cond`` (hoisted by the scan), and
+    only the other residuals come out of the ``cond`` (zeros from a skipped layer); the backward
+    rebuilds the layer's vjp from the three, under a ``cond`` too.
     """
-    where = {}  # filled while the run branch traces: the vjp closure's structure
+    where = {}  # the vjp closure's structure, recorded while tracing
 
     def layer_v(p, h):  # inside a shard_map both branches must vary over the same mesh axes: the aux as h
         out, aux = layer(p, h)
         return out, _varying_like(aux, h)
 
-    def run(p, h):
-        out, vjp_fn = jax.vjp(layer_v, p, h)
+    def vjp_residuals(p, h):
+        """``(out, residuals)``: the vjp closure's leaves other than the weights, each once.  Traced
+        with jitted helpers inlined (``jnp.where`` is a ``jit``), so that :func:`_input_free_outputs`
+        sees each residual's own dependencies, not those of the ``jit`` call it comes out of."""
+        with jax.disable_jit():
+            out, vjp_fn = jax.vjp(layer_v, p, h)
         weights = {id(w): i for i, w in enumerate(jax.tree.leaves(p))}
         leaves, where["treedef"] = jax.tree.flatten(vjp_fn)
-        kept = {}  # a residual the closure holds twice leaves the cond once
+        kept = {}
         for x in leaves:
             if id(x) not in weights:
                 kept.setdefault(id(x), (len(kept), x))
         where["leaves"] = [("w", weights[id(x)]) if id(x) in weights else ("r", kept[id(x)][0]) for x in leaves]
-        residuals = [x for _, x in kept.values()]
-        where["avals"] = [jax.typeof(x) for x in (*jax.tree.leaves(out), *residuals)]
-        return out, residuals
+        return out, [x for _, x in kept.values()]
+
+    def split(residuals):
+        return [x for x, s in zip(residuals, where["shared"]) if not s]
+
+    def merge(own, shared):
+        own, shared = iter(own), iter(shared)
+        return [next(shared) if s else next(own) for s in where["shared"]]
+
+    def run(p, h):
+        out, residuals = vjp_residuals(p, h)
+        own = split(residuals)
+        where["avals"] = [jax.typeof(x) for x in own]
+        return out, own
 
     def skip(p, h):
         # lax.cond traces the true branch (``run``) first: its outputs' types are known here.
-        residuals = [_zeros_as(a) for a in where["avals"][len(jax.tree.leaves(_no_moe_aux())) + 1:]]
-        return (h, _varying_like(_no_moe_aux(), h)), residuals
+        return (h, _varying_like(_no_moe_aux(), h)), [_zeros_as(a) for a in where["avals"]]
 
     def rebuild(p, residuals):
         weights = jax.tree.leaves(p)
@@ -250,17 +266,48 @@ def _skippable(layer):
         return jax.lax.cond(on, layer_v, lambda p, h: (h, _varying_like(_no_moe_aux(), h)), p, h)
 
     def f_fwd(p, h, on):
-        out, residuals = jax.lax.cond(on, run, skip, p, h)
-        return out, (p, on, residuals)
+        closed = jax.make_jaxpr(lambda p, h: vjp_residuals(p, h)[1])(p, h)
+        where["shared"] = _input_free_outputs(closed)
+        shared = _eval_outputs(closed, where["shared"], jax.tree.leaves((p, h)))
+        out, own = jax.lax.cond(on, run, skip, p, h)
+        return out, (p, on, own, shared)
 
     def f_bwd(res, ct):
-        p, on, residuals = res
-        g_p, g_h = jax.lax.cond(on, lambda p, r, ct: rebuild(p, r)(ct),
-                                lambda p, r, ct: (jax.tree.map(jnp.zeros_like, p), ct[0]), p, residuals, ct)
+        p, on, own, shared = res
+        g_p, g_h = jax.lax.cond(on, lambda p, o, ct: rebuild(p, merge(o, shared))(ct),
+                                lambda p, o, ct: (jax.tree.map(jnp.zeros_like, p), ct[0]), p, own, ct)
         return g_p, g_h, None
 
     f.defvjp(f_fwd, f_bwd)
     return f
+
+
+def _input_free_outputs(closed) -> list[bool]:
+    """For each output of a closed jaxpr: whether it depends on none of its inputs (only on its
+    constants, e.g. values captured from an enclosing trace)."""
+    from jax.extend.core import Var
+
+    jaxpr = closed.jaxpr
+    tainted = set(jaxpr.invars)
+    for eqn in jaxpr.eqns:
+        if any(isinstance(v, Var) and v in tainted for v in eqn.invars):
+            tainted.update(eqn.outvars)
+    return [not (isinstance(v, Var) and v in tainted) for v in jaxpr.outvars]
+
+
+def _eval_outputs(closed, which: list[bool], args: list) -> list:
+    """The outputs ``which`` of a closed jaxpr, evaluated with only the equations they need."""
+    from jax.extend.core import ClosedJaxpr, Var, jaxpr_as_fun
+
+    jaxpr = closed.jaxpr
+    outs = [v for v, w in zip(jaxpr.outvars, which) if w]
+    need, eqns = {v for v in outs if isinstance(v, Var)}, []
+    for eqn in reversed(jaxpr.eqns):
+        if any(o in need for o in eqn.outvars):
+            eqns.append(eqn)
+            need.update(v for v in eqn.invars if isinstance(v, Var))
+    pruned = ClosedJaxpr(jaxpr.replace(eqns=eqns[::-1], outvars=outs), closed.consts)
+    return list(jaxpr_as_fun(pruned)(*args))
 
 
 def _zeros_as(aval):

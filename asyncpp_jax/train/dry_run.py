@@ -205,9 +205,9 @@ def format_report(r: dict) -> str:
     if r.get("layer_padding"):
         pad = r["layer_padding"]
         lines.append(f"  uneven split: config.pipeline.stage_layers pads the layer stack ({pad['stage_rows']} rows "
-                     f"per stage) by {pad['fraction']:.0%}: {gb(pad['param_bytes_total'])} more params over the "
-                     "mesh, as much again per optimizer moment (and 2bw weight version); per device no more "
-                     "than the largest stage; padded layers compute nothing")
+                     f"per stage) by {pad['fraction']:.0%}: {gb(pad['param_bytes_total'])} more params over the mesh,")
+        lines.append("    as much again per optimizer moment (and 2bw weight version); per device no more than the "
+                     "largest stage; padded layers compute nothing")
     if r["stash_bytes_per_device"]:
         st = r["stash_bytes_per_device"]
         lines.append(f"  stash per device: {gb(st['recompute'])} with config.pipeline.recompute=True, "
