@@ -132,11 +132,11 @@ def stage_split(model_cfg, n_stages: int, stage_layers) -> tuple | None:
     return None if len(set(rows)) == 1 else rows
 
 
-def _pad_index(stage_rows: tuple) -> tuple[np.ndarray, np.ndarray, int]:
-    """``(src, dst, P * Lmax)``: real row ``src[i]`` of the model's stack sits at ``dst[i]`` of the padded one."""
+def _pad_index(stage_rows: tuple) -> tuple[np.ndarray, int]:
+    """``(dst, P * Lmax)``: row ``i`` of the model's stack sits at row ``dst[i]`` of the padded one."""
     lmax = max(stage_rows)
     dst = np.concatenate([s * lmax + np.arange(n) for s, n in enumerate(stage_rows)]).astype(np.int32)
-    return np.arange(len(dst), dtype=np.int32), dst, lmax * len(stage_rows)
+    return dst, lmax * len(stage_rows)
 
 
 def pad_layers(params, stage_rows: tuple | None):
@@ -145,8 +145,8 @@ def pad_layers(params, stage_rows: tuple | None):
     exact zeros elsewhere.  Identity for ``None``.  Works on abstract shapes under ``jax.eval_shape``."""
     if stage_rows is None:
         return params
-    src, dst, rows = _pad_index(stage_rows)
-    pad = lambda x: jnp.zeros((rows,) + x.shape[1:], x.dtype).at[dst].set(x[src])  # noqa: E731
+    dst, rows = _pad_index(stage_rows)
+    pad = lambda x: jnp.zeros((rows,) + x.shape[1:], x.dtype).at[dst].set(x)  # noqa: E731
     return join_params(jax.tree.map(pad, params["layers"]), split_params(params)[1])
 
 
@@ -154,7 +154,7 @@ def unpad_layers(params, stage_rows: tuple | None):
     """Inverse of :func:`pad_layers`: the engine's params (or a tree laid out like them) -> the model's."""
     if stage_rows is None:
         return params
-    _, dst, _ = _pad_index(stage_rows)
+    dst, _ = _pad_index(stage_rows)
     return join_params(jax.tree.map(lambda x: x[dst], params["layers"]), split_params(params)[1])
 
 
@@ -162,7 +162,7 @@ def padding_of(params, stage_rows: tuple | None):
     """The padded rows of each stacked layer leaf (``[P * Lmax - L, ...]``; empty without padding):
     what must stay exactly zero through training."""
     rows = jax.tree.leaves(params["layers"])[0].shape[0]
-    pad = np.setdiff1d(np.arange(rows), _pad_index(stage_rows)[1]) if stage_rows else np.zeros(0, np.int32)
+    pad = np.setdiff1d(np.arange(rows), _pad_index(stage_rows)[0]) if stage_rows else np.zeros(0, np.int32)
     return jax.tree.map(lambda x: x[pad], params["layers"])
 
 
