@@ -19,7 +19,14 @@ from asyncpp_jax.pipeline import engine
 from test_pipeline import SCHED, T, assert_params_close, batches, make_opt, model_cfg, run_simulate
 
 
-def run_split(cfg, tx, data, P, schedule, stage_layers, recompute=True, poison=False, opt_shapes=False):
+def with_nan_padding(params, rows):
+    """``params`` (padded) with every padded row NaN: a slot that read one would spread it."""
+    real = engine.pad_layers(jax.tree.map(jnp.ones_like, engine.unpad_layers(params, rows)), rows)
+    layers = jax.tree.map(lambda x, r: jnp.where(r == 1, x, jnp.nan), params["layers"], real["layers"])
+    return {**params, "layers": layers}
+
+
+def run_split(cfg, tx, data, P, schedule, stage_layers, recompute=True, poison=False, nan_padding=False):
     """``(final state, metrics)`` of the engine with ``stage_layers``; the state is padded."""
     rows = engine.stage_split(cfg, P, stage_layers)
     M, B = data[0].shape[0], data[0].shape[0] * data[0].shape[1]
@@ -28,6 +35,8 @@ def run_split(cfg, tx, data, P, schedule, stage_layers, recompute=True, poison=F
     step = engine.make_pipeline_train_step(cfg, tx, SCHED, mesh, abstract, M, schedule, recompute=recompute,
                                            stage_rows=rows)
     params = engine.pad_layers(dense.init_params(cfg, jax.random.key(0)), rows)
+    if nan_padding:
+        params = with_nan_padding(params, rows)
     state = state_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
     ps = engine.init_pipeline_state(cfg, params, mesh, M, B, T, schedule, recompute, stage_rows=rows)
     if poison and ps is not None:  # in-flight buffers a bubble slot could read: NaN
@@ -134,6 +143,20 @@ def test_moe_uneven_split_equals_simulate(recompute):
     assert metrics[-1]["moe_lb_loss"] > 0
 
 
+@pytest.mark.slow
+@pytest.mark.needs_devices(4)
+@pytest.mark.parametrize("recompute", [True, False])
+def test_nan_in_padding_never_reaches_the_real_layers(recompute):
+    """Padded rows filled with NaN: no slot reads them (forward, backward, fused last slot), so the
+    real layers train exactly as with zero padding, and the NaN stays in its rows."""
+    cfg, data = model_cfg(), batches(3, 6, 6, seed=3)
+    want, _ = run_simulate(cfg, optax.chain(delay(1), make_opt("adamw")), data)
+    got, _, rows = run_split(cfg, make_opt("adamw"), data, 4, "2bw", (2, 1, 0, 1), recompute=recompute,
+                             nan_padding=True)
+    assert_params_close(engine.unpad_layers(got.params, rows), want.params)
+    assert all(np.all(np.isnan(np.asarray(x))) for x in jax.tree.leaves(engine.padding_of(got.params, rows)))
+
+
 @pytest.mark.needs_devices(2)
 def test_explicit_even_split_equals_default():
     cfg, data = model_cfg(), batches(2, 2, 4)
@@ -151,7 +174,7 @@ def test_eval_step_with_uneven_split_equals_simulate(P, split):
     rows = engine.stage_split(cfg, P, split)
     params = dense.init_params(cfg, jax.random.key(0))
     mesh = engine.make_pipeline_mesh(1, P)
-    padded = engine.pad_layers(params, rows)
+    padded = with_nan_padding(engine.pad_layers(params, rows), rows)  # never read: the loss stays finite
     abstract = jax.eval_shape(lambda p: p, padded)
     eval_step = engine.make_pipeline_eval_step(cfg, mesh, abstract, 2, stage_rows=rows)
     batch = batches(1, 4, 8, seed=5)[0].reshape(8, T + 1)
