@@ -607,8 +607,51 @@ def _pipeline_defaults() -> ml_collections.ConfigDict:
             # activation per in-flight microbatch); False: the forward keeps its autodiff residuals
             # for the backward (no recompute, every intermediate of the block per microbatch)
             recompute=True,
+            # Layers per stage, e.g. (26, 6) (CLI: --config.pipeline.stage_layers=26,6): one entry
+            # per stage, summing to config.model.n_layers; () = an even split.  Lets the last stage,
+            # which also runs the final norm, head and loss, hold fewer layers (even none).  The
+            # engine pads every stage's stack to the largest (zeros that are never run).
+            stage_layers=(),
         )
     )
+
+
+def uneven_split(c) -> tuple | None:
+    """The layers per stage a (valid) config runs with, or ``None`` for the engine's even split
+    (``stage_layers`` empty or all equal) and for the simulate runner: what a resume must match."""
+    split = tuple(c.pipeline.get("stage_layers", ()) or ())
+    if not (uses_pipeline(c) and c.pipeline.stages > 1) or len(set(split)) <= 1:
+        return None
+    return split
+
+
+def stage_layers_errors(c) -> list[str]:
+    """What is wrong with ``config.pipeline.stage_layers`` (empty: nothing)."""
+    pipe, m = c.pipeline, c.model
+    split = pipe.stage_layers
+    if split is None or (isinstance(split, (tuple, list)) and len(split) == 0):
+        return []
+    name = f"config.pipeline.stage_layers={tuple(split) if isinstance(split, (tuple, list)) else split!r}"
+    if not (isinstance(split, (tuple, list)) and all(_is_int(n) for n in split)):
+        return [f"{name} must be a tuple of integers, one per stage (--config.pipeline.stage_layers=26,6), "
+                "or () for an even split."]
+    if not (uses_pipeline(c) and _is_int(pipe.stages) and pipe.stages > 1):
+        return [f"{name} splits the layers over the pipeline engine's stages, but this config runs the simulate "
+                f"runner, which has none (config.runner={c.runner!r}, config.pipeline.stages={pipe.stages}): set "
+                "config.pipeline.stages > 1 (config.runner auto or pipeline), or leave stage_layers=()."]
+    errs = []
+    if len(split) != pipe.stages:
+        errs.append(f"{name} has {len(split)} entries; it needs one per stage (config.pipeline.stages="
+                    f"{pipe.stages}).")
+    if any(n < 0 for n in split):
+        errs.append(f"{name} has a negative entry; each stage holds 0 or more layers.")
+    if _is_int(m.n_layers) and sum(split) != m.n_layers:
+        errs.append(f"{name} sums to {sum(split)}; it must sum to config.model.n_layers={m.n_layers}.")
+    grouped = m.moe.num_experts and _is_int(m.moe.every) and m.moe.every > 1
+    if grouped and any(n % m.moe.every for n in split):
+        errs.append(f"{name}: with config.model.moe.every={m.moe.every} the layers are scanned in groups of "
+                    f"{m.moe.every}; give each stage a multiple of {m.moe.every} layers.")
+    return errs
 
 
 def _engine_2bw(c) -> bool:
@@ -627,14 +670,16 @@ def _check_pipeline(c) -> list[str]:
         return errs
     if c.runner == "pipeline" and pipe.stages == 1:
         errs.append("config.runner='pipeline' needs config.pipeline.stages > 1.")
+    errs += stage_layers_errors(c)
     if not (uses_pipeline(c) and pipe.stages > 1):
         return errs
     grouped = m.moe.num_experts and _is_int(m.moe.every) and m.moe.every > 1 and _is_int(m.n_layers)
     units = m.n_layers // m.moe.every if grouped else m.n_layers
-    if _is_int(units) and units % pipe.stages:
+    if _is_int(units) and units % pipe.stages and not pipe.stage_layers:
         errs.append(f"config.model.n_layers={m.n_layers} is not divisible by config.pipeline.stages={pipe.stages}"
                     + (f" x config.model.moe.every={m.moe.every}" if units != m.n_layers else "")
-                    + "; each stage holds an equal, contiguous block of layers.")
+                    + "; each stage holds an equal, contiguous block of layers unless config.pipeline.stage_layers "
+                    "gives each stage's count (e.g. --config.pipeline.stage_layers=3,2).")
     if st.mode not in ("sync", pipe.schedule):
         errs.append(f"config.staleness.mode={st.mode!r} cannot run on the pipeline engine with "
                     f"config.pipeline.schedule={pipe.schedule!r}: the engine's delay is physical. Use "

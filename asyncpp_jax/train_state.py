@@ -37,8 +37,12 @@ class TrainState:
 
 
 def init_state(model_cfg, optimizer: optax.GradientTransformation, rng: jax.Array,
-               weight_versions=None) -> TrainState:
+               weight_versions=None, layout=None) -> TrainState:
+    """A fresh state.  ``layout``: applied to the model's fresh params before anything else sees
+    them (the pipeline engine's padded layer stack, ``engine.pad_layers``)."""
     params = dense.init_params(model_cfg, rng)
+    if layout is not None:
+        params = layout(params)
     versions = weight_versions.init(params) if weight_versions is not None else None
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
                       runner_state=versions)

@@ -15,6 +15,10 @@ side by side in alternating rounds (median of rounds).
   tick table predicts from the measured per-slot costs (``Σ_ticks max_stages cost``).
 * ``compile``: the scans over layers and ticks keep the program size flat.
 
+``--stage_layers 26,6`` (``work`` at P = 4, ``overlap`` at P = 2) runs the engine with that uneven
+split (``config.pipeline.stage_layers``) and predicts from each stage's own slot costs; ``work`` and
+``overlap`` also print a balanced split computed from the measured per-layer and head+loss costs.
+
 The model is a real-vocabulary decoder (vocab 49152, d_model 256, 8 layers; ``--vocab`` and
 ``--layers`` change it), the batch ``M`` microbatches of 2 x 128 tokens.
 """
@@ -52,7 +56,20 @@ def _args():
     ap.add_argument("--steps", type=int, default=2, help="updates timed per round")
     ap.add_argument("--microbatches", default="2,4,8", help="overlap: the values of M to time")
     ap.add_argument("--recompute", default="True,False", help="overlap: the recompute settings to time")
-    return ap.parse_args()
+    ap.add_argument("--stage_layers", default="",
+                    help="layers per stage, e.g. 26,6 (config.pipeline.stage_layers; work: 4 stages, overlap: 2); "
+                         "default an even split")
+    args = ap.parse_args()
+    try:
+        args.stage_layers = tuple(int(n) for n in args.stage_layers.split(",") if n.strip())
+    except ValueError:
+        ap.error(f"--stage_layers={args.stage_layers!r} must be comma-separated integers, e.g. 26,6")
+    P = {"work": 4, "overlap": 2}.get(args.mode)
+    if args.stage_layers and (P is None or len(args.stage_layers) != P or sum(args.stage_layers) != args.layers
+                              or min(args.stage_layers) < 0):
+        ap.error(f"--stage_layers={','.join(map(str, args.stage_layers))} needs {P or 'the work or overlap mode'}"
+                 f" non-negative entries summing to --layers={args.layers} (mode {args.mode!r})")
+    return args
 
 
 ARGS = _args() if __name__ == "__main__" else None
@@ -64,6 +81,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
+
+import functools  # noqa: E402
 
 from asyncpp_jax.configs import base_config  # noqa: E402
 from asyncpp_jax.models import dense  # noqa: E402
@@ -90,13 +109,18 @@ def tokens(args, M: int):
 class Pipelined:
     """One compiled engine train step and its state, ready to time."""
 
-    def __init__(self, args, P: int, M: int, schedule: str, recompute: bool = True, n_layers=None):
+    def __init__(self, args, P: int, M: int, schedule: str, recompute: bool = True, n_layers=None,
+                 stage_layers=()):
         cfg = model_cfg(args, n_layers)
         mesh = engine.make_pipeline_mesh(1, P)
-        abstract = dense.abstract_params(cfg)
-        self.step = engine.make_pipeline_train_step(cfg, TX, LR, mesh, abstract, M, schedule, recompute=recompute)
-        state = state_lib.init_state(cfg, TX, jax.random.key(0))
-        ps = engine.init_pipeline_state(cfg, state.params, mesh, M, M * args.rows, args.seq, schedule, recompute)
+        rows = engine.stage_split(cfg, P, stage_layers)
+        pad = functools.partial(engine.pad_layers, stage_rows=rows)
+        abstract = jax.eval_shape(pad, dense.abstract_params(cfg))
+        self.step = engine.make_pipeline_train_step(cfg, TX, LR, mesh, abstract, M, schedule, recompute=recompute,
+                                                    stage_rows=rows)
+        state = state_lib.init_state(cfg, TX, jax.random.key(0), layout=pad)
+        ps = engine.init_pipeline_state(cfg, state.params, mesh, M, M * args.rows, args.seq, schedule, recompute,
+                                        stage_rows=rows)
         self.state = engine.place_state(state.replace(runner_state=ps), mesh, abstract)
         self.batch = jax.device_put(tokens(args, M), engine.global_batch_sharding(mesh))
 
@@ -149,15 +173,15 @@ def _timed(fn, *args, reps: int = 5) -> float:
 
 
 class SlotFns:
-    """Each slot kind of one stage jitted on its own: a stage's block forward ``F``, its backward
-    slot (the vjp, which with recompute also reruns the forward), the last stage's fused slot, the
-    embedding lookup."""
+    """Each slot kind of one stage of ``n`` layers jitted on its own: the block forward ``F``, its
+    backward slot (the vjp, which with recompute also reruns the forward), the last stage's fused
+    slot, the embedding lookup."""
 
-    def __init__(self, args, P: int, recompute: bool):
+    def __init__(self, args, n: int, recompute: bool):
         cfg = model_cfg(args)
         params = dense.compute_view(cfg, dense.init_params(cfg, jax.random.key(0)))
         layers, top = stage.split_params(params)
-        self.mine, self.top = dense.slice_layers(layers, 0, args.layers // P), top
+        self.mine, self.top = dense.slice_layers(layers, 0, n), top
         self.head = dense.head_params(cfg, top)
         fns = stage.StageFns(cfg, 1, recompute)
         self.toks = tokens(args, 1)[0]
@@ -180,12 +204,74 @@ class SlotFns:
                 "embed": _timed(self.emb, self.top, self.toks)}
 
 
-def slot_costs(args, P: int, recompute: bool) -> dict:
-    """Seconds of each slot kind on one device (:class:`SlotFns`), and ``B``: the backward alone
-    (the recompute slot's time less a forward)."""
-    c = SlotFns(args, P, recompute).costs()
+def slot_costs(args, n: int, recompute: bool) -> dict:
+    """Seconds of each slot kind on one device for a stage of ``n`` layers (:class:`SlotFns`), and
+    ``B``: the backward alone (the recompute slot's time less a forward)."""
+    c = SlotFns(args, n, recompute).costs()
     c["B"] = max(c["bwd_slot"] - c["F"], 0.0) if recompute else c["bwd_slot"]
+    c["layers"] = n
     return c
+
+
+def split_of(args, P: int) -> tuple:
+    """``--stage_layers``, or the even split of ``--layers`` over ``P`` stages."""
+    return args.stage_layers or (args.layers // P,) * P
+
+
+_COSTS: dict = {}
+
+
+def cached_slot_costs(args, n: int, recompute: bool) -> dict:
+    """:func:`slot_costs`, measured once per (layers, recompute) in a run."""
+    if (n, recompute) not in _COSTS:
+        _COSTS[n, recompute] = slot_costs(args, n, recompute)
+    return _COSTS[n, recompute]
+
+
+def stage_costs(args, split: tuple, recompute: bool) -> list:
+    """:func:`slot_costs` of each stage of ``split``."""
+    return [cached_slot_costs(args, n, recompute) for n in split]
+
+
+def _stage_work(split: tuple, c: dict) -> list:
+    """Seconds of work per microbatch of each stage of ``split``, from one stage's measured costs
+    ``c`` (:func:`slot_costs`, of a ``c['layers']``-layer stage):
+
+    * a stage ``s < P-1`` of ``n`` layers: ``n w`` with ``w = (F + bwd_slot) / layers`` (its forward
+      and backward slots; with recompute the backward slot reruns the forward), plus the embedding
+      on stage 0;
+    * the last stage: ``n w_last + H``, its fused slot, with ``w_last = (F + B) / layers`` (no
+      recompute there) and ``H = last - (F + B)``: final norm, head and loss, forward and backward.
+    """
+    n0 = c["layers"]
+    w, w_last = (c["F"] + c["bwd_slot"]) / n0, (c["F"] + c["B"]) / n0
+    head = max(c["last"] - (c["F"] + c["B"]), 0.0)
+    return [n * w + (c["embed"] if i == 0 else 0.0) for i, n in enumerate(split[:-1])] + [split[-1] * w_last + head]
+
+
+def balanced_split(n_layers: int, P: int, c: dict) -> tuple[tuple, float]:
+    """The split of ``n_layers`` over ``P`` stages whose busiest stage (:func:`_stage_work`) has the
+    least work per microbatch: ``(split, its seconds)``.  Every count of layers on the last stage is
+    tried; the other stages share the rest as evenly as they can, the extra layers on stages 1, 2, ...
+    (stage 0 also runs the embedding)."""
+    best = None
+    for last in range(n_layers + 1):
+        q, r = divmod(n_layers - last, P - 1)  # r < P - 1: stages 1..r take one more
+        split = tuple(q + (1 if 1 <= i <= r else 0) for i in range(P - 1)) + (last,)
+        busiest = max(_stage_work(split, c))
+        if best is None or busiest < best[1]:
+            best = (split, busiest)
+    return best
+
+
+def print_balanced_split(args, P: int, c: dict, recompute: bool) -> None:
+    split, busiest = balanced_split(args.layers, P, c)
+    given = split_of(args, P)
+    print(f"balanced split for P={P}, recompute={recompute} (from a {c['layers']}-layer stage's slot costs; per "
+          f"layer F + backward slot {(c['F'] + c['bwd_slot']) / c['layers'] * 1e3:.2f} ms, head + loss "
+          f"{max(c['last'] - c['F'] - c['B'], 0.0) * 1e3:.2f} ms): --stage_layers {','.join(map(str, split))}, "
+          f"busiest stage {busiest * 1e3:.1f} ms per microbatch vs {max(_stage_work(given, c)) * 1e3:.1f} ms "
+          f"for {','.join(map(str, given))}", flush=True)
 
 
 class SlotWork:
@@ -194,18 +280,21 @@ class SlotWork:
     Timed in the same alternating rounds as the engine, so both see the same machine."""
 
     def __init__(self, args, P: int, table: tick_tables.TickTable, recompute: bool):
-        self.f = SlotFns(args, P, recompute)
+        by_layers = {}
+        fs = [by_layers.setdefault(n, SlotFns(args, n, recompute)) if n not in by_layers else by_layers[n]
+              for n in split_of(args, P)]
         self.calls = []
         for k in range(table.ticks):
             for s in range(P):
+                f = fs[s]
                 fwd, bwd = table.forward[k, s] != tick_tables.IDLE, table.backward[k, s] != tick_tables.IDLE
                 if s == P - 1:
-                    self.calls += [(self.f.last, (self.f.mine, self.f.head, self.f.x, self.f.toks))] * bool(bwd)
+                    self.calls += [(f.last, (f.mine, f.head, f.x, f.toks))] * bool(bwd)
                     continue
                 if fwd and s == 0:
-                    self.calls.append((self.f.emb, (self.f.top, self.f.toks)))
-                self.calls += [(self.f.fwd, (self.f.mine, self.f.x))] * bool(fwd)
-                self.calls += [(self.f.bwd, (self.f.mine, self.f.x))] * bool(bwd)
+                    self.calls.append((f.emb, (f.top, f.toks)))
+                self.calls += [(f.fwd, (f.mine, f.x))] * bool(fwd)
+                self.calls += [(f.bwd, (f.mine, f.x))] * bool(bwd)
 
     def run(self, steps: int) -> float:
         t0 = time.perf_counter()
@@ -215,20 +304,22 @@ class SlotWork:
         return (time.perf_counter() - t0) / steps
 
 
-def _slot_seconds(table: tick_tables.TickTable, c: dict, k: int, s: int) -> float:
+def _slot_seconds(table: tick_tables.TickTable, costs: list, k: int, s: int) -> float:
+    """Stage ``s``'s work at tick ``k`` from its own slot costs ``costs[s]`` (:func:`stage_costs`)."""
+    c = costs[s]
     f, b = table.forward[k, s] != tick_tables.IDLE, table.backward[k, s] != tick_tables.IDLE
     if s == table.n_stages - 1:
         return c["last"] if b else 0.0
     return (c["F"] + (c["embed"] if s == 0 else 0.0)) * f + c["bwd_slot"] * b
 
 
-def total_slot_seconds(table: tick_tables.TickTable, c: dict) -> float:
+def total_slot_seconds(table: tick_tables.TickTable, c: list) -> float:
     """The work of one step as the sum of its slots' costs measured one by one: what a step would
     take on one core with no pipeline overhead (no accumulators, no transfers, no optimizer)."""
     return sum(_slot_seconds(table, c, k, s) for k in range(table.ticks) for s in range(table.n_stages))
 
 
-def predicted_step_seconds(table: tick_tables.TickTable, c: dict) -> float:
+def predicted_step_seconds(table: tick_tables.TickTable, c: list) -> float:
     """Critical path of the tick table: the stages wait for each other at every tick's ppermute,
     so a tick lasts as long as its busiest stage."""
     return sum(max(_slot_seconds(table, c, k, s) for s in range(table.n_stages)) for k in range(table.ticks))
@@ -239,16 +330,18 @@ def predicted_step_seconds(table: tick_tables.TickTable, c: dict) -> float:
 
 def work(args) -> None:
     P, M = 4, 8
+    split = split_of(args, P)
     print(f"work ratio: {jax.device_count()} fake devices on {len(os.sched_getaffinity(0))} core; "
           f"vocab {args.vocab}, d_model {args.d_model}, {args.layers} layers, P={P}, M={M}, "
-          f"microbatch {args.rows} x {args.seq} tokens\n")
+          f"microbatch {args.rows} x {args.seq} tokens, stage layers {','.join(map(str, split))}\n")
     print("| schedule | recompute | engine / simulate step | slot work / simulate step | engine / slot work | bound |")
     print("|---|---|---|---|---|---|")
-    costs = slot_costs(args, P, True)
+    costs = cached_slot_costs(args, max(args.layers // P, 1), True)
     f_share = costs["F"] / (costs["F"] + costs["B"])
     for recompute in (False, True):
-        runs = {"simulate": Simulated(args, M), "sync": Pipelined(args, P, M, "sync", recompute),
-                "2bw": Pipelined(args, P, M, "2bw", recompute),
+        runs = {"simulate": Simulated(args, M),
+                "sync": Pipelined(args, P, M, "sync", recompute, stage_layers=args.stage_layers),
+                "2bw": Pipelined(args, P, M, "2bw", recompute, stage_layers=args.stage_layers),
                 "slots sync": SlotWork(args, P, tick_tables.sync_table(P, M), recompute),
                 "slots 2bw": SlotWork(args, P, tick_tables.async_table(P, M), recompute)}
         t = time_side_by_side(runs, args.rounds, args.steps)
@@ -258,30 +351,39 @@ def work(args) -> None:
             print(f"| {name} | {recompute} | {t[name] / t['simulate']:.3f} | {slots / t['simulate']:.3f} "
                   f"| {t[name] / slots:.3f} | <= {bound:.2f} |", flush=True)
         print(f"(simulate step {t['simulate']:.2f} s)", flush=True)
-    print(f"\nmeasured F/(F+B) of one stage's block = {f_share:.3f} (F {costs['F'] * 1e3:.1f} ms, "
-          f"B {costs['B'] * 1e3:.1f} ms, last stage's fused slot {costs['last'] * 1e3:.1f} ms)")
+    print(f"\nmeasured F/(F+B) of a {costs['layers']}-layer stage's block = {f_share:.3f} (F {costs['F'] * 1e3:.1f} "
+          f"ms, B {costs['B'] * 1e3:.1f} ms, last stage's fused slot {costs['last'] * 1e3:.1f} ms)")
+    for recompute in (True, False):
+        print_balanced_split(args, P, cached_slot_costs(args, max(args.layers // P, 1), recompute), recompute)
 
 
 def overlap(args) -> None:
     P = 2
+    split = split_of(args, P)
     print(f"sync / 2bw step time: {jax.device_count()} fake devices on {len(os.sched_getaffinity(0))} cores; "
-          f"vocab {args.vocab}, d_model {args.d_model}, {args.layers} layers, P={P}\n")
+          f"vocab {args.vocab}, d_model {args.d_model}, {args.layers} layers, P={P}, stage layers "
+          f"{','.join(map(str, split))}\n")
     print("| P | M | recompute | measured sync/2bw | tick-table critical path | textbook (M+P-1)/M |")
     print("|---|---|---|---|---|---|")
-    for recompute in (v.strip() == "True" for v in args.recompute.split(",")):
-        costs = slot_costs(args, P, recompute)
+    recomputes = [v.strip() == "True" for v in args.recompute.split(",")]
+    for recompute in recomputes:
+        costs = stage_costs(args, split, recompute)  # each stage's own slot costs: the split's critical path
         for M in (int(m) for m in args.microbatches.split(",")):
-            runs = {"sync": Pipelined(args, P, M, "sync", recompute), "2bw": Pipelined(args, P, M, "2bw", recompute)}
+            runs = {"sync": Pipelined(args, P, M, "sync", recompute, stage_layers=args.stage_layers),
+                    "2bw": Pipelined(args, P, M, "2bw", recompute, stage_layers=args.stage_layers)}
             t = time_side_by_side(runs, args.rounds, args.steps)
             pred = (predicted_step_seconds(tick_tables.sync_table(P, M), costs)
                     / predicted_step_seconds(tick_tables.async_table(P, M), costs))
             print(f"| {P} | {M} | {recompute} | {t['sync'] / t['2bw']:.3f} | {pred:.3f} | {(M + P - 1) / M:.3f} |",
                   flush=True)
-    for P, M in ((4, 8), (8, 16)):
-        c = slot_costs(args, P, True)
-        pred = (predicted_step_seconds(tick_tables.sync_table(P, M), c)
-                / predicted_step_seconds(tick_tables.async_table(P, M), c))
-        print(f"| {P} | {M} | True | (predicted only) | {pred:.3f} | {(M + P - 1) / M:.3f} |")
+    for P4, M in ((4, 8), (8, 16)) if not args.stage_layers else ():  # even splits only
+        c = [cached_slot_costs(args, args.layers // P4, True)] * P4
+        pred = (predicted_step_seconds(tick_tables.sync_table(P4, M), c)
+                / predicted_step_seconds(tick_tables.async_table(P4, M), c))
+        print(f"| {P4} | {M} | True | (predicted only) | {pred:.3f} | {(M + P4 - 1) / M:.3f} |")
+    print()
+    for recompute in recomputes:
+        print_balanced_split(args, P, cached_slot_costs(args, max(args.layers // P, 1), recompute), recompute)
 
 
 def compile_times(args) -> None:

@@ -144,6 +144,14 @@ BAD = [
     ("pipeline.stages", 3, {}, "not divisible"),
     ("pipeline.schedule", "1f1b", {}, "is unknown"),
     ("pipeline.stages", 4, {"pipeline.schedule": "2bw", "train.microbatches": 4}, "too few"),
+    ("pipeline.stage_layers", (3, 1), {}, "runs the simulate runner"),
+    ("pipeline.stage_layers", (3, 1), {"pipeline.stages": 2, "runner": "simulate"}, "runs the simulate runner"),
+    ("pipeline.stage_layers", (4,), {"pipeline.stages": 2}, "one per stage"),
+    ("pipeline.stage_layers", (5, -1), {"pipeline.stages": 2}, "negative"),
+    ("pipeline.stage_layers", (3, 2), {"pipeline.stages": 2}, "must sum to config.model.n_layers=4"),
+    ("pipeline.stage_layers", (3, 1.0), {"pipeline.stages": 2}, "tuple of integers"),
+    ("pipeline.stage_layers", (3, 1), {"pipeline.stages": 2, "model.moe.num_experts": 8, "model.moe.every": 2},
+     "multiple of 2"),
     # mesh
     ("mesh.data", 0, {}, "-1"),
     ("mesh.data", -2, {}, "-1"),
@@ -238,3 +246,16 @@ def test_cpu_host_refuses_more_fake_devices_than_it_can_make():
     configs.validate(c)  # a real cluster can have 2048 devices
     with pytest.raises(configs.ConfigError, match="config.mesh.data=2048 .* fake CPU device"):
         configs.check_cpu_host(c)
+
+
+def test_stage_layers_accepts_uneven_splits_and_the_cli_form():
+    c = configs.load_file("configs/tiny.py")
+    c.pipeline.update(stages=2, stage_layers=(3, 1))
+    configs.validate(c)
+    c.pipeline.stage_layers = (4, 0)  # the last stage: head and loss only
+    configs.validate(c)
+    c.model.n_layers = 5  # not divisible by the stages: fine with an explicit split
+    c.pipeline.stage_layers = (4, 1)
+    configs.validate(c)
+    from ml_collections import config_flags  # the CLI's parser: --config.pipeline.stage_layers=3,1
+    assert config_flags.tuple_parser.TupleParser().parse("3,1") == (3, 1)

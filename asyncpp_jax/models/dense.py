@@ -175,21 +175,158 @@ def embed(cfg, params: dict, tokens: Array) -> Array:
     return Decoder(cfg).apply({"params": params}, tokens, method=lambda m, t: m.embed(t))
 
 
-def apply_layers(cfg, layer_params: dict, h: Array) -> Array:
+def apply_layers(cfg, layer_params: dict, h: Array, live: Array | None = None) -> Array:
     """Run a contiguous slice of the layer stack (leading axis = its layers) with ``lax.scan``."""
-    return apply_layers_with_aux(cfg, layer_params, h)[0]
+    return apply_layers_with_aux(cfg, layer_params, h, live)[0]
 
 
-def apply_layers_with_aux(cfg, layer_params: dict, h: Array):
-    """:func:`apply_layers`, also returning the slice's MoE aux values summed over its layers."""
+def apply_layers_with_aux(cfg, layer_params: dict, h: Array, live: Array | None = None):
+    """:func:`apply_layers`, also returning the slice's MoE aux values summed over its layers.
+
+    ``live`` (an int, possibly traced): only the first ``live`` rows of the stack are layers; the
+    rest are padding (the pipeline engine's uneven split, :func:`asyncpp_jax.pipeline.engine.pad_layers`).
+    Each padded row is skipped (:func:`_skippable`): it computes nothing in the forward or the
+    backward, passes ``h`` through, adds no aux, and gets an exactly zero gradient.
+    """
     block = _block_cls(cfg)(cfg)
     positions = jnp.broadcast_to(jnp.arange(h.shape[1]), h.shape[:2])
 
     def body(carry, p):
         return block.apply({"params": p}, carry, positions)
 
-    h, aux = jax.lax.scan(body, h, layer_params)
+    if live is None:
+        h, aux = jax.lax.scan(body, h, layer_params)
+        return h, jax.tree.map(jnp.sum, aux)
+
+    layer = _skippable(lambda p, c: body(c, p))
+    rows = jax.tree.leaves(layer_params)[0].shape[0]
+    h, aux = jax.lax.scan(lambda c, xs: layer(xs[0], c, xs[1] < live), h, (layer_params, jnp.arange(rows)))
     return h, jax.tree.map(jnp.sum, aux)
+
+
+def _skippable(layer):
+    """``layer(p, h) -> (h, aux)`` as ``f(p, h, run) -> (h, aux)`` that computes nothing when ``run``
+    is False: ``(h, 0)``, with cotangents ``(0, ct_h)``.
+
+    A plain ``lax.cond`` would do, except that its linearization copies every residual out of the
+    branch: under ``lax.scan`` the weights would then be stacked as new residuals instead of
+    forwarded (the pipeline engine's kept-residual stash would hold a copy of the stage's weights
+    per microbatch), and so would the residuals that depend on neither the weights nor ``h`` (the
+    RoPE tables and the causal mask, functions of the positions), which a plain scan computes once
+    and shares across its layers.  Here the forward returns the weights ``p`` themselves (forwarded
+    by the scan), computes the input-free residuals outside the ``cond`` (hoisted by the scan), and
+    only the other residuals come out of the ``cond`` (zeros from a skipped layer); the backward
+    rebuilds the layer's vjp from the three, under a ``cond`` too.
+    """
+    where = {}  # the vjp closure's structure, recorded while tracing
+
+    def layer_v(p, h):  # inside a shard_map both branches must vary over the same mesh axes: the aux as h
+        out, aux = layer(p, h)
+        return out, _varying_like(aux, h)
+
+    def vjp_residuals(p, h):
+        """``(out, residuals)``: the vjp closure's leaves other than the weights, each once.  Traced
+        with jitted helpers inlined (``jnp.where`` is a ``jit``), so that :func:`_input_free_outputs`
+        sees each residual's own dependencies, not those of the ``jit`` call it comes out of."""
+        with jax.disable_jit():
+            out, vjp_fn = jax.vjp(layer_v, p, h)
+        weights = {id(w): i for i, w in enumerate(jax.tree.leaves(p))}
+        leaves, where["treedef"] = jax.tree.flatten(vjp_fn)
+        kept = {}
+        for x in leaves:
+            if id(x) not in weights:
+                kept.setdefault(id(x), (len(kept), x))
+        where["leaves"] = [("w", weights[id(x)]) if id(x) in weights else ("r", kept[id(x)][0]) for x in leaves]
+        return out, [x for _, x in kept.values()]
+
+    def split(residuals):
+        return [x for x, s in zip(residuals, where["shared"]) if not s]
+
+    def merge(own, shared):
+        own, shared = iter(own), iter(shared)
+        return [next(shared) if s else next(own) for s in where["shared"]]
+
+    def run(p, h):
+        out, residuals = vjp_residuals(p, h)
+        own = split(residuals)
+        where["avals"] = [jax.typeof(x) for x in own]
+        return out, own
+
+    def skip(p, h):
+        # lax.cond traces the true branch (``run``) first: its outputs' types are known here.
+        return (h, _varying_like(_no_moe_aux(), h)), [_zeros_as(a) for a in where["avals"]]
+
+    def rebuild(p, residuals):
+        weights = jax.tree.leaves(p)
+        return jax.tree.unflatten(where["treedef"],
+                                  [weights[i] if kind == "w" else residuals[i] for kind, i in where["leaves"]])
+
+    @jax.custom_vjp
+    def f(p, h, on):
+        return jax.lax.cond(on, layer_v, lambda p, h: (h, _varying_like(_no_moe_aux(), h)), p, h)
+
+    def f_fwd(p, h, on):
+        closed = jax.make_jaxpr(lambda p, h: vjp_residuals(p, h)[1])(p, h)
+        where["shared"] = _input_free_outputs(closed)
+        shared = _eval_outputs(closed, where["shared"], jax.tree.leaves((p, h)))
+        out, own = jax.lax.cond(on, run, skip, p, h)
+        return out, (p, on, own, shared)
+
+    def f_bwd(res, ct):
+        p, on, own, shared = res
+        g_p, g_h = jax.lax.cond(on, lambda p, o, ct: rebuild(p, merge(o, shared))(ct),
+                                lambda p, o, ct: (jax.tree.map(jnp.zeros_like, p), ct[0]), p, own, ct)
+        return g_p, g_h, None
+
+    f.defvjp(f_fwd, f_bwd)
+    return f
+
+
+def _input_free_outputs(closed) -> list[bool]:
+    """For each output of a closed jaxpr: whether it depends on none of its inputs (only on its
+    constants, e.g. values captured from an enclosing trace)."""
+    from jax.extend.core import Var
+
+    jaxpr = closed.jaxpr
+    tainted = set(jaxpr.invars)
+    for eqn in jaxpr.eqns:
+        if any(isinstance(v, Var) and v in tainted for v in eqn.invars):
+            tainted.update(eqn.outvars)
+    return [not (isinstance(v, Var) and v in tainted) for v in jaxpr.outvars]
+
+
+def _eval_outputs(closed, which: list[bool], args: list) -> list:
+    """The outputs ``which`` of a closed jaxpr, evaluated with only the equations they need."""
+    from jax.extend.core import ClosedJaxpr, Var, jaxpr_as_fun
+
+    jaxpr = closed.jaxpr
+    outs = [v for v, w in zip(jaxpr.outvars, which) if w]
+    need, eqns = {v for v in outs if isinstance(v, Var)}, []
+    for eqn in reversed(jaxpr.eqns):
+        if any(o in need for o in eqn.outvars):
+            eqns.append(eqn)
+            need.update(v for v in eqn.invars if isinstance(v, Var))
+    pruned = ClosedJaxpr(jaxpr.replace(eqns=eqns[::-1], outvars=outs), closed.consts)
+    return list(jaxpr_as_fun(pruned)(*args))
+
+
+def _zeros_as(aval):
+    """Zeros of ``aval``'s shape and dtype, varying over the mesh axes it varies over."""
+    z = jnp.zeros(aval.shape, aval.dtype)
+    axes = tuple(aval.manual_axis_type.varying) if hasattr(aval, "manual_axis_type") else ()
+    return jax.lax.pcast(z, axes, to="varying") if axes else z
+
+
+def _varying_like(tree, like: Array):
+    """``tree`` cast to vary over every manual mesh axis ``like`` varies over (a no-op outside a
+    ``shard_map``)."""
+    axes = tuple(jax.typeof(like).manual_axis_type.varying)
+
+    def one(x):
+        missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(one, tree)
 
 
 def aux_loss(cfg, aux: dict) -> Array:

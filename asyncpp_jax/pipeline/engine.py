@@ -5,6 +5,16 @@ leading axis over ``stage``); the embedding, final norm and head are replicated,
 runs the embedding and only stage ``P-1`` the final norm, head and loss
 (:mod:`asyncpp_jax.pipeline.stage` says what each slot computes).
 
+An uneven split, ``config.pipeline.stage_layers = (L_0, ..., L_{P-1})`` (:func:`stage_split`), gives
+stage ``s`` ``L_s`` layers, e.g. fewer to the last stage, which also runs the head and loss.  SPMD
+needs one shape per device, so the stacked leaves are held padded to ``[P Lmax, ...]``
+(:func:`pad_layers`; ``Lmax = max L_s``): stage ``s``'s rows ``[s Lmax, s Lmax + L_s)`` are its
+layers, the rest zeros.  A padded row computes nothing in any slot (forward, backward with or
+without recompute, the fused last slot, eval: ``dense.apply_layers_with_aux``'s ``live``), gets an
+exactly zero gradient, and so stays zero under every optimizer (zero gradient, zero weight: zero
+update).  The padding costs ``(P Lmax - L) / L`` of the layer stack over the mesh (params,
+optimizer moments, the ``2bw`` weight version), nothing per device beyond the largest stage.
+
 Per tick (:mod:`asyncpp_jax.pipeline.tick_tables` says which microbatch), each stage runs a
 forward slot and a backward slot, each under a ``lax.cond`` on whether the tick table gives it
 work: an idle slot computes nothing (and so cannot let a NaN through).  Activations go to
@@ -96,6 +106,77 @@ def update_specs(params, n_stages: int, expert_parallel: bool = False) -> Any:
     return jax.tree_util.tree_map_with_path(spec, params, layer_specs)
 
 
+# ------------------------------------------------------------------------------------------
+# Uneven splits: ``config.pipeline.stage_layers``.  SPMD needs one shape on every device, so the
+# stacked layer leaves are held padded to ``[P * Lmax, ...]`` (``Lmax`` the largest stage's rows):
+# stage ``s`` owns rows ``[s Lmax, (s+1) Lmax)``, of which the first ``stage_rows[s]`` are its
+# layers and the rest zeros that no slot ever runs (``dense.apply_layers_with_aux``'s ``live``).
+# ------------------------------------------------------------------------------------------
+
+
+def stage_split(model_cfg, n_stages: int, stage_layers) -> tuple | None:
+    """``config.pipeline.stage_layers`` (layers per stage, summing to ``n_layers``) -> rows of the
+    stacked layer axis per stage (``moe.every`` layers a row when MoE layers are grouped), or
+    ``None`` for the even split (empty, or every stage equal: today's unpadded layout)."""
+    if stage_layers is None or len(stage_layers) == 0:
+        return None
+    stage_layers = tuple(int(n) for n in stage_layers)
+    unit = model_cfg.n_layers // dense.scan_length(model_cfg)
+    if (len(stage_layers) != n_stages or sum(stage_layers) != model_cfg.n_layers
+            or any(n < 0 or n % unit for n in stage_layers)):
+        raise ValueError(
+            f"config.pipeline.stage_layers={stage_layers} must give each of the config.pipeline.stages={n_stages} "
+            f"stages a non-negative number of layers (a multiple of {unit}, the scanned unit) summing to "
+            f"config.model.n_layers={model_cfg.n_layers}.")
+    rows = tuple(n // unit for n in stage_layers)
+    return None if len(set(rows)) == 1 else rows
+
+
+def _pad_index(stage_rows: tuple) -> tuple[np.ndarray, int]:
+    """``(dst, P * Lmax)``: row ``i`` of the model's stack sits at row ``dst[i]`` of the padded one."""
+    lmax = max(stage_rows)
+    dst = np.concatenate([s * lmax + np.arange(n) for s, n in enumerate(stage_rows)]).astype(np.int32)
+    return dst, lmax * len(stage_rows)
+
+
+def pad_layers(params, stage_rows: tuple | None):
+    """The model's params -> the engine's layout: each stacked layer leaf ``[L, ...]`` becomes
+    ``[P * Lmax, ...]`` with stage ``s``'s layers at rows ``[s Lmax, s Lmax + stage_rows[s])`` and
+    exact zeros elsewhere.  Identity for ``None``.  Works on abstract shapes under ``jax.eval_shape``."""
+    if stage_rows is None:
+        return params
+    dst, rows = _pad_index(stage_rows)
+    pad = lambda x: jnp.zeros((rows,) + x.shape[1:], x.dtype).at[dst].set(x)  # noqa: E731
+    return join_params(jax.tree.map(pad, params["layers"]), split_params(params)[1])
+
+
+def unpad_layers(params, stage_rows: tuple | None):
+    """Inverse of :func:`pad_layers`: the engine's params (or a tree laid out like them) -> the model's."""
+    if stage_rows is None:
+        return params
+    dst, _ = _pad_index(stage_rows)
+    return join_params(jax.tree.map(lambda x: x[dst], params["layers"]), split_params(params)[1])
+
+
+def padding_of(params, stage_rows: tuple | None):
+    """The padded rows of each stacked layer leaf (``[P * Lmax - L, ...]``; empty without padding):
+    what must stay exactly zero through training."""
+    rows = jax.tree.leaves(params["layers"])[0].shape[0]
+    pad = np.setdiff1d(np.arange(rows), _pad_index(stage_rows)[0]) if stage_rows else np.zeros(0, np.int32)
+    return jax.tree.map(lambda x: x[pad], params["layers"])
+
+
+def _check_padded(params_abstract, n_stages: int, stage_rows: tuple | None) -> None:
+    rows = {x.shape[0] for x in jax.tree.leaves(params_abstract["layers"])}.pop()
+    want = n_stages * max(stage_rows) if stage_rows is not None else None
+    if stage_rows is not None and (len(stage_rows) != n_stages or rows != want):
+        raise ValueError(f"stage_rows={stage_rows} over {n_stages} stages needs the layer stack padded to "
+                         f"{n_stages} x {max(stage_rows)} = {want} rows (engine.pad_layers), got {rows}.")
+    if stage_rows is None and rows % n_stages:
+        raise ValueError(f"{rows} layer rows do not split evenly over config.pipeline.stages={n_stages}; set "
+                         "config.pipeline.stage_layers for an uneven split.")
+
+
 class PipelineState(NamedTuple):
     """What crosses ``train_step`` calls under ``2bw`` (the ``sync`` schedule carries nothing).
 
@@ -116,9 +197,9 @@ class PipelineState(NamedTuple):
 
 
 def _ring_shapes(model_cfg, mesh, params_abstract, microbatch_rows: int, seq_len: int, recompute: bool,
-                 expert_parallel: bool) -> list:
+                 expert_parallel: bool, stage_rows: tuple | None = None) -> list:
     """Per-device shapes of one stash entry, traced on the mesh (an MoE block's all_to_all needs it)."""
-    fns = StageFns(model_cfg, 1, recompute)
+    fns = StageFns(model_cfg, 1, recompute, stage_rows)
     act = jax.ShapeDtypeStruct((microbatch_rows, seq_len, model_cfg.d_model), dense.dtype_of(model_cfg.compute_dtype))
 
     def local(layers, x):
@@ -133,8 +214,9 @@ def _ring_shapes(model_cfg, mesh, params_abstract, microbatch_rows: int, seq_len
 
 def init_pipeline_state(model_cfg, params, mesh, microbatches: int, global_batch: int, seq_len: int,
                         schedule: str = "2bw", recompute: bool = True, expert_parallel: bool = False,
-                        weight_prediction: WeightPrediction | None = None):
-    """The in-flight state of a fresh run: ``None`` for ``sync`` (nothing crosses steps)."""
+                        weight_prediction: WeightPrediction | None = None, stage_rows: tuple | None = None):
+    """The in-flight state of a fresh run: ``None`` for ``sync`` (nothing crosses steps).
+    ``params`` in the engine's layout (padded by :func:`pad_layers` when ``stage_rows`` is set)."""
     if schedule != "2bw":
         return None
     data, n_stages = mesh.shape["data"], mesh.shape["stage"]
@@ -143,7 +225,7 @@ def init_pipeline_state(model_cfg, params, mesh, microbatches: int, global_batch
     b = global_batch // microbatches // data
     slots = tick_tables.stash_slots(n_stages, first_stage_stashes=not recompute)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    entry = _ring_shapes(model_cfg, mesh, abstract, b, seq_len, recompute, expert_parallel)
+    entry = _ring_shapes(model_cfg, mesh, abstract, b, seq_len, recompute, expert_parallel, stage_rows)
     act = jnp.zeros((data, n_stages, b, seq_len, model_cfg.d_model), dense.dtype_of(model_cfg.compute_dtype))
     return PipelineState(
         prev_params=jax.tree.map(jnp.copy, params),
@@ -336,10 +418,11 @@ def _versions(model_cfg, params):
 
 
 def _make_grads_fn(model_cfg, mesh, table: tick_tables.TickTable, is_async: bool, carries_state: bool,
-                   params_abstract, expert_parallel: bool = False, recompute: bool = True):
+                   params_abstract, expert_parallel: bool = False, recompute: bool = True,
+                   stage_rows: tuple | None = None):
     """``shard_map``-ped ``(cur, prev, batch, pstate, prev_live, step) -> (grads, stats, pstate)``."""
     n_stages, M = table.n_stages, table.microbatches
-    fns = StageFns(model_cfg, M, recompute)
+    fns = StageFns(model_cfg, M, recompute, stage_rows)
     S = tick_tables.stash_slots(n_stages, first_stage_stashes=not recompute)
     act_dtype = dense.dtype_of(model_cfg.compute_dtype)
     pspec = param_specs(params_abstract, expert_parallel)
@@ -425,7 +508,7 @@ def _finish(model_cfg, carry, pstate, cur, batch, prev_live, is_async, carries_s
 def make_pipeline_train_step(model_cfg, optimizer, schedule: optax.Schedule, mesh, params_abstract,
                              microbatches: int, pipeline_schedule: str, delay_schedule: DelaySchedule | None = None,
                              expert_parallel: bool = False, recompute: bool = True,
-                             weight_prediction: WeightPrediction | None = None):
+                             weight_prediction: WeightPrediction | None = None, stage_rows: tuple | None = None):
     """Jitted ``train_step(state, batch) -> (state, metrics)`` with ``state.runner_state`` a
     :class:`PipelineState` (``2bw``) or ``None`` (``sync``).  Under ``2bw`` the
     ``delay_schedule`` (``optim.delay_schedule``) says which updates are synchronous (start,
@@ -434,18 +517,22 @@ def make_pipeline_train_step(model_cfg, optimizer, schedule: optax.Schedule, mes
     With ``weight_prediction`` (SpecTrain / PipeMare, :mod:`asyncpp_jax.optim.prediction`) batch
     ``t``'s microbatches run their forward and backward slots at ``ŵ_t = w_t + δ_t`` instead of
     ``w_t`` (the version carried as ``prev_params`` is then ``ŵ_t``), so update ``t+1`` applies
-    ``∇L(ŵ_t; batch t)``, exactly the simulate runner's ``delay(1)`` with the same prediction."""
+    ``∇L(ŵ_t; batch t)``, exactly the simulate runner's ``delay(1)`` with the same prediction.
+
+    ``stage_rows`` (:func:`stage_split`): an uneven split, with ``params_abstract`` and the state
+    in the padded layout of :func:`pad_layers`."""
     if weight_prediction is not None and pipeline_schedule != "2bw":
         raise ValueError("weight prediction corrects the 2bw delay: config.pipeline.schedule must be '2bw', "
                          f"not {pipeline_schedule!r} (or set config.staleness.weight_prediction=False).")
     n_stages = mesh.shape["stage"]
     if n_stages < 2:
         raise ValueError(f"the pipeline engine needs config.pipeline.stages >= 2, got {n_stages}.")
+    _check_padded(params_abstract, n_stages, stage_rows)
     if expert_parallel:  # experts sharded over ``data``: the MoE layers exchange tokens with all_to_all
         model_cfg = with_expert_parallel(model_cfg, "data", mesh.shape["data"])
     is_2bw = pipeline_schedule == "2bw"
     kw = dict(carries_state=is_2bw, params_abstract=params_abstract, expert_parallel=expert_parallel,
-              recompute=recompute)
+              recompute=recompute, stage_rows=stage_rows)
     sync_fn = _make_grads_fn(model_cfg, mesh, tick_tables.sync_table(n_stages, microbatches), False, **kw)
     async_fn = None
     if is_2bw:
@@ -524,16 +611,19 @@ def global_batch_sharding(mesh) -> NamedSharding:
 
 
 
-def make_pipeline_eval_step(model_cfg, mesh, params_abstract, microbatch_rows: int, expert_parallel: bool = False):
+def make_pipeline_eval_step(model_cfg, mesh, params_abstract, microbatch_rows: int, expert_parallel: bool = False,
+                            stage_rows: tuple | None = None):
     """Jitted ``eval_step(params, batch[B, T+1]) -> (sum of token losses, token count)`` on the
     pipeline mesh: forward only, each stage with its own layers (the model is never gathered).
 
     Each data replica's rows are cut into microbatches of ``microbatch_rows`` (the training
     microbatch, so activations match what training holds) and streamed through the stages: stage
     ``s`` runs microbatch ``j`` at tick ``j + s``; stage 0 embeds, stage ``P-1`` applies the head
-    and sums the token losses.  Idle slots compute nothing.
+    and sums the token losses.  Idle slots compute nothing, nor do padded layer rows
+    (``stage_rows``, :func:`stage_split`).
     """
     n_stages = mesh.shape["stage"]
+    _check_padded(params_abstract, n_stages, stage_rows)
     if expert_parallel:
         model_cfg = with_expert_parallel(model_cfg, "data", mesh.shape["data"])
     fwd_perm = [(i, i + 1) for i in range(n_stages - 1)]
@@ -542,6 +632,7 @@ def make_pipeline_eval_step(model_cfg, mesh, params_abstract, microbatch_rows: i
     def local(params, batch):
         s = jax.lax.axis_index("stage")
         is_first, is_last = s == 0, s == n_stages - 1
+        live = None if stage_rows is None else jnp.asarray(stage_rows, jnp.int32)[s]
         layers, top = split_params(_vary(dense.compute_view(model_cfg, params)))
         head = dense.head_params(model_cfg, top)  # on every stage: see the train step
         rows, width = batch.shape
@@ -557,7 +648,7 @@ def make_pipeline_eval_step(model_cfg, mesh, params_abstract, microbatch_rows: i
             def work(buf):
                 x = jax.lax.cond(is_first, lambda: dense.embed(model_cfg, top, tokens[:, :-1]).astype(act_dtype),
                                  lambda: buf)
-                h = dense.apply_layers(model_cfg, layers, x).astype(act_dtype)
+                h = dense.apply_layers(model_cfg, layers, x, live).astype(act_dtype)
 
                 def loss_sum():
                     logits = dense.logits_from_head(model_cfg, head, h)

@@ -54,18 +54,27 @@ class StageFns:
     cfg: Any
     microbatches: int
     recompute: bool
+    # Uneven split (:func:`asyncpp_jax.pipeline.engine.stage_split`): stage ``s`` runs only the
+    # first ``stage_rows[s]`` rows of its (padded) stack; ``None``: every row is a layer.
+    stage_rows: tuple | None = None
+
+    def live(self):
+        """This device's number of real layer rows (traced), or ``None`` without padding."""
+        if self.stage_rows is None:
+            return None
+        return jnp.asarray(self.stage_rows, jnp.int32)[jax.lax.axis_index("stage")]
 
     # ------------------------------------------------------------------ the block and the loss
     def block(self, layers, x):
         """``((h_out, aux_loss), stats)``: the stage's layers and their MoE terms."""
-        h, aux = dense.apply_layers_with_aux(self.cfg, layers, x)
+        h, aux = dense.apply_layers_with_aux(self.cfg, layers, x, self.live())
         # Varying like h even for a dense block (aux loss 0), so its cotangent has one known type.
         return (h, _varying_like(dense.aux_loss(self.cfg, aux), h)), block_stats(self.cfg, aux)
 
     def last_loss(self, layers, head, x, tokens):
         """``(loss, stats)``: block, final norm, head (:func:`dense.head_params`) and next-token
         loss of one microbatch."""
-        h, aux = dense.apply_layers_with_aux(self.cfg, layers, x)
+        h, aux = dense.apply_layers_with_aux(self.cfg, layers, x, self.live())
         logits = dense.logits_from_head(self.cfg, head, h)
         lm, (ce, z) = dense.cross_entropy(logits, tokens[:, 1:], self.cfg.z_loss)
         stats = block_stats(self.cfg, aux)

@@ -75,11 +75,24 @@ def _stash_bytes(runner) -> dict:
     model = with_expert_parallel(c.model, "data", runner.data_size) if c.mesh.expert_parallel else c.model
     for recompute in (True, False):
         entry = engine._ring_shapes(model, runner.mesh, runner.shapes, b, c.data.seq_len, recompute,
-                                    c.mesh.expert_parallel)
+                                    c.mesh.expert_parallel, runner.stage_rows)
         slots = tick_tables.stash_slots(c.pipeline.stages, first_stage_stashes=not recompute)
         out["recompute" if recompute else "keep_residuals"] = slots * sum(
             int(np.prod(e.shape)) * jnp.dtype(e.dtype).itemsize for e in entry)
     return out
+
+
+def _layer_padding(runner) -> dict:
+    """What an uneven ``config.pipeline.stage_layers`` costs: the layer stack held as ``P * Lmax``
+    rows for ``L`` layers, ``(P Lmax - L) / L`` more (params; the optimizer moments, the ``2bw``
+    weight version and partial gradient alike).  Per device it is no more than the largest stage."""
+    if runner.stage_rows is None:
+        return {}
+    layer_bytes = lambda t: sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize  # noqa: E731
+                                for x in jax.tree.leaves(t["layers"]))
+    real, padded = layer_bytes(runner.model_shapes), layer_bytes(runner.shapes)
+    return {"stage_rows": list(runner.stage_rows), "fraction": (padded - real) / real,
+            "param_bytes_total": padded - real}
 
 
 def _measure(c, devices, budget: int | None) -> fit.Measurement:
@@ -134,7 +147,8 @@ def dry_run(c, devices=None, spare_devices=None) -> dict:
         "config": c.name,
         "mesh": dict(runner.mesh.shape),
         "devices": int(runner.mesh.devices.size),
-        "params_total": count_params(runner.shapes),
+        "params_total": count_params(runner.model_shapes),
+        "layer_padding": _layer_padding(runner),
         "params_active_matmul": active_matmul_params(c.model),
         "model_flops_per_token": flops_per_token(c.model, c.data.seq_len),
         "param_bytes_per_device": _bytes_per_device(state.params),
@@ -188,6 +202,12 @@ def format_report(r: dict) -> str:
     lines.append(f"  in-flight state per device {gb(r['runner_state_bytes_per_device'])} = "
                  f"{r['runner_state_bytes_per_device'] / params:.2f}x the params on a device; checkpoint "
                  f"{gb(r['checkpoint_bytes'])} = {r['checkpoint_bytes'] / r['param_bytes_total']:.2f}x the params")
+    if r.get("layer_padding"):
+        pad = r["layer_padding"]
+        lines.append(f"  uneven split: config.pipeline.stage_layers pads the layer stack ({pad['stage_rows']} rows "
+                     f"per stage) by {pad['fraction']:.0%}: {gb(pad['param_bytes_total'])} more params over the mesh,")
+        lines.append("    as much again per optimizer moment (and 2bw weight version); per device no more than the "
+                     "largest stage; padded layers compute nothing")
     if r["stash_bytes_per_device"]:
         st = r["stash_bytes_per_device"]
         lines.append(f"  stash per device: {gb(st['recompute'])} with config.pipeline.recompute=True, "

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import pathlib
 
+import ml_collections
+
 from asyncpp_jax import configs
 from asyncpp_jax.train.checkpoint import saved_layout, state_layout, step_dirs
 
@@ -39,6 +41,27 @@ def saved_config(workdir: pathlib.Path) -> dict | None:
         return None
 
 
+def _check_split(workdir: pathlib.Path, old: dict | None, config) -> None:
+    """Two uneven splits can pad to the same shapes ((3, 1) and (1, 3)), so the layout check alone
+    would restore stage 0's layers into stage 1's rows: compare the splits themselves."""
+    if old is None:
+        return
+    try:
+        saved = configs.uneven_split(ml_collections.ConfigDict(old))
+    except Exception:  # noqa: BLE001 - an old or hand-edited config.json: the layout check decides
+        return
+    now = configs.uneven_split(config)
+    if saved != now:
+        show = lambda s: "an even split" if s is None else f"stage_layers={s}"  # noqa: E731
+        raise ResumeRefused(
+            f"refusing to resume the run in {workdir}: its checkpoints hold the layer stack split as "
+            f"{show(saved)}, this config asks for {show(now)} (config.pipeline.stage_layers); the padded "
+            "layouts do not map onto each other.\n"
+            f"Fix: rerun with config.pipeline.stage_layers={','.join(map(str, saved)) if saved else '()'} "
+            "(as in config.json) to resume, or pass a new --workdir to start a new run. Nothing in the "
+            "workdir was changed.")
+
+
 def check_resume(workdir: pathlib.Path, config, abstract_state) -> list[str]:
     """Raise :class:`ResumeRefused` if the workdir's checkpoints do not fit ``abstract_state``.
 
@@ -50,6 +73,7 @@ def check_resume(workdir: pathlib.Path, config, abstract_state) -> list[str]:
         return []
     old = saved_config(workdir)
     changed = configs.diff(old, json.loads(configs.to_json(config))) if old is not None else []
+    _check_split(workdir, old, config)
     saved = saved_layout(ckpt_dir)
     if saved is None:  # no sealed checkpoint: the integrity check will report it
         return changed

@@ -9,6 +9,7 @@ chain or, for exact PipeDream, in the runner's weight history); ``pipeline`` is 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -28,11 +29,19 @@ class Runner:
     mesh: jax.sharding.Mesh
     data_size: int
     pipelined: bool
-    shapes: Any  # abstract params
+    shapes: Any  # abstract params as the state holds them (the engine's padded layer stack, if any)
     optimizer: optax.GradientTransformation
     schedule: optax.Schedule
     train_step: Callable
     weight_versions: Any  # what runner_state holds: optim.WeightVersions (exact PipeDream) or WeightPrediction
+    # config.pipeline.stage_layers as rows of the layer stack per stage (engine.stage_split); None:
+    # an even split (or no pipeline), no padding
+    stage_rows: tuple | None = None
+    model_shapes: Any = None  # abstract params of the model itself (unpadded): what to count or export
+
+    def __post_init__(self):
+        if self.model_shapes is None:
+            self.model_shapes = self.shapes
 
     def tick_table(self) -> tick_tables.TickTable | None:
         c = self.config
@@ -45,13 +54,16 @@ class Runner:
         c = self.config
 
         def init(key):
+            # The real layers are initialised as the simulate runner's (same key, same weights),
+            # then padded; the optimizer is initialised on the padded params.
             state = state_lib.init_state(c.model, self.optimizer, key,
-                                         None if self.pipelined else self.weight_versions)
+                                         None if self.pipelined else self.weight_versions,
+                                         layout=functools.partial(engine.pad_layers, stage_rows=self.stage_rows))
             if self.pipelined:
                 state = state.replace(runner_state=engine.init_pipeline_state(
                     c.model, state.params, self.mesh, c.train.microbatches, c.train.global_batch_size,
                     c.data.seq_len, c.pipeline.schedule, c.pipeline.recompute, c.mesh.expert_parallel,
-                    self.weight_versions))
+                    self.weight_versions, stage_rows=self.stage_rows))
             return state
 
         return init
@@ -73,7 +85,8 @@ class Runner:
         c = self.config
         if self.pipelined:
             rows = c.train.global_batch_size // c.train.microbatches // self.data_size
-            return engine.make_pipeline_eval_step(c.model, self.mesh, self.shapes, rows, c.mesh.expert_parallel)
+            return engine.make_pipeline_eval_step(c.model, self.mesh, self.shapes, rows, c.mesh.expert_parallel,
+                                                  stage_rows=self.stage_rows)
         return step_lib.make_eval_step(c.model, self.mesh)
 
     def eval_group(self) -> int:
@@ -92,7 +105,11 @@ def build(c, devices) -> Runner:
     pipelined = configs.uses_pipeline(c)
     mesh = (engine.make_pipeline_mesh(data_size, c.pipeline.stages, devices) if pipelined
             else make_mesh(data_size, devices))
-    shapes = abstract_params(c.model)
+    model_shapes = abstract_params(c.model)
+    stage_rows = engine.stage_split(c.model, c.pipeline.stages, c.pipeline.stage_layers) if pipelined else None
+    # The optimizer is built on the shapes the state holds (Muon's routing reads them).
+    shapes = (model_shapes if stage_rows is None else
+              jax.eval_shape(functools.partial(engine.pad_layers, stage_rows=stage_rows), model_shapes))
     staleness = configs.effective_staleness(c)
     optimizer, schedule = build_optimizer(c.optimizer, c.train.steps, staleness, shapes,
                                           delay_in_chain=not pipelined)
@@ -102,7 +119,7 @@ def build(c, devices) -> Runner:
         train_step = engine.make_pipeline_train_step(
             c.model, optimizer, schedule, mesh, shapes, c.train.microbatches, c.pipeline.schedule,
             delay_schedule(staleness, c.train.steps), expert_parallel=c.mesh.expert_parallel,
-            recompute=c.pipeline.recompute, weight_prediction=prediction)
+            recompute=c.pipeline.recompute, weight_prediction=prediction, stage_rows=stage_rows)
         versions = prediction  # the engine keeps δ in its in-flight state, not in a versions tree
     else:
         versions = weight_versions(staleness, c.train.steps, shapes)
@@ -110,4 +127,5 @@ def build(c, devices) -> Runner:
         train_step = step_lib.make_train_step(c.model, optimizer, schedule, mesh,
                                               delay_schedule(staleness, c.train.steps), versions, prediction)
         versions = versions if prediction is None else prediction
-    return Runner(c, mesh, data_size, pipelined, shapes, optimizer, schedule, train_step, versions)
+    return Runner(c, mesh, data_size, pipelined, shapes, optimizer, schedule, train_step, versions, stage_rows,
+                  model_shapes)

@@ -289,7 +289,7 @@ class Trainer:
     def _log_model(self, state) -> None:
         c = self.config
         log.info("model: %s parameters; data parallel over %d device(s); %d tokens per update; "
-                 "%.3g model FLOPs per token (6N + attention)", f"{count_params(state.params):,}",
+                 "%.3g model FLOPs per token (6N + attention)", f"{count_params(self.runner.model_shapes):,}",
                  self.data_size, c.train.global_batch_size * c.data.seq_len, self.flops_per_token)
         log.info("optimizer %s; parameter routing (also in routing.txt):\n%s", c.optimizer.name, self.routing)
 
