@@ -13,6 +13,11 @@ spans N*K CPU devices, process ``i`` holding devices ``i*K .. i*K + K - 1``, and
 the processes over gloo: the program, the rows each process loads, the checkpoints and the
 preemption protocol are those of a cluster job.
 
+``--pin_cpus`` gives each process its own share of this machine's cores (``ASYNCPP_CPUS``), as
+each host of a cluster has its own: on XLA:CPU one device's program already spreads over every core
+it may use, so without it the processes' stages compete for the same cores and never really run at
+the same time.
+
 Each process's output is prefixed ``[i]``.  SIGTERM or SIGINT to the launcher is passed on as
 SIGTERM to every process (a coordinated preemption save); SIGTERM to any one process alone does the
 same.  If a process fails, the others are stopped (they would wait for it forever) and the
@@ -30,6 +35,8 @@ import sys
 import threading
 import time
 
+from asyncpp_jax import host_setup  # no JAX import
+
 _FAILED_GRACE_S = 20.0  # how long the others may take to stop on their own after one fails
 
 
@@ -39,9 +46,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def process_env(base: dict, processes: int, devices_per_process: int, process_id: int, port: int) -> dict:
-    """The environment of process ``process_id`` of a local ``processes`` x ``devices_per_process`` job."""
+def process_env(base: dict, processes: int, devices_per_process: int, process_id: int, port: int,
+                cpus: list[int] | None = None) -> dict:
+    """The environment of process ``process_id`` of a local ``processes`` x ``devices_per_process`` job.
+    ``cpus``: the cores to share out, ``len(cpus) // processes`` contiguous ones to each process
+    (``ASYNCPP_CPUS``, applied by ``host_setup`` before JAX sizes its thread pools), so the hosts
+    of the job do not share cores, as on a cluster."""
     env = dict(base)
+    if cpus is not None:
+        k = len(cpus) // processes
+        if k < 1:
+            raise ValueError(f"--pin_cpus needs at least one core per process: {len(cpus)} cores for "
+                             f"--processes={processes}")
+        env[host_setup.CPUS_ENV] = ",".join(str(c) for c in cpus[process_id * k:(process_id + 1) * k])
     # JAX_NUM_CPU_DEVICES decides the device count; a forced XLA count would only confuse a reader.
     flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
     env.update(
@@ -53,13 +70,14 @@ def process_env(base: dict, processes: int, devices_per_process: int, process_id
 
 
 def spawn(main_args: list[str], processes: int, devices_per_process: int, port: int | None = None,
-          cwd: str | None = None, module: str = "asyncpp_jax.main") -> list[subprocess.Popen]:
+          cwd: str | None = None, module: str = "asyncpp_jax.main", pin_cpus: bool = False) -> list[subprocess.Popen]:
     """Start the processes (stdout and stderr merged into one pipe each); returns them in id order."""
     if processes < 1 or devices_per_process < 1:
         raise ValueError(f"--processes={processes} and --devices_per_process={devices_per_process} must be >= 1")
     port = port or free_port()
-    return [subprocess.Popen([sys.executable, "-m", module, *main_args], cwd=cwd,
-                             env=process_env(os.environ, processes, devices_per_process, i, port),
+    cpus = sorted(os.sched_getaffinity(0)) if pin_cpus else None
+    envs = [process_env(os.environ, processes, devices_per_process, i, port, cpus) for i in range(processes)]
+    return [subprocess.Popen([sys.executable, "-m", module, *main_args], cwd=cwd, env=envs[i],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for i in range(processes)]
 
@@ -100,9 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--processes", type=int, required=True, help="processes (hosts) in the job")
     ap.add_argument("--devices_per_process", type=int, default=1, help="CPU devices per process")
     ap.add_argument("--port", type=int, default=0, help="coordinator port on localhost (default: a free one)")
+    ap.add_argument("--pin_cpus", action="store_true",
+                    help="give each process its own share of this machine's cores (else all share them all)")
     a = ap.parse_args(own)
     try:
-        procs = spawn(main_args, a.processes, a.devices_per_process, a.port or None)
+        procs = spawn(main_args, a.processes, a.devices_per_process, a.port or None, pin_cpus=a.pin_cpus)
     except ValueError as e:
         ap.error(str(e))
     for i, p in enumerate(procs):

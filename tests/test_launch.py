@@ -5,6 +5,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from asyncpp_jax import launch
 
 
@@ -17,6 +19,16 @@ def test_each_process_gets_the_cluster_environment():
         assert e["JAX_NUM_CPU_DEVICES"] == "2" and e["JAX_CPU_COLLECTIVES_IMPLEMENTATION"] == "gloo"
         assert e["XLA_FLAGS"] == "--xla_dump_to=/tmp/x" and e["KEEP"] == "1"
     assert base["XLA_FLAGS"].startswith("--xla_force")  # the caller's environment is untouched
+
+
+def test_pin_cpus_gives_each_process_its_own_cores():
+    from asyncpp_jax import host_setup
+
+    envs = [launch.process_env({}, 2, 1, i, 1234, cpus=[0, 1, 2, 3, 5]) for i in range(2)]
+    assert [host_setup.parse_cpus(e[host_setup.CPUS_ENV]) for e in envs] == [{0, 1}, {2, 3}]  # the odd core unused
+    assert host_setup.CPUS_ENV not in launch.process_env({}, 2, 1, 0, 1234)  # unpinned: all share all
+    with pytest.raises(ValueError, match="--pin_cpus needs at least one core per process"):
+        launch.process_env({}, 3, 1, 0, 1234, cpus=[0, 1])
 
 
 def _python(code: str) -> subprocess.Popen:
