@@ -18,14 +18,16 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / PACKAGE
 
 # Lowest first.  A module belongs to the component with the longest matching prefix.
 LAYERS = (
-    ("process set-up", ("asyncpp_jax.host_setup", "asyncpp_jax.distributed", "asyncpp_jax.launch")),
+    ("process set-up", ("asyncpp_jax.host_setup", "asyncpp_jax.distributed")),
     ("config", ("asyncpp_jax.configs",)),
     ("parts", ("asyncpp_jax.models", "asyncpp_jax.data", "asyncpp_jax.optim")),
     ("train state", ("asyncpp_jax.train_state",)),
     ("runners", ("asyncpp_jax.pipeline", "asyncpp_jax.train.step")),
     ("runner choice", ("asyncpp_jax.train.runner",)),
     ("trainer", ("asyncpp_jax.train",)),
-    ("entry point", ("asyncpp_jax.main",)),
+    # the trainer's entry point, and the local launcher that starts it in N processes (it reads
+    # host_setup's CPU-list convention to give each process its own cores)
+    ("entry point", ("asyncpp_jax.main", "asyncpp_jax.launch")),
 )
 
 # Function-level imports of the package's own modules, each with why it is not dodging a cycle.
