@@ -337,6 +337,10 @@ def test_schedule_validation_and_jit():
     np.testing.assert_array_equal(got[1], [0, 2, 2, 2, 2, 2, 0, 0, 0])
     np.testing.assert_array_equal(got[2], [0, 0, 0, 0, 0, 0, 2, 0, 0])
     assert not DelaySchedule(0).in_force(5)
+    # always in force exactly when in_force holds at every update from 0 on
+    for sched in (DelaySchedule(1), DelaySchedule(2, total_steps=8), DelaySchedule(0), DelaySchedule(1, 1),
+                  DelaySchedule(1, 0, 2, 8)):
+        assert sched.always_in_force == bool(np.all(np.asarray(sched.in_force(jnp.arange(12)))))
 
 
 # -------------------------------------------------------------------------------- PipeDream per-stage

@@ -75,6 +75,12 @@ class DelaySchedule:
             return None
         return self.total_steps - self.sync_cooldown_steps
 
+    @property
+    def always_in_force(self) -> bool:
+        """True when every update ``t >= 0`` runs delayed (no synchronous start or cooldown): a
+        runner then needs no synchronous program at all."""
+        return self.steps > 0 and self.sync_start_steps == 0 and self.cooldown_start is None
+
     def in_force(self, count) -> jax.Array:
         """``steps > 0 and K <= count < T - C`` (elementwise for an array of counts)."""
         count = jnp.asarray(count, jnp.int32)

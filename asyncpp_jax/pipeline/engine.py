@@ -550,10 +550,13 @@ def make_pipeline_train_step(model_cfg, optimizer, schedule: optax.Schedule, mes
             velocity = ps.prediction
             point = state.params if velocity is None else weight_prediction.predicted_point(state.params, velocity)
             args = (point, ps.prev_params, batch, ps._replace(prediction=None))
-            on = delay_schedule.in_force(state.step)
             prev_live = delay_schedule.in_force(state.step - 1)
-            grads, stats, ps = jax.lax.cond(
-                on, lambda: async_fn(*args, prev_live, state.step), lambda: sync_fn(*args, prev_live, state.step))
+            if delay_schedule.always_in_force:  # no synchronous phase: compile the delayed program only
+                grads, stats, ps = async_fn(*args, prev_live, state.step)
+            else:
+                grads, stats, ps = jax.lax.cond(delay_schedule.in_force(state.step),
+                                                lambda: async_fn(*args, prev_live, state.step),
+                                                lambda: sync_fn(*args, prev_live, state.step))
         old_params = state.params
         # The update runs where its gradient lives: each replicated leaf's weights are sliced to
         # their split layout (local, no transfer), so the optimizer's elementwise work on them runs
