@@ -222,7 +222,7 @@ def _skippable(layer):
 
     def layer_v(p, h):  # inside a shard_map both branches must vary over the same mesh axes: the aux as h
         out, aux = layer(p, h)
-        return out, _varying_like(aux, h)
+        return out, varying_like(aux, h)
 
     def vjp_residuals(p, h):
         """``(out, residuals)``: the vjp closure's leaves other than the weights, each once.  Traced
@@ -254,7 +254,7 @@ def _skippable(layer):
 
     def skip(p, h):
         # lax.cond traces the true branch (``run``) first: its outputs' types are known here.
-        return (h, _varying_like(_no_moe_aux(), h)), [_zeros_as(a) for a in where["avals"]]
+        return (h, varying_like(_no_moe_aux(), h)), [_zeros_as(a) for a in where["avals"]]
 
     def rebuild(p, residuals):
         weights = jax.tree.leaves(p)
@@ -263,7 +263,7 @@ def _skippable(layer):
 
     @jax.custom_vjp
     def f(p, h, on):
-        return jax.lax.cond(on, layer_v, lambda p, h: (h, _varying_like(_no_moe_aux(), h)), p, h)
+        return jax.lax.cond(on, layer_v, lambda p, h: (h, varying_like(_no_moe_aux(), h)), p, h)
 
     def f_fwd(p, h, on):
         closed = jax.make_jaxpr(lambda p, h: vjp_residuals(p, h)[1])(p, h)
@@ -317,7 +317,7 @@ def _zeros_as(aval):
     return jax.lax.pcast(z, axes, to="varying") if axes else z
 
 
-def _varying_like(tree, like: Array):
+def varying_like(tree, like: Array):
     """``tree`` cast to vary over every manual mesh axis ``like`` varies over (a no-op outside a
     ``shard_map``)."""
     axes = tuple(jax.typeof(like).manual_axis_type.varying)

@@ -69,7 +69,7 @@ class StageFns:
         """``((h_out, aux_loss), stats)``: the stage's layers and their MoE terms."""
         h, aux = dense.apply_layers_with_aux(self.cfg, layers, x, self.live())
         # Varying like h even for a dense block (aux loss 0), so its cotangent has one known type.
-        return (h, _varying_like(dense.aux_loss(self.cfg, aux), h)), block_stats(self.cfg, aux)
+        return (h, dense.varying_like(dense.aux_loss(self.cfg, aux), h)), block_stats(self.cfg, aux)
 
     def last_loss(self, layers, head, x, tokens):
         """``(loss, stats)``: block, final norm, head (:func:`dense.head_params`) and next-token
@@ -116,13 +116,7 @@ class StageFns:
 
     def _loss_ct(self, like: Array) -> Array:
         """The cotangent of a microbatch's loss, ``1/M``, device-varying like ``like``."""
-        return _varying_like(jnp.asarray(1.0 / self.microbatches, jnp.float32), like)
-
-
-def _varying_like(x: Array, like: Array) -> Array:
-    missing = tuple(a for a in jax.typeof(like).manual_axis_type.varying
-                    if a not in jax.typeof(x).manual_axis_type.varying)
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
+        return dense.varying_like(jnp.asarray(1.0 / self.microbatches, jnp.float32), like)
 
 
 def block_stats(cfg, aux) -> dict:
