@@ -377,6 +377,10 @@ def _train_defaults() -> ml_collections.ConfigDict:
             progress_bar=True,
             # peak dense TFLOP/s of one accelerator (e.g. 989 H100 bf16, 459 TPU v5p); 0 = MFU not reported
             peak_tflops_per_device=0.0,
+            # trace updates profile_start+1 .. profile_start+profile_steps into WORKDIR/profile (0: off);
+            # python -m asyncpp_jax.train.profile WORKDIR prints where the device time went
+            profile_start=0,
+            profile_steps=0,
         )
     )
 
@@ -393,6 +397,13 @@ def _check_train(c) -> list[str]:
     _number(errs, "train.device_memory_gb", t.device_memory_gb, ge=0,
             why=" (0: the accelerator's limit in a run, config.hardware's memory in a dry run)")
     _flag(errs, "train.auto_remat", t.auto_remat)
+    for f in ("profile_start", "profile_steps"):
+        if not (_is_int(t[f]) and t[f] >= 0):
+            errs.append(f"config.train.{f}={t[f]!r} must be a non-negative integer (profile_steps=0: no profile).")
+    if (_is_int(t.profile_start) and _is_int(t.profile_steps) and _is_int(t.steps) and t.profile_steps > 0
+            and t.profile_start + t.profile_steps > t.steps):
+        errs.append(f"config.train.profile_start={t.profile_start} + profile_steps={t.profile_steps} runs past "
+                    f"config.train.steps={t.steps}: start the profile earlier or trace fewer updates.")
     return errs
 
 

@@ -55,8 +55,9 @@ def replicated(mesh) -> NamedSharding:
 def apply_update(state: TrainState, grads, stats: dict, runner_state, optimizer, schedule, delay_schedule=None):
     """The optimizer step both runners end with: ``(new state, metrics)``.  With a delay schedule
     the metrics also record the delay in force and the batches a cooldown switch dropped."""
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    with jax.named_scope("optimizer_update"):  # a part of the step in train/profile.py
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
     metrics = dict(stats, grad_norm=optax.global_norm(grads), lr=schedule(state.step))
     if delay_schedule is not None:
         metrics.update(delay=delay_schedule.delay_at(state.step), skipped_batches=delay_schedule.skipped_at(state.step))

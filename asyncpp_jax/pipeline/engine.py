@@ -306,6 +306,18 @@ def _reduce_grads(grads, specs, expert_parallel: bool, stage_reduced=lambda path
     return jax.tree_util.tree_map_with_path(one, grads, specs)
 
 
+def _scoped(name: str):
+    """Run the function under ``jax.named_scope(name)``: the parts of a step that
+    ``asyncpp_jax.train.profile`` times separately (their names are its ``PARTS``)."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            with jax.named_scope(name):
+                return fn(*args, **kwargs)
+        return inner
+    return wrap
+
+
 @dataclasses.dataclass
 class _Device:
     """One device's view of a step inside the ``shard_map``: its stage, both weight versions (in
@@ -351,6 +363,7 @@ class _Device:
     def embed(self, j, tokens):
         return self.run(j, lambda top: self.fns.embed(top, tokens), 1).astype(self.act_dtype)
 
+    @_scoped("pp_fwd")
     def forward(self, j, fwd_buf, stash, sums):
         """Stages ``0..P-2``: the block on the embedded tokens or the received activation; the
         backward's entry into the stash ring."""
@@ -360,6 +373,7 @@ class _Device:
         stash = [ring.at[self.slot(j)].set(e.astype(ring.dtype)) for ring, e in zip(stash, entry)]
         return stash, _add_at(sums, self.delay.accumulator(j), stats), h.astype(self.act_dtype)
 
+    @_scoped("pp_bwd")
     def backward(self, j, bwd_buf, stash, acc_l, acc_t, sums):
         """Stages ``0..P-2``: the block's vjp from the stash entry; on stage 0 the input
         cotangent goes into the embedding's gradient (the lookup's transpose)."""
@@ -369,6 +383,7 @@ class _Device:
         g_l, g_x = self.run(j, lambda lp: self.fns.backward(lp, entry, x_again, bwd_buf, self.template), 0)
         return _add_at(acc_l, i, g_l), acc_t, sums, g_x.astype(self.act_dtype)
 
+    @_scoped("pp_last")
     def last(self, j, fwd_buf, acc_l, acc_t, sums):
         """Stage ``P-1``: block, final norm, head and loss of microbatch ``j`` as one fused vjp."""
         i, tokens = self.delay.accumulator(j), self.tokens_of(j)
@@ -377,6 +392,7 @@ class _Device:
         acc_t = {**acc_t, "head": _add_at(acc_t["head"], i, g_h)}
         return _add_at(acc_l, i, g_l), acc_t, _add_at(sums, i, stats), g_x.astype(self.act_dtype)
 
+    @_scoped("pp_embed_grad")
     def lookup_transpose_add(self, acc_t, tokens, ct, i):
         """Stage 0's embedding gradient, added to accumulator ``i`` (of a tied table: in the head's
         ``[D, V]`` accumulator, which the last stage also adds to)."""
@@ -385,6 +401,7 @@ class _Device:
         return {**acc_t, "embed": {"embedding": dense.embed_transpose_add(acc_t["embed"]["embedding"], tokens, ct,
                                                                           (i,))}}
 
+    @_scoped("pp_tick")
     def tick(self, carry, row):
         """One tick: a forward slot and a backward slot, each a ``lax.cond`` on the table (idle
         slots compute nothing), then the activation to ``s+1`` and the cotangent to ``s-1``."""
@@ -403,11 +420,13 @@ class _Device:
         # the whole vocabulary-sized accumulator at every backward slot.
         ct = jnp.where(self.is_first, g_x, jnp.zeros_like(g_x)).astype(jnp.float32)
         acc_t = self.lookup_transpose_add(acc_t, self.tokens_of(jb)[:, :-1], ct, self.delay.accumulator(jb))
-        fwd_buf = jax.lax.ppermute(h_out, "stage", [(i, i + 1) for i in range(self.n_stages - 1)])
-        bwd_buf = jax.lax.ppermute(g_x, "stage", [(i + 1, i) for i in range(self.n_stages - 1)])
+        with jax.named_scope("pp_send"):
+            fwd_buf = jax.lax.ppermute(h_out, "stage", [(i, i + 1) for i in range(self.n_stages - 1)])
+            bwd_buf = jax.lax.ppermute(g_x, "stage", [(i + 1, i) for i in range(self.n_stages - 1)])
         return (stash, fwd_buf, bwd_buf, acc_l, acc_t, sums), None
 
 
+@_scoped("pp_versions")
 def _versions(model_cfg, params):
     """(layers, top, head) of a weight version in ``compute_dtype``, device-varying.  The head is
     ``[D, V]`` (the tied table transposed once per step) on every stage: on CPU a ``cond`` that
@@ -480,6 +499,7 @@ def _reduce_accumulator(model_cfg, acc_l, acc_t, sums, k, uspec, expert_parallel
     return grads, {n: jax.lax.pmean(jax.lax.psum(v[k], "stage"), "data") for n, v in sums.items()}
 
 
+@_scoped("pp_reduce")
 def _finish(model_cfg, carry, pstate, cur, batch, prev_live, is_async, carries_state, uspec, expert_parallel):
     """The end of a step: the applied batch's gradient and loss (accumulator 0, joined under
     ``2bw`` with its head carried in as ``grad_partial``), and the in-flight state to carry."""

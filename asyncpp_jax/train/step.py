@@ -33,7 +33,8 @@ def _accumulate_grads(model_cfg, params, batch):
 
     def one(carry, mb):
         g_sum, loss_sum, stat_sums = carry
-        (loss, stats), g = grad_fn(params, mb)
+        with jax.named_scope("sim_grad"):  # a part of the step in train/profile.py
+            (loss, stats), g = grad_fn(params, mb)
         return (jax.tree.map(jnp.add, g_sum, g), loss_sum + loss, jax.tree.map(jnp.add, stat_sums, stats)), None
 
     # Scalar accumulators become device-varying once a batch shard is added; start them varying.

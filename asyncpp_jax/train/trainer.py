@@ -15,6 +15,7 @@ Guarantees (each is tested):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -32,7 +33,7 @@ from asyncpp_jax.data import load_corpus, make_eval_batches, make_train_iterator
 from asyncpp_jax.models import count_params, dense
 from asyncpp_jax.models.flops import flops_per_token
 from asyncpp_jax.optim import describe_routing
-from asyncpp_jax.train import dry_run, fit, preemption
+from asyncpp_jax.train import dry_run, fit, preemption, profile
 from asyncpp_jax.train import runner as runner_lib
 from asyncpp_jax.train import step as step_lib
 from asyncpp_jax.train.batch_layout import batch_layout, from_host
@@ -244,7 +245,8 @@ class Trainer:
     def _loop(self, state, iterator, stop_at: int, p: "_Progress", writer: MetricWriter, bar):
         """Steps until ``stop_at``, a stop signal, or an error; ``p`` follows along (also on an error)."""
         c = self.config
-        with preemption.Preemption(self.checkpointer.manager) as stop:
+        profiler = profile.StepProfiler(self.workdir, c.train.profile_start, c.train.profile_steps)
+        with preemption.Preemption(self.checkpointer.manager) as stop, contextlib.closing(profiler):
             last_t = time.perf_counter()
             # Also primes every process's preemption sync counter before the first step.
             stop_now = stop.reached(p.step) and p.step < c.train.steps
@@ -252,9 +254,11 @@ class Trainer:
                 p.status = "preempted"
             while p.step < stop_at and not stop_now:
                 batch = self.batch_layout.assemble(next(iterator))
+                profiler.before_step(p.step, self.train_step, state, batch)
                 state, metrics = self.train_step(state, batch)
                 metrics = jax.device_get(metrics)  # one small sync per step: guards every update
                 p.step += 1
+                profiler.after_step(p.step)
                 last_t = self._add_speed(metrics, last_t)
                 metrics = _without_fill_loss(metrics)
                 if not (math.isfinite(metrics.get("loss", 0.0)) and math.isfinite(metrics["grad_norm"])):

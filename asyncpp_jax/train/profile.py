@@ -1,0 +1,200 @@
+"""Where a training step's device time goes: trace a window of updates and attribute it.
+
+``config.train.profile_steps = N`` (with ``profile_start = S``) traces updates ``S+1 .. S+N`` with
+``jax.profiler`` (a Perfetto trace under ``WORKDIR/profile``) and saves the compiled step's HLO beside
+it.  ``python -m asyncpp_jax.train.profile WORKDIR`` then reads the trace's XLA thunk events (each
+names its HLO instruction), takes each one's *self* time (its duration minus the thunks nested in it:
+a ``while`` or ``conditional`` thunk contains its body's), maps the instruction to the source
+``op_name`` the compiler recorded, and sums the time by the named scope it ran under (the
+pipeline engine's slots, transfers and reduction; the optimizer update; see :data:`PARTS`).
+
+Why our own reader: TensorBoard's profile plugin shows the trace but does not group XLA:CPU thunks
+by ``jax.named_scope``, and that grouping is the question (which part of the step costs what).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import gzip
+import json
+import logging
+import pathlib
+import re
+import sys
+
+import jax
+
+log = logging.getLogger(__name__)
+
+# (named scope in the op_name, what it is), first match wins; set by `jax.named_scope` in
+# pipeline/engine.py (pp_*) and the runners (optimizer_update, sim_grad).  Anything else is "other".
+PARTS = (
+    ("pp_fwd", "engine: forward slots (stages 0..P-2)"),
+    ("pp_bwd", "engine: backward slots (stages 0..P-2)"),
+    ("pp_last", "engine: last stage's fused forward + backward"),
+    ("pp_embed_grad", "engine: embedding lookup's transpose (stage 0)"),
+    ("pp_send", "engine: ppermute of activations / cotangents"),
+    ("pp_versions", "engine: weight versions (casts, tied head transpose)"),
+    ("pp_reduce", "engine: accumulators reduced over stage and data"),
+    ("pp_tick", "engine: tick bookkeeping (conds, stash ring, accumulator adds)"),
+    ("sim_grad", "simulate runner: forward + backward"),
+    ("optimizer_update", "optimizer update (and staleness transforms)"),
+)
+SUBDIR = "profile"
+_HLO_DIR = "hlo"
+_META = "window.json"
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?metadata=\{op_name=\"([^\"]*)\"")
+
+
+class StepProfiler:
+    """Starts a ``jax.profiler`` trace before update ``start + 1`` and stops it after ``start + steps``."""
+
+    def __init__(self, workdir: pathlib.Path, start: int, steps: int):
+        self.dir = pathlib.Path(workdir) / SUBDIR / f"process_{jax.process_index()}"
+        self.start, self.steps, self.active = start, steps, False
+
+    def before_step(self, done: int, step_fn, *args) -> None:
+        """Called with ``done`` updates finished, before the next one runs ``step_fn(*args)``."""
+        if self.steps <= 0 or self.active or done != self.start:
+            return
+        hlo = self.dir / _HLO_DIR
+        hlo.mkdir(parents=True, exist_ok=True)
+        # The jitted step is already compiled for these arguments: lower().compile() is a cache hit.
+        text = step_fn.lower(*args).compile().as_text()
+        (hlo / "train_step.txt").write_text(text)
+        (self.dir / _META).write_text(json.dumps({"first_update": done + 1, "updates": self.steps}))
+        jax.profiler.start_trace(str(self.dir), create_perfetto_trace=True)
+        self.active = True
+        log.info("profile: tracing updates %d-%d into %s", done + 1, done + self.steps, self.dir)
+
+    def after_step(self, done: int) -> None:
+        if self.active and done >= self.start + self.steps:
+            self.stop()
+
+    def close(self) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        if self.active:
+            jax.profiler.stop_trace()
+            self.active = False
+            log.info("profile: trace written; summary: python -m asyncpp_jax.train.profile %s", self.dir)
+
+
+@dataclasses.dataclass
+class Summary:
+    updates: int
+    devices: int
+    ms: dict  # part -> milliseconds per update, summed over devices
+    per_device: dict  # part -> {device ordinal: milliseconds per update}
+    top_other: list  # [(op_name, ms per update)] of the largest unattributed instructions
+
+
+def _op_names(hlo_dir: pathlib.Path) -> dict[tuple[str, str], str]:
+    """``(module, instruction) -> op_name`` from the saved compiled HLO."""
+    names = {}
+    for path in sorted(hlo_dir.glob("*.txt")):
+        module = None
+        for line in path.read_text().splitlines():
+            if line.startswith("HloModule "):
+                module = line.split()[1].rstrip(",")
+                continue
+            m = _INSTR.match(line)
+            if m:
+                names[(module, m.group(1))] = m.group(2)
+    return names
+
+
+def part_of(op_name: str) -> str:
+    """The first of :data:`PARTS` whose scope ``op_name`` ran under (a scope may be wrapped by
+    autodiff, e.g. ``transpose(jvp(pp_last))``), else ``"other"``."""
+    scopes = set(re.findall(r"[A-Za-z_]\w*", op_name))
+    for part, _ in PARTS:
+        if part in scopes:
+            return part
+    return "other"
+
+
+def _thunk_events(trace_file: pathlib.Path) -> list[dict]:
+    with gzip.open(trace_file, "rt") as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    return [e for e in events if e.get("ph") == "X" and "hlo_op" in (e.get("args") or {})]
+
+
+def self_times(events: list[dict]) -> list[tuple[dict, float]]:
+    """Each thunk event with its duration minus its direct children's (nesting per thread by time)."""
+    out = []
+    by_thread = collections.defaultdict(list)
+    for e in events:
+        by_thread[(e.get("pid"), e.get("tid"))].append(e)
+    for evs in by_thread.values():
+        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack: list[list] = []  # [event, end, child time]
+        for e in evs:
+            while stack and e["ts"] >= stack[-1][1]:
+                done = stack.pop()
+                out.append((done[0], done[0]["dur"] - done[2]))
+            if stack:
+                stack[-1][2] += e["dur"]
+            stack.append([e, e["ts"] + e["dur"], 0.0])
+        out.extend((s[0], s[0]["dur"] - s[2]) for s in stack)
+    return out
+
+
+def summarize(profile_dir: str | pathlib.Path) -> Summary:
+    """Device time per update by part, from one process's ``profile`` directory."""
+    d = pathlib.Path(profile_dir)
+    if (d / SUBDIR).is_dir():  # a run's workdir: its first process
+        d = d / SUBDIR / "process_0"
+    traces = sorted(d.rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    if not traces or not (d / _META).exists():
+        raise FileNotFoundError(f"no profile in {d}: run with --config.train.profile_steps=N (and "
+                                "--config.train.profile_start=S to skip the first S updates)")
+    updates = json.loads((d / _META).read_text())["updates"]
+    names = _op_names(d / _HLO_DIR)
+    total = collections.defaultdict(lambda: collections.defaultdict(float))
+    other = collections.defaultdict(float)
+    for e, self_us in self_times(_thunk_events(traces[-1])):
+        a = e["args"]
+        op = names.get((a.get("hlo_module"), a["hlo_op"]), "")
+        part = part_of(op)
+        total[part][a.get("device_ordinal", "0")] += self_us / 1e3 / updates
+        if part == "other":
+            other[op or a["hlo_op"]] += self_us / 1e3 / updates
+    devices = {dev for per in total.values() for dev in per}
+    return Summary(updates, len(devices), {p: sum(v.values()) for p, v in total.items()},
+                   {p: dict(v) for p, v in total.items()},
+                   sorted(other.items(), key=lambda kv: -kv[1])[:8])
+
+
+def render(s: Summary) -> str:
+    whole = sum(s.ms.values()) or 1.0
+    described = dict(PARTS) | {"other": "everything else (see below)"}
+    lines = [f"device time per update, {s.updates} update(s) traced, summed over {s.devices} device(s):", "",
+             "| part | ms / update | share | what |", "|---|---|---|---|"]
+    for part, ms in sorted(s.ms.items(), key=lambda kv: -kv[1]):
+        lines.append(f"| {part} | {ms:.1f} | {ms / whole:.1%} | {described[part]} |")
+    lines.append(f"| total | {whole:.1f} | 100% | |")
+    if s.top_other:
+        lines += ["", "largest unattributed instructions (op_name: ms / update):"]
+        lines += [f"  {ms:8.2f}  {op[-110:]}" for op, ms in s.top_other]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("path", help="a run's workdir (its first process) or one process's profile directory")
+    args = p.parse_args(argv)
+    try:
+        print(render(summarize(args.path)))
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""``config.train.profile_steps``: a trace of a window of updates, attributed to the step's parts."""
+
+import gzip
+import json
+
+import pytest
+
+from asyncpp_jax import configs
+from asyncpp_jax.train import profile
+from asyncpp_jax.train.trainer import Trainer
+from helpers import small_train_config
+
+
+def test_profile_settings_are_checked():
+    c = configs.base_config()
+    c.train.update(steps=10, profile_steps=-1)
+    assert any("config.train.profile_steps=-1" in e for e in configs.validate_errors(c))
+    c.train.update(profile_start=8, profile_steps=3)
+    assert any("runs past config.train.steps=10" in e for e in configs.validate_errors(c))
+    c.train.update(profile_start=7, profile_steps=3)
+    assert not any("profile" in e for e in configs.validate_errors(c))
+
+
+def test_part_of_reads_scopes_through_autodiff_wrappers():
+    assert profile.part_of("jit(train_step)/shard_map/while/body/pp_tick/cond/pp_fwd/dot_general") == "pp_fwd"
+    assert profile.part_of("jit(train_step)/transpose(jvp(pp_last))/dot_general") == "pp_last"
+    assert profile.part_of("jit(train_step)/optimizer_update/mul") == "optimizer_update"
+    assert profile.part_of("jit(train_step)/pp_tickle/add") == "other"  # whole names only
+    assert profile.part_of("") == "other"
+
+
+def test_self_times_subtract_nested_thunks():
+    ev = lambda name, ts, dur, tid=1: {"name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 0}  # noqa: E731
+    events = [ev("while", 0, 100), ev("cond", 10, 50), ev("dot", 12, 30), ev("add", 70, 10),
+              ev("other_thread", 0, 40, tid=2)]
+    got = {e["name"]: t for e, t in profile.self_times(events)}
+    assert got == {"while": 40, "cond": 20, "dot": 30, "add": 10, "other_thread": 40}
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["simulate", "engine_2bw"])
+def test_a_profiled_run_attributes_its_step(cache_dir, tmp_path, pipeline):
+    cfg = small_train_config(cache_dir, "prof", 1, steps=4, microbatches=2, eval_every=4, eval_batches=1,
+                             checkpoint_every=4, profile_start=1, profile_steps=2)
+    if pipeline:
+        cfg.pipeline.update(stages=2, schedule="2bw")
+    t = Trainer(cfg, tmp_path)
+    assert t.run().status == "finished"
+    t.close()
+    d = tmp_path / "profile" / "process_0"
+    assert json.loads((d / "window.json").read_text()) == {"first_update": 2, "updates": 2}
+    (trace,) = d.rglob("*.trace.json.gz")
+    assert json.load(gzip.open(trace))  # a Perfetto trace that other tools can open
+    s = profile.summarize(tmp_path)
+    assert s.updates == 2 and s.ms["optimizer_update"] > 0
+    expected = {"pp_fwd", "pp_bwd", "pp_last", "pp_send"} if pipeline else {"sim_grad"}
+    assert expected <= set(s.ms)
+    # the named parts hold most of the step: nothing large escapes the scopes
+    assert sum(s.ms[p] for p in expected) > 0.5 * sum(s.ms.values())
+    assert s.devices == (2 if pipeline else 1)
+    assert "| total |" in profile.render(s)
+
+
+def test_summary_of_an_unprofiled_run_is_a_clear_error(tmp_path, capsys):
+    assert profile.main([str(tmp_path)]) == 2
+    assert "--config.train.profile_steps=N" in capsys.readouterr().err
