@@ -3,6 +3,7 @@
     python experiments/bench_pipeline.py work      # all fake devices on ONE core: work ratio
     python experiments/bench_pipeline.py overlap   # one core per fake device: sync / 2bw step time
     python experiments/bench_pipeline.py compile   # compile time at 2x depth and 2x microbatches
+    python -m experiments.bench_pipeline processes # sync / 2bw with each stage a process on its own core
 
 Absolute times on a shared machine are noise, so every figure is a ratio of two programs timed
 side by side in alternating rounds (median of rounds).
@@ -14,6 +15,11 @@ side by side in alternating rounds (median of rounds).
   is compared with a textbook 1F1B's ceiling ``(M + P - 1)/M`` and with the critical path the
   tick table predicts from the measured per-slot costs (``Σ_ticks max_stages cost``).
 * ``compile``: the scans over layers and ticks keep the program size flat.
+* ``processes``: ``overlap`` where the stages surely run at the same time.  On XLA:CPU the fake
+  devices of one process do not (one device's program already uses every core the process may
+  use), so this mode starts one process per stage, each pinned to its own core, forming one JAX job
+  over gloo (``asyncpp_jax.launch --pin_cpus``), and times ``sync`` and ``2bw`` in alternating
+  rounds inside that one job: the two programs see the same machine, round by round.
 
 ``--stage_layers 26,6`` (``work`` at P = 4, ``overlap`` at P = 2) runs the engine with that uneven
 split (``config.pipeline.stage_layers``) and predicts from each stage's own slot costs; ``work`` and
@@ -32,11 +38,13 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-MODES = ("work", "overlap", "compile")
+MODES = ("work", "overlap", "compile", "processes")
 
 
 def _setup_host(mode: str, devices: int) -> None:
     """Before JAX starts: the fake devices, and for ``work`` one core for all of them."""
+    if mode == "processes":
+        return  # the launcher set this process's one device, its core and the job (asyncpp_jax.launch)
     if mode == "work":
         os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
     from asyncpp_jax import host_setup  # no JAX import
@@ -56,6 +64,7 @@ def _args():
     ap.add_argument("--steps", type=int, default=2, help="updates timed per round")
     ap.add_argument("--microbatches", default="2,4,8", help="overlap: the values of M to time")
     ap.add_argument("--recompute", default="True,False", help="overlap: the recompute settings to time")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # processes: one stage's process
     ap.add_argument("--stage_layers", default="",
                     help="layers per stage, e.g. 26,6 (config.pipeline.stage_layers; work: 4 stages, overlap: 2); "
                          "default an even split")
@@ -64,7 +73,7 @@ def _args():
         args.stage_layers = tuple(int(n) for n in args.stage_layers.split(",") if n.strip())
     except ValueError:
         ap.error(f"--stage_layers={args.stage_layers!r} must be comma-separated integers, e.g. 26,6")
-    P = {"work": 4, "overlap": 2}.get(args.mode)
+    P = {"work": 4, "overlap": 2, "processes": 2}.get(args.mode)
     if args.stage_layers and (P is None or len(args.stage_layers) != P or sum(args.stage_layers) != args.layers
                               or min(args.stage_layers) < 0):
         ap.error(f"--stage_layers={','.join(map(str, args.stage_layers))} needs {P or 'the work or overlap mode'}"
@@ -73,8 +82,14 @@ def _args():
 
 
 ARGS = _args() if __name__ == "__main__" else None
+if ARGS is not None and ARGS.mode == "processes" and not ARGS.worker:
+    from asyncpp_jax import launch  # no JAX import: this parent process only starts the job
+
+    sys.exit(launch.wait_all(launch.spawn(sys.argv[1:] + ["--worker"], processes=2, devices_per_process=1,
+                                          module="experiments.bench_pipeline", pin_cpus=True,
+                                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 if ARGS is not None:
-    _setup_host(ARGS.mode, 4 if ARGS.mode != "overlap" else 2)
+    _setup_host(ARGS.mode, 4 if ARGS.mode not in ("overlap", "processes") else 2)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -88,6 +103,7 @@ from asyncpp_jax.configs import base_config  # noqa: E402
 from asyncpp_jax.models import dense  # noqa: E402
 from asyncpp_jax.pipeline import engine, make_mesh, tick_tables, stage  # noqa: E402
 from asyncpp_jax import train_state as state_lib  # noqa: E402
+from asyncpp_jax.train import batch_layout  # noqa: E402
 from asyncpp_jax.train import step as step_lib  # noqa: E402
 
 TX = optax.adamw(1e-3)
@@ -121,8 +137,11 @@ class Pipelined:
         state = state_lib.init_state(cfg, TX, jax.random.key(0), layout=pad)
         ps = engine.init_pipeline_state(cfg, state.params, mesh, M, M * args.rows, args.seq, schedule, recompute,
                                         stage_rows=rows)
-        self.state = engine.place_state(state.replace(runner_state=ps), mesh, abstract)
-        self.batch = jax.device_put(tokens(args, M), engine.global_batch_sharding(mesh))
+        state = state.replace(runner_state=ps)
+        # (make_array_from_callback: in a job of several processes each one supplies its own shards)
+        self.state = jax.tree.map(lambda x, sh: batch_layout.from_host(sh, np.asarray(x)), state,
+                                  engine.state_shardings(state, mesh, abstract))
+        self.batch = batch_layout.from_host(engine.global_batch_sharding(mesh), np.asarray(tokens(args, M)))
 
     def compile_seconds(self) -> float:
         t0 = time.perf_counter()
@@ -149,15 +168,20 @@ class Simulated(Pipelined):
         self.batch = jax.device_put(tokens(args, M), NamedSharding(mesh, state_lib.BATCH_SPEC))
 
 
-def time_side_by_side(runs: dict, rounds: int, steps: int) -> dict:
-    """Median seconds per update of each run, timed in alternating rounds after a warm-up."""
+def time_rounds(runs: dict, rounds: int, steps: int) -> dict:
+    """Seconds per update of each run in each of ``rounds`` alternating rounds, after a warm-up."""
     for r in runs.values():
         r.run(1)
     times = {name: [] for name in runs}
     for _ in range(rounds):
         for name, r in runs.items():
             times[name].append(r.run(steps))
-    return {name: float(np.median(t)) for name, t in times.items()}
+    return times
+
+
+def time_side_by_side(runs: dict, rounds: int, steps: int) -> dict:
+    """Median seconds per update of each run, timed in alternating rounds after a warm-up."""
+    return {name: float(np.median(t)) for name, t in time_rounds(runs, rounds, steps).items()}
 
 
 # ------------------------------------------------------------------------------------ slot costs
@@ -386,6 +410,33 @@ def overlap(args) -> None:
         print_balanced_split(args, P, cached_slot_costs(args, max(args.layers // P, 1), recompute), recompute)
 
 
+def processes(args) -> None:
+    """``sync / 2bw`` with each of the 2 stages in its own process on its own core (one JAX job)."""
+    from asyncpp_jax import distributed
+
+    distributed.maybe_initialize()
+    P, lead = 2, jax.process_index() == 0
+    split = split_of(args, P)
+    if lead:
+        print(f"sync / 2bw step time: {jax.process_count()} processes x {jax.local_device_count()} device, each "
+              f"process on its own core ({os.environ.get('ASYNCPP_CPUS')} here); vocab {args.vocab}, d_model "
+              f"{args.d_model}, {args.layers} layers, P={P}, stage layers {','.join(map(str, split))}, microbatch "
+              f"{args.rows} x {args.seq} tokens, {args.rounds} alternating rounds of {args.steps} updates\n")
+        print("| P | M | recompute | sync s/update | 2bw s/update | measured sync/2bw | spread over rounds | "
+              "textbook (M+P-1)/M |")
+        print("|---|---|---|---|---|---|---|---|")
+    for recompute in (v.strip() == "True" for v in args.recompute.split(",")):
+        for M in (int(m) for m in args.microbatches.split(",")):
+            runs = {"sync": Pipelined(args, P, M, "sync", recompute, stage_layers=args.stage_layers),
+                    "2bw": Pipelined(args, P, M, "2bw", recompute, stage_layers=args.stage_layers)}
+            rounds = time_rounds(runs, args.rounds, args.steps)
+            ratios = np.array(rounds["sync"]) / np.array(rounds["2bw"])  # round by round: same machine state
+            if lead:
+                print(f"| {P} | {M} | {recompute} | {np.median(rounds['sync']):.3f} | {np.median(rounds['2bw']):.3f} "
+                      f"| {np.median(ratios):.3f} | {ratios.min():.3f}-{ratios.max():.3f} | {(M + P - 1) / M:.3f} |",
+                      flush=True)
+
+
 def compile_times(args) -> None:
     base = Pipelined(args, 4, 8, "2bw", n_layers=8).compile_seconds()
     deep = Pipelined(args, 4, 8, "2bw", n_layers=16).compile_seconds()
@@ -397,4 +448,4 @@ def compile_times(args) -> None:
 
 
 if __name__ == "__main__":
-    {"work": work, "overlap": overlap, "compile": compile_times}[ARGS.mode](ARGS)
+    {"work": work, "overlap": overlap, "compile": compile_times, "processes": processes}[ARGS.mode](ARGS)
