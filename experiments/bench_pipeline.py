@@ -65,6 +65,8 @@ def _args():
     ap.add_argument("--microbatches", default="2,4,8", help="overlap: the values of M to time")
     ap.add_argument("--recompute", default="True,False", help="overlap: the recompute settings to time")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # processes: one stage's process
+    ap.add_argument("--profile", default="", help="processes: after the timing, trace 2 updates of each program "
+                    "into this directory and print each process's device time by part (asyncpp_jax.train.profile)")
     ap.add_argument("--stage_layers", default="",
                     help="layers per stage, e.g. 26,6 (config.pipeline.stage_layers; work: 4 stages, overlap: 2); "
                          "default an even split")
@@ -103,7 +105,7 @@ from asyncpp_jax.configs import base_config  # noqa: E402
 from asyncpp_jax.models import dense  # noqa: E402
 from asyncpp_jax.pipeline import engine, make_mesh, tick_tables, stage  # noqa: E402
 from asyncpp_jax import train_state as state_lib  # noqa: E402
-from asyncpp_jax.train import batch_layout  # noqa: E402
+from asyncpp_jax.train import batch_layout, profile  # noqa: E402
 from asyncpp_jax.train import step as step_lib  # noqa: E402
 
 TX = optax.adamw(1e-3)
@@ -435,6 +437,14 @@ def processes(args) -> None:
                 print(f"| {P} | {M} | {recompute} | {np.median(rounds['sync']):.3f} | {np.median(rounds['2bw']):.3f} "
                       f"| {np.median(ratios):.3f} | {ratios.min():.3f}-{ratios.max():.3f} | {(M + P - 1) / M:.3f} |",
                       flush=True)
+            for name, r in runs.items() if args.profile else ():
+                out = os.path.join(args.profile, f"{name}_M{M}_recompute{recompute}")
+                prof = profile.StepProfiler(out, start=0, steps=2)
+                prof.before_step(0, r.step, r.state, r.batch)
+                r.run(2)
+                prof.after_step(2)
+                print(f"== {name}, M={M}, recompute={recompute}, process {jax.process_index()} (stage "
+                      f"{jax.process_index()}):\n{profile.render(profile.summarize(prof.dir))}", flush=True)
 
 
 def compile_times(args) -> None:
