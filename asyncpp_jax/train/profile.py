@@ -55,10 +55,11 @@ class StepProfiler:
         self.dir = pathlib.Path(workdir) / SUBDIR / f"process_{jax.process_index()}"
         self.start, self.steps, self.active = start, steps, False
 
-    def before_step(self, done: int, step_fn, *args) -> None:
-        """Called with ``done`` updates finished, before the next one runs ``step_fn(*args)``."""
+    def before_step(self, done: int, step_fn, *args) -> bool:
+        """Called with ``done`` updates finished, before the next one runs ``step_fn(*args)``;
+        whether the trace started here."""
         if self.steps <= 0 or self.active or done != self.start:
-            return
+            return False
         hlo = self.dir / _HLO_DIR
         hlo.mkdir(parents=True, exist_ok=True)
         # The jitted step is already compiled for these arguments: lower().compile() is a cache hit.
@@ -68,10 +69,14 @@ class StepProfiler:
         jax.profiler.start_trace(str(self.dir), create_perfetto_trace=True)
         self.active = True
         log.info("profile: tracing updates %d-%d into %s", done + 1, done + self.steps, self.dir)
+        return True
 
-    def after_step(self, done: int) -> None:
+    def after_step(self, done: int) -> bool:
+        """Called with ``done`` updates finished; whether the trace stopped (and was written) here."""
         if self.active and done >= self.start + self.steps:
             self.stop()
+            return True
+        return False
 
     def close(self) -> None:
         self.stop()

@@ -254,12 +254,14 @@ class Trainer:
                 p.status = "preempted"
             while p.step < stop_at and not stop_now:
                 batch = self.batch_layout.assemble(next(iterator))
-                profiler.before_step(p.step, self.train_step, state, batch)
+                if profiler.before_step(p.step, self.train_step, state, batch):
+                    last_t = time.perf_counter()  # the trace's start is not the step's time
                 state, metrics = self.train_step(state, batch)
                 metrics = jax.device_get(metrics)  # one small sync per step: guards every update
                 p.step += 1
-                profiler.after_step(p.step)
                 last_t = self._add_speed(metrics, last_t)
+                if profiler.after_step(p.step):
+                    last_t = time.perf_counter()  # nor is writing it out the next step's
                 metrics = _without_fill_loss(metrics)
                 if not (math.isfinite(metrics.get("loss", 0.0)) and math.isfinite(metrics["grad_norm"])):
                     self._settle_checkpoints()  # the message names the last checkpoint that landed
