@@ -35,7 +35,7 @@ PARTS = (
     ("pp_bwd", "engine: backward slots (stages 0..P-2)"),
     ("pp_last", "engine: last stage's fused forward + backward"),
     ("pp_embed_grad", "engine: embedding lookup's transpose (stage 0)"),
-    ("pp_send", "engine: ppermute of activations / cotangents"),
+    ("pp_send", "engine: ppermute of activations / cotangents, waiting for the peer stage included"),
     ("pp_versions", "engine: weight versions (casts, tied head transpose)"),
     ("pp_reduce", "engine: accumulators reduced over stage and data"),
     ("pp_tick", "engine: tick bookkeeping (conds, stash ring, accumulator adds)"),
