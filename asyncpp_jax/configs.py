@@ -402,7 +402,7 @@ def _check_train(c) -> list[str]:
             errs.append(f"config.train.{f}={t[f]!r} must be a non-negative integer (profile_steps=0: no profile).")
     if (_is_int(t.profile_start) and _is_int(t.profile_steps) and _is_int(t.steps) and t.profile_steps > 0
             and t.profile_start + t.profile_steps > t.steps):
-        errs.append(f"config.train.profile_start={t.profile_start} + profile_steps={t.profile_steps} runs past "
+        errs.append(f"config.train.profile_start={t.profile_start} + config.train.profile_steps={t.profile_steps} runs past "
                     f"config.train.steps={t.steps}: start the profile earlier or trace fewer updates.")
     return errs
 

@@ -77,6 +77,8 @@ BAD = [
     ("train.peak_tflops_per_device", -1.0, {}, ">= 0"),
     ("train.device_memory_gb", -1.0, {}, ">= 0"),
     ("train.device_memory_gb", float("nan"), {}, "finite"),
+    ("train.profile_start", -1, {}, "non-negative integer"),
+    ("train.profile_steps", 2, {"train.steps": 5, "train.profile_start": 4}, "runs past config.train.steps=5"),
     # optimizer
     ("optimizer.name", "sgdx", {}, "is unknown"),
     ("optimizer.schedule", "step", {}, "is unknown"),
