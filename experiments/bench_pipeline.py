@@ -139,10 +139,7 @@ class Pipelined:
         state = state_lib.init_state(cfg, TX, jax.random.key(0), layout=pad)
         ps = engine.init_pipeline_state(cfg, state.params, mesh, M, M * args.rows, args.seq, schedule, recompute,
                                         stage_rows=rows)
-        state = state.replace(runner_state=ps)
-        # (make_array_from_callback: in a job of several processes each one supplies its own shards)
-        self.state = jax.tree.map(lambda x, sh: batch_layout.from_host(sh, np.asarray(x)), state,
-                                  engine.state_shardings(state, mesh, abstract))
+        self.state = engine.place_state(state.replace(runner_state=ps), mesh, abstract)
         self.batch = batch_layout.from_host(engine.global_batch_sharding(mesh), np.asarray(tokens(args, M)))
 
     def compile_seconds(self) -> float:

@@ -624,8 +624,12 @@ def state_shardings(state, mesh, params_abstract, expert_parallel: bool = False)
 
 
 def place_state(state: TrainState, mesh, params_abstract, expert_parallel: bool = False) -> TrainState:
-    """Put a fresh state on the pipeline mesh (layers over ``stage``)."""
-    return jax.device_put(state, state_shardings(state, mesh, params_abstract, expert_parallel))
+    """Put a fresh state, which every process holds whole, on the pipeline mesh (layers over
+    ``stage``); in a job of several processes each one supplies only its own devices' shards."""
+    def put(x, sharding):
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+    return jax.tree.map(put, state, state_shardings(state, mesh, params_abstract, expert_parallel))
 
 
 def global_batch_sharding(mesh) -> NamedSharding:

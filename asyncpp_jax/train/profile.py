@@ -74,14 +74,12 @@ class StepProfiler:
     def after_step(self, done: int) -> bool:
         """Called with ``done`` updates finished; whether the trace stopped (and was written) here."""
         if self.active and done >= self.start + self.steps:
-            self.stop()
+            self.close()
             return True
         return False
 
     def close(self) -> None:
-        self.stop()
-
-    def stop(self) -> None:
+        """Stop and write the trace if one is running (also on an error or a preemption)."""
         if self.active:
             jax.profiler.stop_trace()
             self.active = False
@@ -93,7 +91,6 @@ class Summary:
     updates: int
     devices: int
     ms: dict  # part -> milliseconds per update, summed over devices
-    per_device: dict  # part -> {device ordinal: milliseconds per update}
     top_other: list  # [(op_name, ms per update)] of the largest unattributed instructions
 
 
@@ -171,7 +168,6 @@ def summarize(profile_dir: str | pathlib.Path) -> Summary:
             other[op or a["hlo_op"]] += self_us / 1e3 / updates
     devices = {dev for per in total.values() for dev in per}
     return Summary(updates, len(devices), {p: sum(v.values()) for p, v in total.items()},
-                   {p: dict(v) for p, v in total.items()},
                    sorted(other.items(), key=lambda kv: -kv[1])[:8])
 
 

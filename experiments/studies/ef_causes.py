@@ -45,11 +45,11 @@ def study(name: str) -> Study:
         raise ValueError(f"the ef_causes study varies the cpu preset's settings; run it with --preset=cpu, not {name!r}")
     config, base, _, note = preset(name)
     adamw = optimizer("adamw", name)
+    arms = lambda causes: {f"adamw/{c}/{arm}": {**adamw, **CAUSES[c], **a}  # noqa: E731
+                           for c in causes for arm, a in ARMS.items()}
     # Runs go in this order (cheapest first), so a study stopped early has the most causes measured.
-    cheap = [c for c in CAUSES if c not in COSTLY]
-    variants = {f"adamw/{cause}/{arm}": {**adamw, **CAUSES[cause], **a} for cause in cheap for arm, a in ARMS.items()}
-    for s in STRENGTHS:
-        variants[f"adamw/strength={s:g}/ef"] = {**adamw, **ARMS["ef"], "staleness.ef_strength": s}
-    variants |= {f"adamw/{cause}/{arm}": {**adamw, **CAUSES[cause], **a} for cause in COSTLY for arm, a in ARMS.items()}
+    variants = arms([c for c in CAUSES if c not in COSTLY])
+    variants |= {f"adamw/strength={s:g}/ef": {**adamw, **ARMS["ef"], "staleness.ef_strength": s} for s in STRENGTHS}
+    variants |= arms(COSTLY)
     return Study("ef_causes", config, variants, seeds=SEEDS, base=base,
                  note=note + "; AdamW at its tuned lr, one setting changed per cause, 2 seeds")
