@@ -19,9 +19,16 @@ once, each on its own accelerators (:func:`job_envs`: ``CUDA_VISIBLE_DEVICES`` o
 Before any job starts, each distinct corpus of the study is prepared once (:func:`prepare_corpora`),
 so N jobs do not all tokenize the same data.
 
+A run that another study under the same ``--out`` has already done is not run again: if a done run
+elsewhere saved the same resolved config (:func:`signature`: every setting that changes what is
+computed), its metrics, status and config are copied into this run's workdir with a
+``reused.json`` naming the source, and its row says ``reused_from``.  The ``momentum`` study's
+b1 = 0.9 arms, for example, are the ``optimizers`` study's AdamW runs.  ``--no-reuse`` runs everything.
+
 Results: ``OUT/STUDY/results.jsonl``, one line per run: study, run id, variant, grid point, seed,
 overrides, status (``finished`` or ``diverged``), final and best validation loss (nats/byte; none
-for a diverged run), the validation and training loss curves, wall time, and the run's saved config.
+for a diverged run), the validation and training loss curves, wall time (none for a skipped or
+reused run), the run's saved config, and ``reused_from`` (the source run's ``STUDY/RUN_ID``, or none).
 """
 
 from __future__ import annotations
@@ -110,6 +117,50 @@ def is_finished(workdir: pathlib.Path) -> bool:
     return run_status(workdir) in DONE
 
 
+# Settings that change how a run is watched, not what it computes: runs differing only here are one run.
+_NOT_COMPUTED = {("train", "progress_bar"), ("train", "profile_start"), ("train", "profile_steps")}
+
+
+def signature(config: dict) -> str:
+    """A run's identity for reuse: its saved config (``config.json``) without :data:`_NOT_COMPUTED`.
+
+    A setting added to the code after a run was saved is absent from its config, so the
+    signatures differ and the old run is not reused: reuse never guesses at a default."""
+    kept = {s: ({k: v for k, v in sec.items() if (s, k) not in _NOT_COMPUTED} if isinstance(sec, dict) else sec)
+            for s, sec in config.items()}
+    return json.dumps(kept, sort_keys=True)
+
+
+def run_signature(study: Study, run: Run) -> str:
+    from asyncpp_jax import configs
+
+    return signature(json.loads(configs.to_json(run_config(study, run))))
+
+
+def done_elsewhere(out: pathlib.Path, study_name: str) -> dict[str, pathlib.Path]:
+    """signature -> workdir of every done run under ``out`` outside ``study_name``, itself not a reuse."""
+    index: dict[str, pathlib.Path] = {}
+    for status in sorted(out.glob("*/*/status.json")):
+        workdir = status.parent
+        if workdir.parent.name == study_name or (workdir / "reused.json").exists() or not is_finished(workdir):
+            continue
+        try:
+            saved = json.loads((workdir / "config.json").read_text())
+        except (OSError, ValueError):
+            continue
+        index.setdefault(signature(saved), workdir)
+    return index
+
+
+def reuse(source: pathlib.Path, workdir: pathlib.Path) -> None:
+    """Copy a done run's record into ``workdir``; status.json last, since it is what marks the run done."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    for name in ("metrics.jsonl", "config.json"):
+        shutil.copy2(source / name, workdir / name)
+    (workdir / "reused.json").write_text(json.dumps({"from": f"{source.parent.name}/{source.name}"}) + "\n")
+    shutil.copy2(source / "status.json", workdir / "status.json")
+
+
 def collect(study: Study, run: Run, workdir: pathlib.Path, seconds: float | None = None) -> dict:
     """One results row from a finished run's workdir."""
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -123,6 +174,7 @@ def collect(study: Study, run: Run, workdir: pathlib.Path, seconds: float | None
         "best_val": min([v for _, v in val] + ([final] if final is not None else [])) if (val or final) else None,
         "val_curve": val, "train_curve": train, "seconds": seconds,
         "config": json.loads((workdir / "config.json").read_text()),
+        "reused_from": json.loads(reused.read_text())["from"] if (reused := workdir / "reused.json").exists() else None,
     }
 
 
@@ -220,12 +272,13 @@ def _subprocess_runner(cmd, workdir, env) -> int:
 
 
 def execute(study: Study, out: pathlib.Path, jobs: int = 1, runner=None, log=print, prepare=prepare_corpora,
-            envs: list[dict] | None = None) -> pathlib.Path:
+            envs: list[dict] | None = None, reuse_done: bool = True) -> pathlib.Path:
     """Run every unfinished run of ``study`` and write ``out/<study>/results.jsonl``; returns its path.
 
     ``prepare(study, log)`` readies the corpora first; ``envs`` (default :func:`job_envs` for this
     host) are the job slots' environment settings, each held by one running job at a time.
     ``runner(cmd, workdir, env) -> returncode`` runs one command (default: a subprocess); tests inject one.
+    ``reuse_done``: copy a run another study under ``out`` has done with the same config (:func:`reuse`).
     """
     root = out / study.name
     root.mkdir(parents=True, exist_ok=True)
@@ -236,6 +289,14 @@ def execute(study: Study, out: pathlib.Path, jobs: int = 1, runner=None, log=pri
     for env in envs:
         slots.put(env)
     seconds: dict[str, float] = {}
+    todo = [r for r in runs if not is_finished(root / r.run_id)]
+    if reuse_done and todo:
+        done = done_elsewhere(out, study.name)
+        for run in todo:
+            source = done.get(run_signature(study, run))
+            if source is not None:
+                reuse(source, root / run.run_id)
+                log(f"[{study.name}] {run.run_id}: the same run as {source.parent.name}/{source.name}, reused")
     if any(not is_finished(root / r.run_id) for r in runs):
         prepare(study, log)
 
@@ -281,6 +342,8 @@ def main(argv=None):
     ap.add_argument("--out", default="runs/studies")
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--list", action="store_true", help="print the runs and exit")
+    ap.add_argument("--no-reuse", dest="reuse", action="store_false",
+                    help="run every run, even one another study under --out has done with the same config")
     a = ap.parse_args(argv)
     study = load_study(a.study, a.preset)
     if study.note:
@@ -294,7 +357,7 @@ def main(argv=None):
     except ValueError as e:
         ap.error(str(e))
     t0 = time.time()
-    results = execute(study, pathlib.Path(a.out), a.jobs, envs=envs)
+    results = execute(study, pathlib.Path(a.out), a.jobs, envs=envs, reuse_done=a.reuse)
     print(f"done in {(time.time() - t0) / 60:.1f} min; report: python -m experiments.report {results}")
 
 

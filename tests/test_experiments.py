@@ -79,6 +79,54 @@ def test_execute_collects_and_resumes(tmp_path):
     assert again.calls == ["b__seed=1"]
 
 
+def _runner_saving_configs(*studies):
+    """fake_run, but each workdir's config.json is the run's real resolved config, as the CLI saves it."""
+    from asyncpp_jax import configs
+
+    by_id = {(s.name, r.run_id): (s, r) for s in studies for r in sweep.expand(s)}
+    inner = fake_run(lambda name: 1.0)
+
+    def run(cmd, workdir, env):
+        inner(cmd, workdir, env)
+        study, r = by_id[(workdir.parent.name, workdir.name)]
+        (workdir / "config.json").write_text(configs.to_json(sweep.run_config(study, r)))
+        return 0
+
+    run.calls = inner.calls
+    return run
+
+
+def test_a_run_another_study_has_done_is_reused_not_rerun(tmp_path):
+    first = sweep.Study("first", "configs/tiny.py", {"base": {}, "lr": {"optimizer.lr": 0.002}}, seeds=(0,))
+    # "same" differs from first's "base" only in a setting that computes nothing (the progress bar).
+    second = sweep.Study("second", "configs/tiny.py", {"same": {"train.progress_bar": False},
+                                                       "other": {"optimizer.lr": 0.004}}, seeds=(0,))
+    runner = _runner_saving_configs(first, second)
+    quiet = dict(log=lambda *_: None, prepare=NO_PREPARE)
+    sweep.execute(first, tmp_path, runner=runner, **quiet)
+    results = sweep.execute(second, tmp_path, runner=runner, **quiet)
+    assert runner.calls == ["base__seed=0", "lr__seed=0", "other__seed=0"]
+    got = {r["variant"]: r for r in map(json.loads, results.read_text().splitlines())}
+    assert got["same"]["reused_from"] == "first/base__seed=0" and got["same"]["final_val"] == 1.0
+    assert got["same"]["seconds"] is None and got["other"]["reused_from"] is None
+    # A reused run is never a source itself (the row names the run that computed it)...
+    third = sweep.Study("third", "configs/tiny.py", {"same": {}}, seeds=(0,))
+    row = json.loads(sweep.execute(third, tmp_path, runner=runner, **quiet).read_text())
+    assert row["reused_from"] == "first/base__seed=0" and len(runner.calls) == 3
+    # ...and --no-reuse runs everything.
+    fourth = sweep.Study("fourth", "configs/tiny.py", {"same": {}}, seeds=(0,))
+    runner4 = _runner_saving_configs(fourth)
+    sweep.execute(fourth, tmp_path, runner=runner4, reuse_done=False, **quiet)
+    assert runner4.calls == ["same__seed=0"]
+
+
+def test_reuse_signature_refuses_a_config_saved_without_a_setting_the_code_now_has():
+    config = {"optimizer": {"lr": 0.001, "b1": 0.9}, "train": {"progress_bar": True, "steps": 10}}
+    older = {"optimizer": {"lr": 0.001}, "train": {"steps": 10}}  # saved before b1 existed
+    assert sweep.signature(config) == sweep.signature({**config, "train": {"progress_bar": False, "steps": 10}})
+    assert sweep.signature(config) != sweep.signature(older)
+
+
 def test_failed_run_stops_the_study_with_its_name(tmp_path):
     study = sweep.Study("s", "configs/tiny.py", {"a": {}})
     with pytest.raises(RuntimeError, match="run a__seed=0 of study s failed with exit code 3"):
