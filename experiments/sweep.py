@@ -121,13 +121,21 @@ def is_finished(workdir: pathlib.Path) -> bool:
 _NOT_COMPUTED = {("train", "progress_bar"), ("train", "profile_start"), ("train", "profile_steps")}
 
 
-def signature(config: dict) -> str:
-    """A run's identity for reuse: its saved config (``config.json``) without :data:`_NOT_COMPUTED`.
+# Settings added after runs were saved, with the value that means what the code did before them
+# (stage_layers: the even split, the only one there was).  Any other setting a saved config lacks
+# makes its signature differ, so that run is not reused: reuse does not guess at a default.
+_ADDED_LATER = {("pipeline", "stage_layers"): []}
 
-    A setting added to the code after a run was saved is absent from its config, so the
-    signatures differ and the old run is not reused: reuse never guesses at a default."""
+
+def signature(config: dict) -> str:
+    """A run's identity for reuse: its saved config (``config.json``) without :data:`_NOT_COMPUTED`,
+    with :data:`_ADDED_LATER`'s settings filled in where it predates them.  Reuse trusts that the
+    code still computes what it computed then; after a change to that, run with ``--no-reuse``."""
     kept = {s: ({k: v for k, v in sec.items() if (s, k) not in _NOT_COMPUTED} if isinstance(sec, dict) else sec)
             for s, sec in config.items()}
+    for (s, k), value in _ADDED_LATER.items():
+        if isinstance(kept.get(s), dict):
+            kept[s].setdefault(k, value)
     return json.dumps(kept, sort_keys=True)
 
 

@@ -125,6 +125,9 @@ def test_reuse_signature_refuses_a_config_saved_without_a_setting_the_code_now_h
     older = {"optimizer": {"lr": 0.001}, "train": {"steps": 10}}  # saved before b1 existed
     assert sweep.signature(config) == sweep.signature({**config, "train": {"progress_bar": False, "steps": 10}})
     assert sweep.signature(config) != sweep.signature(older)
+    # The one setting known to have been added with the old behaviour as its value: the even split.
+    assert sweep.signature({**config, "pipeline": {"stage_layers": []}}) == sweep.signature({**config, "pipeline": {}})
+    assert sweep.signature({**config, "pipeline": {"stage_layers": [3, 1]}}) != sweep.signature({**config, "pipeline": {}})
 
 
 def test_failed_run_stops_the_study_with_its_name(tmp_path):

@@ -1,7 +1,22 @@
-"""Sensitivity of the delay gap to batch size, learning rate and weight decay (AdamW and Muon)."""
+"""Sensitivity of the delay gap to batch size, learning rate and weight decay (AdamW and Muon).
 
+The learning-rate arms sit a factor of about 3 either side of the preset's learning rate: two steps
+of the ``lr`` study's sqrt(3) grid where the grid reaches (so those runs are the lr study's own,
+reused by the sweep for the seeds it has), else 3x rounded to two significant figures.
+"""
+
+from experiments.studies import lr as lr_study
 from experiments.studies.common import optimizer, preset
 from experiments.sweep import Study
+
+
+def lr_steps(opt: str, lr: float) -> tuple[float, float]:
+    """(about lr / 3, about lr * 3): the ``lr`` study's grid two steps away, where it has the point."""
+    grid = lr_study.grid(opt)
+    i = grid.index(lr) if lr in grid else None
+    down = grid[i - 2] if i is not None and i >= 2 else float(f"{lr / 3:.2g}")
+    up = grid[i + 2] if i is not None and i + 2 < len(grid) else float(f"{lr * 3:.2g}")
+    return down, up
 
 
 def study(name: str) -> Study:
@@ -9,13 +24,13 @@ def study(name: str) -> Study:
     batch = base.get("train.global_batch_size", 256)
     variants = {}
     for opt in ("adamw", "muon"):
-        lr = optimizer(opt, name)["optimizer.lr"]
+        down, up = lr_steps(opt, optimizer(opt, name)["optimizer.lr"])
         settings = {
             "default": {},
             "batch/2": {"train.global_batch_size": batch // 2},
             "batch*2": {"train.global_batch_size": batch * 2},
-            "lr/3": {"optimizer.lr": lr / 3},
-            "lr*3": {"optimizer.lr": lr * 3},
+            "lr/3": {"optimizer.lr": down},
+            "lr*3": {"optimizer.lr": up},
             "wd=0": {"optimizer.weight_decay": 0.0},
             "wd=0.3": {"optimizer.weight_decay": 0.3},
         }
