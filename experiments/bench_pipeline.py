@@ -42,13 +42,19 @@ MODES = ("work", "overlap", "compile", "processes")
 
 
 def _setup_host(mode: str, devices: int) -> None:
-    """Before JAX starts: the fake devices, and for ``work`` one core for all of them."""
-    if mode == "processes":
-        return  # the launcher set this process's one device, its core and the job (asyncpp_jax.launch)
-    if mode == "work":
-        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+    """Before JAX starts: the fake devices, and for ``work`` one core for all of them; a
+    ``processes`` worker keeps to the core the launcher gave it (``ASYNCPP_CPUS``)."""
     from asyncpp_jax import host_setup  # no JAX import
 
+    if mode == "processes":
+        # The launcher set this process's one device and the job, and named its core; unpinned,
+        # a stage waiting in its bubble would lend its core to the other stage's thread pool.
+        if host_setup.pin_cpus() is None:
+            raise SystemExit(f"bench_pipeline processes: a worker needs {host_setup.CPUS_ENV} (one core of its "
+                             "own); start it as python -m experiments.bench_pipeline processes, not --worker")
+        return
+    if mode == "work":
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
     host_setup.add_host_devices(devices)
 
 
@@ -168,13 +174,14 @@ class Simulated(Pipelined):
 
 
 def time_rounds(runs: dict, rounds: int, steps: int) -> dict:
-    """Seconds per update of each run in each of ``rounds`` alternating rounds, after a warm-up."""
+    """Seconds per update of each run in each of ``rounds`` alternating rounds, after a warm-up.
+    Odd rounds run the programs in reverse order, so neither always follows the other."""
     for r in runs.values():
         r.run(1)
     times = {name: [] for name in runs}
-    for _ in range(rounds):
-        for name, r in runs.items():
-            times[name].append(r.run(steps))
+    for k in range(rounds):
+        for name in list(runs)[::-1 if k % 2 else 1]:
+            times[name].append(runs[name].run(steps))
     return times
 
 
@@ -418,7 +425,7 @@ def processes(args) -> None:
     split = split_of(args, P)
     if lead:
         print(f"sync / 2bw step time: {jax.process_count()} processes x {jax.local_device_count()} device, each "
-              f"process on its own core ({os.environ.get('ASYNCPP_CPUS')} here); vocab {args.vocab}, d_model "
+              f"process on its own core (cores {sorted(os.sched_getaffinity(0))} here); vocab {args.vocab}, d_model "
               f"{args.d_model}, {args.layers} layers, P={P}, stage layers {','.join(map(str, split))}, microbatch "
               f"{args.rows} x {args.seq} tokens, {args.rounds} alternating rounds of {args.steps} updates\n")
         print("| P | M | recompute | sync s/update | 2bw s/update | measured sync/2bw | spread over rounds | "

@@ -52,3 +52,17 @@ def test_asyncpp_cpus_pins_the_process_and_rejects_bad_lists():
     assert out.returncode == 0 and out.stdout.strip() == f"[{first}]", out.stderr[-1000:]
     with pytest.raises(ValueError, match="may not use"):
         host_setup.pin_cpus({"ASYNCPP_CPUS": "100000"})
+
+
+def test_bench_processes_worker_keeps_to_its_core_and_refuses_without_one():
+    """The processes benchmark's stages must not share cores: a worker pins itself before JAX starts."""
+    first = min(os.sched_getaffinity(0))
+    code = ("import os; from experiments import bench_pipeline as b; b._setup_host('processes', 1); "
+            "print(sorted(os.sched_getaffinity(0)))")
+    env = {k: v for k, v in os.environ.items() if k != "ASYNCPP_CPUS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=configs.REPO_ROOT, env={**env, "ASYNCPP_CPUS": str(first), "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0 and out.stdout.strip() == f"[{first}]", out.stderr[-1000:]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=configs.REPO_ROOT, env={**env, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode != 0 and "ASYNCPP_CPUS" in out.stderr
