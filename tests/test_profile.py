@@ -37,6 +37,17 @@ def test_self_times_subtract_nested_thunks():
     assert got == {"while": 40, "cond": 20, "dot": 30, "add": 10, "other_thread": 40}
 
 
+def test_phases_split_each_update_at_its_first_and_last_slot():
+    ex = lambda ts, dur: {"name": profile._EXECUTE, "ts": ts, "dur": dur}  # noqa: E731
+    slot = lambda ts, dur: {"ts": ts, "dur": dur}  # noqa: E731
+    # Update 1: two devices' executions overlap (one window); update 2: one device; then a window
+    # with no slot (an eval step), which is not an update.
+    executions = [ex(0, 100_000), ex(5_000, 90_000), ex(200_000, 50_000), ex(300_000, 10_000)]
+    slots = [slot(20_000, 10_000), slot(50_000, 20_000), slot(210_000, 30_000)]
+    got = profile.phases(executions, slots)
+    assert got == [profile.Phase(100.0, 20.0, 50.0, 30.0), profile.Phase(50.0, 10.0, 30.0, 10.0)]
+
+
 @pytest.mark.parametrize("pipeline", [False, True], ids=["simulate", "engine_2bw"])
 def test_a_profiled_run_attributes_its_step(cache_dir, tmp_path, pipeline):
     cfg = small_train_config(cache_dir, "prof", 1, steps=4, microbatches=2, eval_every=4, eval_batches=1,
@@ -58,6 +69,10 @@ def test_a_profiled_run_attributes_its_step(cache_dir, tmp_path, pipeline):
     assert sum(s.ms[p] for p in expected) > 0.5 * sum(s.ms.values())
     assert s.devices == (2 if pipeline else 1)
     assert "| total |" in profile.render(s)
+    # one phase split per traced update, its parts summing to its wall clock
+    assert len(s.phases) == 2 and all(p.slots > 0 and p.before >= 0 and p.after >= 0 for p in s.phases)
+    assert all(abs(p.before + p.slots + p.after - p.wall) < 1e-6 for p in s.phases)
+    assert "| update | wall |" in profile.render(s)
 
 
 def test_summary_of_an_unprofiled_run_is_a_clear_error(tmp_path, capsys):

@@ -6,7 +6,10 @@ it.  ``python -m asyncpp_jax.train.profile WORKDIR`` then reads the trace's XLA 
 names its HLO instruction), takes each one's *self* time (its duration minus the thunks nested in it:
 a ``while`` or ``conditional`` thunk contains its body's), maps the instruction to the source
 ``op_name`` the compiler recorded, and sums the time by the named scope it ran under (the
-pipeline engine's slots, transfers and reduction; the optimizer update; see :data:`PARTS`).
+pipeline engine's slots, transfers and reduction; the optimizer update; see :data:`PARTS`).  It
+also splits each traced update's wall clock into three phases (:func:`phases`): before the first
+slot (weight versions, zeroed accumulators), the slots (the ticks, waiting included), and after the
+last slot (reductions, the optimizer): a schedule's fixed per-update work, beside its bubble.
 
 Why our own reader: TensorBoard's profile plugin shows the trace but does not group XLA:CPU thunks
 by ``jax.named_scope``, and that grouping is the question (which part of the step costs what).
@@ -86,12 +89,30 @@ class StepProfiler:
             log.info("profile: trace written; summary: python -m asyncpp_jax.train.profile %s", self.dir)
 
 
+# The parts that are a microbatch's forward/backward work: where an update's slot phase begins and ends.
+SLOT_PARTS = ("pp_fwd", "pp_bwd", "pp_last", "sim_grad")
+# The XLA:CPU runtime's event spanning one execution of a program (one device's update).
+_EXECUTE = "ThunkExecutor::Execute (wait for completion)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """One traced update's wall clock (ms): ``before`` its first slot, the ``slots`` (first slot's
+    start to last slot's end), ``after`` its last slot; ``wall`` their sum."""
+
+    wall: float
+    before: float
+    slots: float
+    after: float
+
+
 @dataclasses.dataclass
 class Summary:
     updates: int
     devices: int
     ms: dict  # part -> milliseconds per update, summed over devices
     top_other: list  # [(op_name, ms per update)] of the largest unattributed instructions
+    phases: list = dataclasses.field(default_factory=list)  # [Phase], one per traced update
 
 
 def _op_names(hlo_dir: pathlib.Path) -> dict[tuple[str, str], str]:
@@ -119,11 +140,38 @@ def part_of(op_name: str) -> str:
     return "other"
 
 
-def _thunk_events(trace_file: pathlib.Path) -> list[dict]:
+def _complete_events(trace_file: pathlib.Path) -> list[dict]:
     with gzip.open(trace_file, "rt") as f:
         data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
-    return [e for e in events if e.get("ph") == "X" and "hlo_op" in (e.get("args") or {})]
+    return [e for e in events if e.get("ph") == "X"]
+
+
+def _is_thunk(e: dict) -> bool:
+    return "hlo_op" in (e.get("args") or {})
+
+
+def phases(executions: list[dict], slots: list[dict]) -> list[Phase]:
+    """Per update: the executions that overlap in time (one per device of the process) form its
+    window; ``slots`` (thunk events of :data:`SLOT_PARTS`) inside it mark where its ticks begin and
+    end.  A window with no slot (another program, e.g. an eval step) is not an update."""
+    windows: list[list[float]] = []
+    for e in sorted(executions, key=lambda e: e["ts"]):
+        start, end = e["ts"], e["ts"] + e["dur"]
+        if windows and start <= windows[-1][1]:
+            windows[-1][1] = max(windows[-1][1], end)
+        else:
+            windows.append([start, end])
+    out = []
+    for start, end in windows:
+        inside = [e for e in slots if start <= e["ts"] <= end]
+        if not inside:
+            continue
+        first = min(e["ts"] for e in inside)
+        last = min(max(e["ts"] + e["dur"] for e in inside), end)
+        ms = lambda us: us / 1e3  # noqa: E731
+        out.append(Phase(ms(end - start), ms(first - start), ms(last - first), ms(end - last)))
+    return out
 
 
 def self_times(events: list[dict]) -> list[tuple[dict, float]]:
@@ -159,16 +207,21 @@ def summarize(profile_dir: str | pathlib.Path) -> Summary:
     names = _op_names(d / _HLO_DIR)
     total = collections.defaultdict(lambda: collections.defaultdict(float))
     other = collections.defaultdict(float)
-    for e, self_us in self_times(_thunk_events(traces[-1])):
+    events = _complete_events(traces[-1])
+    slots = []
+    for e, self_us in self_times([e for e in events if _is_thunk(e)]):
         a = e["args"]
         op = names.get((a.get("hlo_module"), a["hlo_op"]), "")
         part = part_of(op)
         total[part][a.get("device_ordinal", "0")] += self_us / 1e3 / updates
         if part == "other":
             other[op or a["hlo_op"]] += self_us / 1e3 / updates
+        if part in SLOT_PARTS:
+            slots.append(e)
     devices = {dev for per in total.values() for dev in per}
     return Summary(updates, len(devices), {p: sum(v.values()) for p, v in total.items()},
-                   sorted(other.items(), key=lambda kv: -kv[1])[:8])
+                   sorted(other.items(), key=lambda kv: -kv[1])[:8],
+                   phases([e for e in events if e["name"] == _EXECUTE], slots))
 
 
 def render(s: Summary) -> str:
@@ -182,6 +235,11 @@ def render(s: Summary) -> str:
     if s.top_other:
         lines += ["", "largest unattributed instructions (op_name: ms / update):"]
         lines += [f"  {ms:8.2f}  {op[-110:]}" for op, ms in s.top_other]
+    if s.phases:
+        lines += ["", "wall clock of each traced update (ms; the slots include waiting between them):", "",
+                  "| update | wall | before the first slot | slots | after the last slot |", "|---|---|---|---|---|"]
+        lines += [f"| {i + 1} | {p.wall:.1f} | {p.before:.1f} | {p.slots:.1f} | {p.after:.1f} |"
+                  for i, p in enumerate(s.phases)]
     return "\n".join(lines)
 
 
