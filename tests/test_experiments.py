@@ -244,3 +244,11 @@ def test_prepare_corpora_prepares_each_distinct_corpus_once(tmp_path):
     assert len(paths) == 2 and len(set(paths)) == 2  # a and b share one corpus; c splits differently
     assert sum("tokenizing" in m for m in logs) == 2
     assert sorted(p.name for p in (tmp_path / "corpora").iterdir()) == sorted(p.rsplit("/", 1)[1] for p in paths)
+
+
+def test_sensitivity_lr_arms_are_the_lr_studys_grid_points_where_it_has_them():
+    from experiments.studies import sensitivity
+
+    assert sensitivity.lr_steps("adamw", 0.003) == (0.001, 0.009)  # both on AdamW's grid
+    assert sensitivity.lr_steps("muon", 0.016) == (0.0052, 0.048)  # 3x is past Muon's grid: rounded
+    assert sensitivity.lr_steps("adamw", 0.002) == (0.00067, 0.006)  # off the grid: 3x either way
