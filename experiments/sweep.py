@@ -25,6 +25,10 @@ computed), its metrics, status and config are copied into this run's workdir wit
 ``reused.json`` naming the source, and its row says ``reused_from``.  The ``momentum`` study's
 b1 = 0.9 arms, for example, are the ``optimizers`` study's AdamW runs.  ``--no-reuse`` runs everything.
 
+A done run whose saved config no longer matches what its study asks for (a tuned setting changed
+since, :func:`stale_settings`) is stale: its workdir is moved aside to ``RUN_ID.stale`` (kept, never
+deleted) and the run is done again, so a results file never mixes old settings under a new name.
+
 Results: ``OUT/STUDY/results.jsonl``, one line per run: study, run id, variant, grid point, seed,
 overrides, status (``finished`` or ``diverged``), final and best validation loss (nats/byte; none
 for a diverged run), the validation and training loss curves, wall time (none for a skipped or
@@ -137,6 +141,58 @@ def signature(config: dict) -> str:
         if isinstance(kept.get(s), dict):
             kept[s].setdefault(k, value)
     return json.dumps(kept, sort_keys=True)
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def stale_settings(saved: dict, wanted: dict) -> list[str]:
+    """The settings (``section.key: saved -> wanted``) in which a done run's saved config differs
+    from the config its study now resolves to.  Settings the saved config lacks are not compared:
+    they were added after the run, which then computed what their defaults do (as in :func:`signature`)."""
+    skip = {".".join(k) for k in _NOT_COMPUTED}
+    old, new = _flat(saved), _flat(wanted)
+    return [f"{k}: {old[k]!r} -> {new[k]!r}" for k in sorted(old.keys() & new.keys())
+            if k not in skip and old[k] != new[k]]
+
+
+def _wanted_config(study: Study, run: Run) -> dict:
+    from asyncpp_jax import configs
+
+    return json.loads(configs.to_json(run_config(study, run)))
+
+
+def set_aside_stale(study: Study, runs: list[Run], root: pathlib.Path, log=print) -> list[str]:
+    """Move each done run of ``runs`` under ``root`` whose saved config is stale to ``RUN_ID.stale``
+    (``.stale2``, ... if taken); returns their run ids."""
+    moved = []
+    for run in runs:
+        workdir = root / run.run_id
+        if not is_finished(workdir):
+            continue
+        try:
+            saved = json.loads((workdir / "config.json").read_text())
+        except (OSError, ValueError):
+            continue  # no saved config to compare: trust the status (runs predating config.json)
+        diff = stale_settings(saved, _wanted_config(study, run))
+        if not diff:
+            continue
+        dest, n = workdir.with_name(run.run_id + ".stale"), 1
+        while dest.exists():
+            n += 1
+            dest = workdir.with_name(f"{run.run_id}.stale{n}")
+        workdir.rename(dest)
+        moved.append(run.run_id)
+        log(f"[{study.name}] {run.run_id}: done with other settings ({'; '.join(diff)}); moved to {dest.name}, "
+            "runs again")
+    return moved
 
 
 def run_signature(study: Study, run: Run) -> str:
@@ -297,6 +353,7 @@ def execute(study: Study, out: pathlib.Path, jobs: int = 1, runner=None, log=pri
     for env in envs:
         slots.put(env)
     seconds: dict[str, float] = {}
+    set_aside_stale(study, runs, root, log)
     todo = [r for r in runs if not is_finished(root / r.run_id)]
     if reuse_done and todo:
         done = done_elsewhere(out, study.name)
