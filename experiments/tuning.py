@@ -7,6 +7,10 @@ reach the lowest mean final validation loss over seeds.  A learning rate at whic
 diverged (or has no final loss) is never picked: a setting that fails on some seeds is not a
 safe default.  ``experiments.studies.common.TUNED_LR[preset]`` holds these picks for the preset the
 rows came from (``tests/test_tuning.py`` compares the two).
+
+:func:`pick_lion`: from the ``lion`` study's rows (``b1=VALUE/SCHEDULE``), Lion's settings beside
+its learning rate with the lowest mean final validation loss, by the same rule; they are
+``common.TUNED_SETTINGS[preset]["lion"]``.
 """
 
 from __future__ import annotations
@@ -65,6 +69,26 @@ def pick_lrs(rows) -> dict[str, float]:
     return picks
 
 
+LION_VARIANT = re.compile(r"^b1=(?P<b1>[\d.]+)/(?P<schedule>\w+)$")
+
+
+def pick_lion(rows) -> dict | None:
+    """The overrides (:func:`experiments.studies.lion.variant_settings`) of the ``lion`` study's
+    variant with the lowest mean final validation loss over seeds; None without such rows."""
+    from experiments.studies import lion
+
+    runs = collections.defaultdict(list)
+    for r in rows:
+        m = LION_VARIANT.match(r["variant"]) if r.get("study") == "lion" else None
+        if m:
+            runs[(float(m["b1"]), m["schedule"])].append(r.get("final_val"))
+    finite = {k: sum(v) / len(v) for k, v in runs.items() if all(x is not None and math.isfinite(x) for x in v)}
+    if not finite:
+        return None
+    b1, schedule = min(finite, key=lambda k: (finite[k], k))
+    return lion.variant_settings(b1, schedule)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", nargs="+", help="results.jsonl holding the lr study's rows")
@@ -74,6 +98,9 @@ def main(argv=None):
     if not picks:
         raise SystemExit(f"error: no lr-study rows in {', '.join(a.results)}; run `python -m experiments.sweep lr`")
     print("{" + ", ".join(f'"{k}": {v!r}' for k, v in sorted(picks.items())) + "}")
+    lion_pick = pick_lion(rows)
+    if lion_pick is not None:
+        print('lion: {' + ", ".join(f'"{k}": {v!r}' for k, v in lion_pick.items()) + "}")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,8 @@ def test_real_studies_expand(preset):
     assert {r.variant.split("/")[1] for r in runs} >= {"sync", "none", "ef", "taylor", "sync_start", "sync_cooldown"}
 
 
-@pytest.mark.parametrize("name", ["optimizers", "momentum", "mitigations", "schemes", "sensitivity", "lr", "ef_causes"])
+@pytest.mark.parametrize("name", ["optimizers", "momentum", "mitigations", "schemes", "sensitivity", "lr", "ef_causes",
+                                  "lion"])
 @pytest.mark.parametrize("preset", ["cpu", "gpu", "paper"])
 def test_every_run_of_every_study_is_a_valid_config(name, preset):
     from asyncpp_jax import configs
@@ -118,6 +119,27 @@ def test_a_run_another_study_has_done_is_reused_not_rerun(tmp_path):
     runner4 = _runner_saving_configs(fourth)
     sweep.execute(fourth, tmp_path, runner=runner4, reuse_done=False, **quiet)
     assert runner4.calls == ["same__seed=0"]
+
+
+def test_a_done_run_with_settings_its_study_no_longer_asks_for_is_set_aside_and_run_again(tmp_path):
+    quiet = dict(log=lambda *_: None, prepare=NO_PREPARE)
+    old = sweep.Study("s", "configs/tiny.py", {"lion": {"optimizer.name": "lion", "optimizer.lion.b1": 0.9},
+                                              "adamw": {}}, seeds=(0,))
+    runner = _runner_saving_configs(old)
+    sweep.execute(old, tmp_path, runner=runner, **quiet)
+    # The same study, with Lion's b1 tuned since: only Lion's run is stale.
+    new = sweep.Study("s", "configs/tiny.py", {"lion": {"optimizer.name": "lion", "optimizer.lion.b1": 0.7},
+                                              "adamw": {}}, seeds=(0,))
+    runner2, said = _runner_saving_configs(new), []
+    sweep.execute(new, tmp_path, runner=runner2, log=said.append, prepare=NO_PREPARE)
+    assert runner2.calls == ["lion__seed=0"]
+    assert any("optimizer.lion.b1: 0.9 -> 0.7" in line for line in said)
+    kept = json.loads((tmp_path / "s" / "lion__seed=0.stale" / "config.json").read_text())
+    assert kept["optimizer"]["lion"]["b1"] == 0.9  # moved aside, not deleted
+    assert json.loads((tmp_path / "s" / "lion__seed=0" / "config.json").read_text())["optimizer"]["lion"]["b1"] == 0.7
+    # A setting the saved config lacks (added to the code after the run) is not a difference.
+    assert sweep.stale_settings({"optimizer": {"lr": 0.1}}, {"optimizer": {"lr": 0.1, "new": 1}}) == []
+    assert sweep.stale_settings({"train": {"progress_bar": True}}, {"train": {"progress_bar": False}}) == []
 
 
 def test_reuse_signature_refuses_a_config_saved_without_a_setting_the_code_now_has():

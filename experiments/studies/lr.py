@@ -7,7 +7,10 @@ Grid: ``LR[opt] x {1/3, 1/sqrt 3, 1, sqrt 3, 3}`` (9x wide, two significant figu
 grid sits 10x below the others as its default does; extended upward (:data:`EXTEND`) for an
 optimizer whose best learning rate was the grid's top point.  Variant names: ``OPT/lr=VALUE/ARM`` with ARM
 ``sync``, ``2bw`` or ``ef``.  The best synchronous learning rate per optimizer
-(:func:`experiments.tuning.pick_lrs`) is what ``common.TUNED_LR`` holds for the preset.
+(:func:`experiments.tuning.pick_lrs`) is what ``common.TUNED_LR`` holds for the preset.  Every
+other setting is the optimizer's at the preset (``common.optimizer``), including those a study of
+their own tuned (``common.TUNED_SETTINGS``: Lion's b1 and schedule at ``cpu``, tuned by the ``lion``
+study at Lion's first pick here, after which Lion's grid here was run again with them).
 """
 
 import math
@@ -49,6 +52,8 @@ def study(name: str) -> Study:
     for opt in NAMES:
         for lr in grid(opt):
             for arm in ARMS if opt in DELAYED else ("sync",):
-                # Untuned defaults: this study is what the tuned tables are picked from.
-                variants[f"{opt}/lr={lr:g}/{arm}"] = {**optimizer(opt, None), "optimizer.lr": lr, **ARMS[arm]}
+                # The grid is around the untuned LR; the optimizer's other tuned settings at this
+                # preset (common.TUNED_SETTINGS: Lion's b1 and schedule at cpu) apply, so Lion's lr is
+                # swept again after they were tuned at its first pick.
+                variants[f"{opt}/lr={lr:g}/{arm}"] = {**optimizer(opt, name), "optimizer.lr": lr, **ARMS[arm]}
     return Study("lr", config, variants, seeds=seeds, base=base, note=note)
