@@ -236,20 +236,23 @@ def analyse_gap_over_time(name: str, rows, pairs, out: pathlib.Path, claims: dic
 # The learning-rate study
 
 
-def analyse_lr(rows, out: pathlib.Path, claims: dict) -> list[str]:
-    """Sync final val per optimizer x lr (the pick marked), val vs lr, and AdamW's and Muon's delay gap
-    and EF's recovered fraction at every learning rate."""
-    lines = []
-    sync = tuning.sync_means(rows)
-    picks = tuning.pick_lrs(rows)
-    arms = stats.arms_of(rows)
-    # variant names by (optimizer, lr, arm); the lr is the one each run trained with
+def _lr_names(rows) -> dict:
+    """Variant names of ``OPT/lr=VALUE/ARM`` rows by (optimizer, lr, arm); the lr is the one each run trained with."""
     names = {}
     for r in rows:
         parsed = tuning.parse(r["variant"])
         if parsed:
             names[(parsed[0], tuning.lr_of_row(r), parsed[2])] = r["variant"]
-    lrs = sorted({lr for (_, lr, _) in names})
+    return names
+
+
+def analyse_lr(rows, out: pathlib.Path, claims: dict) -> list[str]:
+    """The ``lr`` study: sync final val per optimizer x lr (the pick marked) and val vs lr."""
+    lines = []
+    sync = tuning.sync_means(rows)
+    picks = tuning.pick_lrs(rows)
+    arms = stats.arms_of(rows)
+    names = _lr_names(rows)
     div = diverged(rows)
 
     def cell(opt, lr):
@@ -284,6 +287,15 @@ def analyse_lr(rows, out: pathlib.Path, claims: dict) -> list[str]:
     if series:
         lines.append(f"![val vs lr]({plot_xy(series, out / 'lr_val.png', 'peak learning rate', 'final val loss (nats/byte)', 'sync loss vs learning rate', logx=True, zero=False)})")
         lines.append("")
+    return lines
+
+
+def analyse_lr_gap(rows, out: pathlib.Path) -> list[str]:
+    """The ``lr_gap`` study: AdamW's and Muon's delay gap and EF's recovered fraction at every learning rate."""
+    lines = []
+    arms = stats.arms_of(rows)
+    names = _lr_names(rows)
+    lrs = sorted({lr for (_, lr, _) in names})
     gap_series, frac_series, table = {}, {}, []
     for opt in ("adamw", "muon"):
         for lr in lrs:
@@ -541,8 +553,15 @@ def analyse(name: str, rows: list[dict], out: pathlib.Path, claims: dict) -> lis
         lines += analyse_mitigations(rows, out, claims)
     elif name == "lr":
         lines += analyse_lr(rows, out, claims)
+    elif name == "lr_gap":
+        lines += analyse_lr_gap(rows, out)
     elif name == "ef_causes":
         lines += analyse_ef_causes(rows, out)
+    elif name == "lion":
+        pick = tuning.pick_lion(rows)
+        if pick:
+            lines += [f"Pick (lowest mean final loss, no seed diverged): "
+                      f"{', '.join(f'{k} = {v}' for k, v in pick.items())}.", ""]
     elif name == "schemes":
         pts = []
         for v in arms:

@@ -2,8 +2,8 @@
 
     python -m experiments.sweep optimizers --preset=cpu [--out runs/studies] [--jobs 1] [--list]
 
-Studies: ``optimizers``, ``momentum``, ``mitigations``, ``schemes``, ``sensitivity``, ``lr``; presets
-``cpu``, ``gpu``, ``paper`` (``experiments/studies/common.py``).
+Studies: ``optimizers``, ``momentum``, ``mitigations``, ``schemes``, ``sensitivity``, ``lr``, ``lr_gap``,
+``lion``, ``ef_causes``; presets ``cpu``, ``gpu``, ``paper`` (``experiments/studies/common.py``).
 
 A study (``experiments/studies/<name>.py``, ``study(preset) -> Study``) is named variants (each a
 dict of ``--config`` overrides) x a cartesian grid of overrides x seeds.  Each run is the real CLI,
@@ -395,14 +395,22 @@ def execute(study: Study, out: pathlib.Path, jobs: int = 1, runner=None, log=pri
     return results
 
 
+def study_names() -> list[str]:
+    """The study modules in ``experiments/studies`` (every module but the shared ``common``)."""
+    return sorted(p.stem for p in (REPO_ROOT / "experiments" / "studies").glob("*.py")
+                  if p.stem not in ("__init__", "common"))
+
+
 def load_study(name: str, preset: str) -> Study:
+    if name not in study_names():
+        raise ValueError(f"no study {name!r}; choose one of {', '.join(study_names())}")
     return importlib.import_module(f"experiments.studies.{name}").study(preset)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("study", help="a module of experiments/studies: optimizers, momentum, mitigations, schemes, "
-                    "sensitivity, lr")
+                    "sensitivity, lr, lr_gap, lion, ef_causes")
     ap.add_argument("--preset", default="cpu", choices=PRESETS)
     ap.add_argument("--out", default="runs/studies")
     ap.add_argument("--jobs", type=int, default=1)
@@ -410,7 +418,10 @@ def main(argv=None):
     ap.add_argument("--no-reuse", dest="reuse", action="store_false",
                     help="run every run, even one another study under --out has done with the same config")
     a = ap.parse_args(argv)
-    study = load_study(a.study, a.preset)
+    try:
+        study = load_study(a.study, a.preset)
+    except ValueError as e:
+        ap.error(str(e))
     if study.note:
         print(f"{study.name} ({a.preset}): {study.note}")
     if a.list:

@@ -31,8 +31,8 @@ def test_real_studies_expand(preset):
     assert {r.variant.split("/")[1] for r in runs} >= {"sync", "none", "ef", "taylor", "sync_start", "sync_cooldown"}
 
 
-@pytest.mark.parametrize("name", ["optimizers", "momentum", "mitigations", "schemes", "sensitivity", "lr", "ef_causes",
-                                  "lion"])
+@pytest.mark.parametrize("name", ["optimizers", "momentum", "mitigations", "schemes", "sensitivity", "lr", "lr_gap",
+                                  "ef_causes", "lion"])
 @pytest.mark.parametrize("preset", ["cpu", "gpu", "paper"])
 def test_every_run_of_every_study_is_a_valid_config(name, preset):
     from asyncpp_jax import configs
@@ -274,3 +274,9 @@ def test_sensitivity_lr_arms_are_the_lr_studys_grid_points_where_it_has_them():
     assert sensitivity.lr_steps("adamw", 0.003) == (0.001, 0.009)  # both on AdamW's grid
     assert sensitivity.lr_steps("muon", 0.016) == (0.0052, 0.048)  # 3x is past Muon's grid: rounded
     assert sensitivity.lr_steps("adamw", 0.002) == (0.00067, 0.006)  # off the grid: 3x either way
+
+
+def test_an_unknown_study_is_named_with_the_choices():
+    assert {"lr", "lr_gap", "lion", "optimizers", "ef_causes"} <= set(sweep.study_names())
+    with pytest.raises(ValueError, match="no study 'nosuch'; choose one of ef_causes, lion, lr, lr_gap"):
+        sweep.load_study("nosuch", "cpu")

@@ -99,24 +99,29 @@ def test_verdict_against_two_standard_errors(value, se, n, kw, want):
 
 
 def test_lr_study_grid_and_variant_names():
-    study = lr_study.study("cpu")
-    runs = sweep.expand(study)
+    from experiments.studies import lr_gap
+
+    study, gap = lr_study.study("cpu"), lr_gap.study("cpu")
     extra = {opt: len(f) for opt, f in lr_study.EXTEND.items()}
     n_sync = sum(5 + extra.get(opt, 0) for opt in lr_study.NAMES)
-    n_delayed = sum(2 * (5 + extra.get(opt, 0)) for opt in lr_study.DELAYED)
-    assert len(runs) == (n_sync + n_delayed) * len(lr_study.CPU_SEEDS)
+    n_delayed = sum(5 + extra.get(opt, 0) for opt in lr_study.DELAYED)
+    assert len(sweep.expand(study)) == n_sync * len(lr_study.CPU_SEEDS)
+    assert len(sweep.expand(gap)) == 3 * n_delayed * len(lr_study.CPU_SEEDS)
     for opt in lr_study.NAMES:
         grid = lr_study.grid(opt)
         assert len(grid) >= 4 and grid == sorted(grid) and 8 <= grid[4] / grid[0] <= 11
         assert all(1.6 < b / a < 1.9 for a, b in zip(grid, grid[1:]))  # one ratio, sqrt 3, throughout
         assert common.LR[opt] in grid
     assert lr_study.grid("lion")[0] == pytest.approx(lr_study.grid("adamw")[0] / 10)
-    for variant, o in study.variants.items():
+    for variant, o in {**study.variants, **gap.variants}.items():
         opt, lr, arm = tuning.parse(variant)
         assert o["optimizer.name"] == opt and o["optimizer.lr"] == lr
         assert (arm in ("2bw", "ef")) == (o["staleness.mode"] == "2bw") and (arm == "ef") == ("staleness.mitigation" in o)
-        assert arm == "sync" or opt in ("adamw", "muon")
-    assert "adamw/lr=0.003/sync" in study.variants and "muon/lr=0.0017/ef" in study.variants
+    assert all(tuning.parse(v)[2] == "sync" for v in study.variants)
+    assert {tuning.parse(v)[0] for v in gap.variants} == {"adamw", "muon"}
+    # lr_gap's sync arms are the lr study's runs: the same overrides, so the sweep copies them.
+    assert all(gap.variants[v] == study.variants[v] for v in gap.variants if v.endswith("/sync"))
+    assert "adamw/lr=0.003/sync" in study.variants and "muon/lr=0.0017/ef" in gap.variants
 
 
 def test_studies_take_the_tuned_learning_rate_where_the_preset_has_one(monkeypatch):
@@ -139,9 +144,10 @@ def lr_rows():
         for lr, vals in finals.items():
             for seed, v in enumerate(vals):
                 out.append(row("lr", f"{opt}/lr={lr:g}/sync", seed, v, lr=lr))
-                if opt in ("adamw", "muon") and v is not None:
-                    out.append(row("lr", f"{opt}/lr={lr:g}/2bw", seed, v + 0.5 + 0.01 * seed, lr=lr))
-                    out.append(row("lr", f"{opt}/lr={lr:g}/ef", seed, v + 0.2 + 0.01 * seed, lr=lr))
+                if opt in ("adamw", "muon") and v is not None:  # the lr_gap study, its sync arm copied from lr
+                    out.append(row("lr_gap", f"{opt}/lr={lr:g}/sync", seed, v, lr=lr))
+                    out.append(row("lr_gap", f"{opt}/lr={lr:g}/2bw", seed, v + 0.5 + 0.01 * seed, lr=lr))
+                    out.append(row("lr_gap", f"{opt}/lr={lr:g}/ef", seed, v + 0.2 + 0.01 * seed, lr=lr))
     return out
 
 

@@ -1,12 +1,15 @@
-"""Learning-rate sweep: each optimizer's synchronous loss over a geometric grid of peak learning
-rates around its untuned default (``common.LR``), and, for AdamW and Muon, the same grid under 2BW's
-one-step delay and 2BW + error feedback, so the delay gap and EF's recovered fraction are measured at
-every learning rate rather than at one that suits the synchronous arm.
+"""Learning-rate sweep: each optimizer's synchronous final loss over a geometric grid of peak
+learning rates around its untuned default (``common.LR``); the best per optimizer is its tuned
+learning rate.  The ``lr_gap`` study (:mod:`experiments.studies.lr_gap`) runs AdamW and Muon on the
+same grid under 2BW's one-step delay and 2BW + error feedback, so the delay gap and EF's recovered
+fraction are measured at every learning rate rather than at one that suits the synchronous arm; it
+is a study of its own so that each fits the preset's hour, and its synchronous arms are this
+study's runs (the sweep copies them).
 
 Grid: ``LR[opt] x {1/3, 1/sqrt 3, 1, sqrt 3, 3}`` (9x wide, two significant figures), so Lion's
 grid sits 10x below the others as its default does; extended upward (:data:`EXTEND`) for an
 optimizer whose best learning rate was the grid's top point.  Variant names: ``OPT/lr=VALUE/ARM`` with ARM
-``sync``, ``2bw`` or ``ef``.  The best synchronous learning rate per optimizer
+``sync`` here, ``sync``, ``2bw`` or ``ef`` in ``lr_gap``.  The best synchronous learning rate per optimizer
 (:func:`experiments.tuning.pick_lrs`) is what ``common.TUNED_LR`` holds for the preset.  Every
 other setting is the optimizer's at the preset (``common.optimizer``), including those a study of
 their own tuned (``common.TUNED_SETTINGS``: Lion's b1 and schedule at ``cpu``, tuned by the ``lion``
@@ -40,20 +43,27 @@ def grid(opt: str) -> list[float]:
     return [float(f"{LR[opt] * f:.2g}") for f in FACTORS + EXTEND.get(opt, ())]
 
 
-# Two seeds at the cpu preset: the lr study has 50 variants, and three seeds would double the hour
-# the five studies' presets are each sized to; the picks' margins are checked against these two.
+# Two seeds at the cpu preset, here and in lr_gap: 36 and 36 variants, and three seeds would take
+# each past the hour the studies' presets are sized to; the picks' margins are checked against two.
 CPU_SEEDS = (0, 1)
+
+
+def variants_of(name: str, optimizers, arms) -> dict:
+    """``OPT/lr=VALUE/ARM`` -> overrides, for each optimizer's grid and each arm."""
+    variants = {}
+    for opt in optimizers:
+        for lr in grid(opt):
+            for arm in arms:
+                # The grid is around the untuned LR; the optimizer's other tuned settings at this
+                # preset (common.TUNED_SETTINGS: Lion's b1 and schedule at cpu) apply.
+                variants[f"{opt}/lr={lr:g}/{arm}"] = {**optimizer(opt, name), "optimizer.lr": lr, **ARMS[arm]}
+    return variants
+
+
+def seeds_of(name: str, seeds: tuple) -> tuple:
+    return CPU_SEEDS if name == "cpu" else seeds
 
 
 def study(name: str) -> Study:
     config, base, seeds, note = preset(name)
-    seeds = CPU_SEEDS if name == "cpu" else seeds
-    variants = {}
-    for opt in NAMES:
-        for lr in grid(opt):
-            for arm in ARMS if opt in DELAYED else ("sync",):
-                # The grid is around the untuned LR; the optimizer's other tuned settings at this
-                # preset (common.TUNED_SETTINGS: Lion's b1 and schedule at cpu) apply, so Lion's lr is
-                # swept again after they were tuned at its first pick.
-                variants[f"{opt}/lr={lr:g}/{arm}"] = {**optimizer(opt, name), "optimizer.lr": lr, **ARMS[arm]}
-    return Study("lr", config, variants, seeds=seeds, base=base, note=note)
+    return Study("lr", config, variants_of(name, NAMES, ("sync",)), seeds=seeds_of(name, seeds), base=base, note=note)
