@@ -1,17 +1,18 @@
-"""Lion's settings beside its learning rate: ``b1`` (the interpolation weight of the sign's
-argument, ``c_t = b1 m_{t-1} + (1 - b1) g_t``) x the learning-rate schedule after warmup, synchronous,
-at Lion's tuned learning rate for the preset.
+"""Lion's settings beside its learning rate: ``b1`` (the interpolation weight inside the sign,
+``c_t = b1 m_{t-1} + (1 - b1) g_t``) x the learning-rate schedule after warmup, synchronous, at
+Lion's tuned learning rate for the preset.
 
 Why Lion gets this step and the others do not: at the ``cpu`` preset's first ``lr`` sweep (paper
 defaults b1 0.9, b2 0.99, cosine to 10% of the peak) Lion alone ended less than 1 nat/byte below
-the corpus's unigram entropy, and one-seed probes found its weight decay, b2 and the batch were not
-why (``experiments/README.md``, "Lion's shortfall"): its loss was still falling steeply at the end,
-and lowering the final learning rate (cosine to 0) made it worse, so Lion is starved of step size
-late in a 200-update run while a higher peak is unstable.  The grid: ``b1`` in ``B1`` x schedule in
-``SCHEDULES`` (cosine to 10%, the preset's; warmup-stable-decay, holding the peak and decaying to
-10% over the last 20%; constant).  Variants: ``b1=VALUE/SCHEDULE``.  The best mean final validation
-loss (:func:`experiments.tuning.pick_settings`) is ``common.TUNED_SETTINGS[preset]["lion"]``, and the
-``lr`` study then sweeps Lion's learning rate again with it (one round of coordinate descent).
+the corpus's unigram entropy, and one-seed probes found that its weight decay, b2 and the batch
+were not why (``experiments/README.md``, "Lion at the ``cpu`` preset"): its loss was still falling
+steeply at the end, and lowering the final learning rate (cosine to 0) made it worse, so Lion is
+starved of step size late in a 200-update run while a higher peak is unstable.  The grid: ``b1``
+in ``B1`` x schedule in ``SCHEDULES`` (cosine to 10%, the preset's; warmup-stable-decay, holding
+the peak and decaying to 10% over the last 20%; constant).  Variants: ``b1=VALUE/SCHEDULE``.  The
+best mean final validation loss (:func:`experiments.tuning.pick_lion`) is
+``common.TUNED_SETTINGS[preset]["lion"]``, and the ``lr`` study then sweeps Lion's learning rate
+again with it (one round of coordinate descent).
 """
 
 from experiments.studies.common import lr_of, preset, WD
