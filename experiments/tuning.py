@@ -22,6 +22,8 @@ import math
 import pathlib
 import re
 
+from experiments.studies import lion as lion_study
+
 VARIANT = re.compile(r"^(?P<opt>\w+)/lr=(?P<lr>[^/]+)/(?P<arm>\w+)$")
 
 
@@ -75,8 +77,6 @@ LION_VARIANT = re.compile(r"^b1=(?P<b1>[\d.]+)/(?P<schedule>\w+)$")
 def pick_lion(rows) -> dict | None:
     """The overrides (:func:`experiments.studies.lion.variant_settings`) of the ``lion`` study's
     variant with the lowest mean final validation loss over seeds; None without such rows."""
-    from experiments.studies import lion
-
     runs = collections.defaultdict(list)
     for r in rows:
         m = LION_VARIANT.match(r["variant"]) if r.get("study") == "lion" else None
@@ -86,7 +86,7 @@ def pick_lion(rows) -> dict | None:
     if not finite:
         return None
     b1, schedule = min(finite, key=lambda k: (finite[k], k))
-    return lion.variant_settings(b1, schedule)
+    return lion_study.variant_settings(b1, schedule)
 
 
 def main(argv=None):
@@ -100,7 +100,7 @@ def main(argv=None):
     print("{" + ", ".join(f'"{k}": {v!r}' for k, v in sorted(picks.items())) + "}")
     lion_pick = pick_lion(rows)
     if lion_pick is not None:
-        print('lion: {' + ", ".join(f'"{k}": {v!r}' for k, v in lion_pick.items()) + "}")
+        print(f"lion: {json.dumps(lion_pick)}")  # common.TUNED_SETTINGS[preset]["lion"]
 
 
 if __name__ == "__main__":
