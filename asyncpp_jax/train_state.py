@@ -17,6 +17,7 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -62,3 +63,10 @@ def apply_update(state: TrainState, grads, stats: dict, runner_state, optimizer,
     if delay_schedule is not None:
         metrics.update(delay=delay_schedule.delay_at(state.step), skipped_batches=delay_schedule.skipped_at(state.step))
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state, runner_state=runner_state), metrics
+
+
+def from_host(sharding: NamedSharding, array) -> jax.Array:
+    """A global array from a host array every process holds whole (an eval batch, a fresh state's
+    leaf): in a job of several processes each one supplies only its own devices' shards."""
+    host = np.asarray(array)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])

@@ -111,7 +111,7 @@ from asyncpp_jax.configs import base_config  # noqa: E402
 from asyncpp_jax.models import dense  # noqa: E402
 from asyncpp_jax.pipeline import engine, make_mesh, tick_tables, stage  # noqa: E402
 from asyncpp_jax import train_state as state_lib  # noqa: E402
-from asyncpp_jax.train import batch_layout, profile  # noqa: E402
+from asyncpp_jax.train import profile  # noqa: E402
 from asyncpp_jax.train import step as step_lib  # noqa: E402
 
 TX = optax.adamw(1e-3)
@@ -146,7 +146,7 @@ class Pipelined:
         ps = engine.init_pipeline_state(cfg, state.params, mesh, M, M * args.rows, args.seq, schedule, recompute,
                                         stage_rows=rows)
         self.state = engine.place_state(state.replace(runner_state=ps), mesh, abstract)
-        self.batch = batch_layout.from_host(engine.global_batch_sharding(mesh), np.asarray(tokens(args, M)))
+        self.batch = state_lib.from_host(engine.global_batch_sharding(mesh), np.asarray(tokens(args, M)))
 
     def compile_seconds(self) -> float:
         t0 = time.perf_counter()

@@ -57,7 +57,7 @@ from asyncpp_jax.optim.staleness import DelaySchedule
 from asyncpp_jax.pipeline import tick_tables
 from asyncpp_jax.pipeline.tick_tables import OneStepDelay
 from asyncpp_jax.pipeline.stage import ResidualTemplate, StageFns, join_params, residual_shapes, split_params, stat_names
-from asyncpp_jax.train_state import BATCH_SPEC, TrainState, apply_update
+from asyncpp_jax.train_state import BATCH_SPEC, TrainState, apply_update, from_host
 
 DEVICE = P("data", "stage")  # per-device in-flight state: leading [data, stage] axes
 
@@ -626,10 +626,7 @@ def state_shardings(state, mesh, params_abstract, expert_parallel: bool = False)
 def place_state(state: TrainState, mesh, params_abstract, expert_parallel: bool = False) -> TrainState:
     """Put a fresh state, which every process holds whole, on the pipeline mesh (layers over
     ``stage``); in a job of several processes each one supplies only its own devices' shards."""
-    def put(x, sharding):
-        host = np.asarray(x)
-        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
-    return jax.tree.map(put, state, state_shardings(state, mesh, params_abstract, expert_parallel))
+    return jax.tree.map(from_host, state_shardings(state, mesh, params_abstract, expert_parallel), state)
 
 
 def global_batch_sharding(mesh) -> NamedSharding:

@@ -75,8 +75,3 @@ def batch_layout(mesh, global_batch: int, microbatches: int, process_index: int 
             "devices, or launch fewer processes (config.mesh.data x config.pipeline.stages devices in all).")
     mine = [d for d in mesh.devices.flat if d.process_index == pi]
     return BatchLayout(sharding, global_batch, microbatches, replica_rows(sharding, global_batch, microbatches, mine))
-
-
-def from_host(sharding: NamedSharding, array: np.ndarray) -> jax.Array:
-    """A global array from a host array every process holds whole (e.g. an eval batch)."""
-    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])

@@ -36,7 +36,8 @@ from asyncpp_jax.optim import describe_routing
 from asyncpp_jax.train import dry_run, fit, preemption, profile
 from asyncpp_jax.train import runner as runner_lib
 from asyncpp_jax.train import step as step_lib
-from asyncpp_jax.train.batch_layout import batch_layout, from_host
+from asyncpp_jax.train.batch_layout import batch_layout
+from asyncpp_jax.train_state import from_host
 from asyncpp_jax.train.checkpoint import CheckpointError, Checkpointer
 from asyncpp_jax.train.metrics import MetricWriter
 from asyncpp_jax.train.resume import check_resume
