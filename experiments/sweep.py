@@ -196,9 +196,7 @@ def set_aside_stale(study: Study, runs: list[Run], root: pathlib.Path, log=print
 
 
 def run_signature(study: Study, run: Run) -> str:
-    from asyncpp_jax import configs
-
-    return signature(json.loads(configs.to_json(run_config(study, run))))
+    return signature(_wanted_config(study, run))
 
 
 def done_elsewhere(out: pathlib.Path, study_name: str) -> dict[str, pathlib.Path]:
