@@ -40,7 +40,7 @@ class TrainState:
 def init_state(model_cfg, optimizer: optax.GradientTransformation, rng: jax.Array,
                weight_versions=None, layout=None) -> TrainState:
     """A fresh state.  ``layout``: applied to the model's fresh params before anything else sees
-    them (the pipeline engine's padded layer stack, ``engine.pad_layers``)."""
+    them (the pipeline engine's layout, ``engine.to_engine_layout``)."""
     params = dense.init_params(model_cfg, rng)
     if layout is not None:
         params = layout(params)

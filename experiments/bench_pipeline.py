@@ -105,8 +105,6 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
-import functools  # noqa: E402
-
 from asyncpp_jax.configs import base_config  # noqa: E402
 from asyncpp_jax.models import dense  # noqa: E402
 from asyncpp_jax.pipeline import engine, make_mesh, tick_tables, stage  # noqa: E402
@@ -138,11 +136,11 @@ class Pipelined:
         cfg = model_cfg(args, n_layers)
         mesh = engine.make_pipeline_mesh(1, P)
         rows = engine.stage_split(cfg, P, stage_layers)
-        pad = functools.partial(engine.pad_layers, stage_rows=rows)
-        abstract = jax.eval_shape(pad, dense.abstract_params(cfg))
+        layout = engine.engine_layout(cfg, rows)
+        abstract = jax.eval_shape(layout, dense.abstract_params(cfg))
         self.step = engine.make_pipeline_train_step(cfg, TX, LR, mesh, abstract, M, schedule, recompute=recompute,
                                                     stage_rows=rows)
-        state = state_lib.init_state(cfg, TX, jax.random.key(0), layout=pad)
+        state = state_lib.init_state(cfg, TX, jax.random.key(0), layout=layout)
         ps = engine.init_pipeline_state(cfg, state.params, mesh, M, M * args.rows, args.seq, schedule, recompute,
                                         stage_rows=rows)
         self.state = engine.place_state(state.replace(runner_state=ps), mesh, abstract)
@@ -209,13 +207,13 @@ class SlotFns:
 
     def __init__(self, args, n: int, recompute: bool):
         cfg = model_cfg(args)
-        params = dense.compute_view(cfg, dense.init_params(cfg, jax.random.key(0)))
+        params = dense.compute_view(cfg, engine.to_engine_layout(cfg, dense.init_params(cfg, jax.random.key(0))))
         layers, top = stage.split_params(params)
         self.mine, self.top = dense.slice_layers(layers, 0, n), top
-        self.head = dense.head_params(cfg, top)
+        self.head = stage.head_of(cfg, top)
         fns = stage.StageFns(cfg, 1, recompute)
         self.toks = tokens(args, 1)[0]
-        self.x = dense.embed(cfg, top, self.toks[:, :-1])
+        self.x = stage.lookup(cfg, top, self.toks[:, :-1])
         self.fwd = jax.jit(lambda lp, h: fns.block(lp, h)[0][0])
         vjp = jax.jit(lambda lp, h: jax.vjp(fns.block, lp, h, has_aux=True)[1]((h, jnp.float32(1.0))))
         if recompute:
@@ -225,7 +223,7 @@ class SlotFns:
             bwd = jax.jit(lambda f, h: f((h, jnp.float32(1.0))))
             self.bwd = lambda lp, h: bwd(pull, h)
         self.last = jax.jit(lambda lp, tp, h, t: fns.last(lp, tp, h, t)[:3])
-        self.emb = jax.jit(lambda tp, t: dense.embed(cfg, tp, t[:, :-1]))
+        self.emb = jax.jit(lambda tp, t: stage.lookup(cfg, tp, t[:, :-1]))
 
     def costs(self) -> dict:
         F = _timed(self.fwd, self.mine, self.x)

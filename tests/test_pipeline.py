@@ -56,9 +56,14 @@ def run_simulate(cfg, tx, data, data_size=1):
     return state, metrics
 
 
+def engine_shapes(cfg):
+    """The params' abstract shapes in the engine's layout (a tied table as the head's [D, V])."""
+    return jax.eval_shape(engine.engine_layout(cfg), dense.abstract_params(cfg))
+
+
 def init_pipeline(cfg, tx, mesh, M, B, schedule, poison=False, ep=False, recompute=True, prediction=None):
-    abstract = dense.abstract_params(cfg)
-    state = state_lib.init_state(cfg, tx, jax.random.key(0))
+    abstract = engine_shapes(cfg)
+    state = state_lib.init_state(cfg, tx, jax.random.key(0), layout=engine.engine_layout(cfg))
     ps = engine.init_pipeline_state(cfg, state.params, mesh, M, B, T, schedule, recompute, ep, prediction)
     if poison and ps is not None:  # every buffer a bubble slot could read: NaN (tokens stay valid ints)
         ps = ps._replace(**{k: jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), getattr(ps, k))
@@ -70,7 +75,7 @@ def run_pipeline(cfg, tx, data, P, schedule, data_size=1, dsched=None, poison=Fa
                  prediction=None):
     M, B = data[0].shape[0], data[0].shape[0] * data[0].shape[1]
     mesh = engine.make_pipeline_mesh(data_size, P)
-    step = engine.make_pipeline_train_step(cfg, tx, SCHED, mesh, dense.abstract_params(cfg), M, schedule, dsched,
+    step = engine.make_pipeline_train_step(cfg, tx, SCHED, mesh, engine_shapes(cfg), M, schedule, dsched,
                                            expert_parallel=ep, recompute=recompute, weight_prediction=prediction)
     state = init_pipeline(cfg, tx, mesh, M, B, schedule, poison, ep, recompute, prediction)
     metrics = []
@@ -125,7 +130,7 @@ def test_sync_schedule_equals_simulate(P, M):
     cfg, data = model_cfg(), batches(2, M, 2 * M)
     want, _ = run_simulate(cfg, make_opt("adamw"), data)
     got, metrics = run_pipeline(cfg, make_opt("adamw"), data, P, "sync")
-    assert_params_close(got.params, want.params)
+    assert_params_close(engine.to_model_layout(cfg, got.params), want.params)
     assert np.isfinite(metrics[-1]["loss"])
 
 
@@ -133,16 +138,17 @@ def test_sync_schedule_equals_simulate(P, M):
 @pytest.mark.parametrize("schedule", ["sync", "2bw"])
 @pytest.mark.parametrize("vocab, tie", [(32, True), (32, False), (31, False)])
 def test_top_leaf_layouts_equal_simulate(schedule, vocab, tie):
-    """The embedding and head gradients take a different road for each layout: a tied table is
-    accumulated once in the head's [D, V] layout and reduce-scattered along V (vocab divisible by
-    P) or along D (not divisible); an untied model has two accumulators."""
+    """The embedding and head gradients take a different road for each model: a tied table is held
+    and accumulated once in the head's [D, V] layout (engine.to_engine_layout), its lookup reading
+    columns, and reduce-scattered along D; an untied model has two accumulators, the embedding's
+    reduce-scattered along V (divisible by P) or along D (not divisible)."""
     cfg, data = model_cfg(), batches(3, 4, 8, seed=7)
     cfg.update(vocab_size=vocab, tie_embeddings=tie)
     data = [d % vocab for d in data]
     chain = make_opt("adamw") if schedule == "sync" else optax.chain(delay(1), make_opt("adamw"))
     want, _ = run_simulate(cfg, chain, data)
     got, _ = run_pipeline(cfg, make_opt("adamw"), data, 2, schedule)
-    assert_params_close(got.params, want.params)
+    assert_params_close(engine.to_model_layout(cfg, got.params), want.params)
 
 
 @pytest.mark.needs_devices(2)
@@ -158,7 +164,7 @@ def test_2bw_weight_prediction_equals_simulate(smoothing):
     want = run_simulate_runner(cfg, optax.chain(delay(1, sync_start_steps=2, total_steps=6), tx), data,
                                make_mesh(1, jax.devices()[:1]), weight_prediction=prediction)
     state, _ = run_pipeline(cfg, tx, data, 2, "2bw", dsched=dsched, prediction=prediction)
-    assert_params_close(state.params, want.params)
+    assert_params_close(engine.to_model_layout(cfg, state.params), want.params)
     # Not vacuous: without the prediction the engine lands elsewhere.
     plain, _ = run_pipeline(cfg, tx, data, 2, "2bw", dsched=dsched)
     assert np.max(np.abs(np.asarray(plain.params["embed"]["embedding"])
@@ -170,7 +176,7 @@ def test_sync_schedule_with_data_parallel_equals_one_device():
     cfg, data = model_cfg(), batches(2, 2, 8)
     want, _ = run_simulate(cfg, make_opt("adamw"), data, data_size=1)
     got, _ = run_pipeline(cfg, make_opt("adamw"), data, 2, "sync", data_size=2)
-    assert_params_close(got.params, want.params)
+    assert_params_close(engine.to_model_layout(cfg, got.params), want.params)
 
 
 @pytest.mark.needs_devices(2)
@@ -180,11 +186,12 @@ def test_2bw_equals_simulate_with_delay_one(opt, ef):
     cfg, data = model_cfg(), batches(10, 2, 4, seed=1)
     want, _ = run_simulate(cfg, optax.chain(delay(1), make_opt(opt, ef)), data)
     got, metrics = run_pipeline(cfg, make_opt(opt, ef), data, 2, "2bw")
-    assert_params_close(got.params, want.params)
+    assert_params_close(engine.to_model_layout(cfg, got.params), want.params)
     assert [m["delay"] for m in metrics] == [1] * 10
     # Not vacuous: the delay matters at this learning rate.
     sync, _ = run_simulate(cfg, make_opt(opt, ef), data)
-    assert np.max(np.abs(np.asarray(got.params["embed"]["embedding"]) - np.asarray(sync.params["embed"]["embedding"]))) > 1e-3
+    assert np.max(np.abs(np.asarray(engine.to_model_layout(cfg, got.params)["embed"]["embedding"])
+                         - np.asarray(sync.params["embed"]["embedding"]))) > 1e-3
 
 
 @pytest.mark.needs_devices(4)
@@ -192,7 +199,7 @@ def test_2bw_with_data_parallel_equals_simulate():
     cfg, data = model_cfg(), batches(4, 2, 8, seed=4)
     want, _ = run_simulate(cfg, optax.chain(delay(1), make_opt("adamw")), data, data_size=2)
     got, _ = run_pipeline(cfg, make_opt("adamw"), data, 2, "2bw", data_size=2)
-    assert_params_close(got.params, want.params)
+    assert_params_close(engine.to_model_layout(cfg, got.params), want.params)
 
 
 @pytest.mark.needs_devices(4)
@@ -203,7 +210,7 @@ def test_2bw_parity_across_sync_start_and_cooldown_four_stages():
     chain_kw = dict(sync_start_steps=K, sync_cooldown_steps=C, total_steps=n)
     want, _ = run_simulate(cfg, optax.chain(delay(1, **chain_kw), make_opt("muon", True, K, C, n)), data)
     got, metrics = run_pipeline(cfg, make_opt("muon", True, K, C, n), data, 4, "2bw", dsched=dsched)
-    assert_params_close(got.params, want.params)
+    assert_params_close(engine.to_model_layout(cfg, got.params), want.params)
     assert [int(m["delay"]) for m in metrics] == [0, 0] + [1] * 6 + [0] * 3
     assert [int(m["skipped_batches"]) for m in metrics] == [0] * 8 + [1, 0, 0]
 
@@ -218,7 +225,7 @@ def test_moe_model_equals_simulate(schedule):
     chain = optax.chain(delay(1), make_opt("adamw")) if schedule == "2bw" else make_opt("adamw")
     want, _ = run_simulate(cfg, chain, data)
     got, metrics = run_pipeline(cfg, make_opt("adamw"), data, 2, schedule)
-    assert_params_close(got.params, want.params)
+    assert_params_close(engine.to_model_layout(cfg, got.params), want.params)
     assert metrics[-1]["moe_lb_loss"] > 0 and "moe_dropped" in metrics[-1]
 
 
@@ -233,7 +240,7 @@ def test_moe_expert_parallel_in_the_engine_equals_simulate():
     got, metrics = run_pipeline(cfg, make_opt("adamw"), data, 2, "2bw", data_size=2, ep=True)
     assert metrics[-1]["moe_dropped"] > 0
     assert got.params["layers"]["block_1"]["moe"]["gate"].sharding.spec == jax.sharding.PartitionSpec("stage", "data")
-    assert_params_close(got.params, want.params)
+    assert_params_close(engine.to_model_layout(cfg, got.params), want.params)
 
 
 @pytest.mark.needs_devices(2)
@@ -261,7 +268,7 @@ def test_2bw_four_stages_eight_microbatches_equals_simulate(recompute):
     cfg, data = model_cfg(), batches(4, 8, 8, seed=7)
     want, want_m = run_simulate(cfg, optax.chain(delay(1), make_opt("adamw")), data)
     got, got_m = run_pipeline(cfg, make_opt("adamw"), data, 4, "2bw", recompute=recompute)
-    assert_params_close(got.params, want.params)
+    assert_params_close(engine.to_model_layout(cfg, got.params), want.params)
     assert got_m[0]["loss_microbatches"] == 0 and all(m["loss_microbatches"] == 8 for m in got_m[1:])
     np.testing.assert_allclose([m["loss"] for m in got_m[1:]], [m["loss"] for m in want_m[:-1]], rtol=1e-6)
 
@@ -274,7 +281,7 @@ def test_moe_2bw_with_kept_residuals_equals_simulate():
     data = batches(4, 4, 4, seed=8)
     want, _ = run_simulate(cfg, optax.chain(delay(1), make_opt("adamw")), data)
     got, metrics = run_pipeline(cfg, make_opt("adamw"), data, 2, "2bw", recompute=False)
-    assert_params_close(got.params, want.params)
+    assert_params_close(engine.to_model_layout(cfg, got.params), want.params)
     assert metrics[-1]["moe_lb_loss"] > 0
 
 
@@ -283,7 +290,7 @@ def test_sync_schedule_with_kept_residuals_equals_simulate():
     cfg, data = model_cfg(), batches(2, 4, 4, seed=9)
     want, _ = run_simulate(cfg, make_opt("adamw"), data)
     got, _ = run_pipeline(cfg, make_opt("adamw"), data, 4, "sync", recompute=False)
-    assert_params_close(got.params, want.params)
+    assert_params_close(engine.to_model_layout(cfg, got.params), want.params)
 
 
 # bf16 tolerance.  The engine runs the same bf16 ops as the simulate runner, but its fp32 gradient
@@ -308,7 +315,7 @@ def test_bf16_transport_equals_simulate(schedule):
         assert state.fwd_buf.dtype == state.bwd_buf.dtype == state.stash[0].dtype == jnp.bfloat16
     max_g = max(float(m["grad_norm"]) for m in want_m)  # bounds max|g|
     tol = lr * steps * 8 * BF16_U * max_g
-    assert_params_close(got.params, want.params, rtol=0, atol=tol)
+    assert_params_close(engine.to_model_layout(cfg, got.params), want.params, rtol=0, atol=tol)
     # Not vacuous: bf16 rounding is far above the fp32 tolerance here.
     fp32, _ = run_simulate(model_cfg(), optax.chain(delay(1), tx) if schedule == "2bw" else tx, data)
     assert max(np.max(np.abs(np.asarray(a) - np.asarray(b))) for a, b in
@@ -329,10 +336,11 @@ def test_in_flight_state_holds_each_tensor_once():
     for g, p in zip(jax.tree.leaves(ps.grad_partial), jax.tree.leaves(got.params)):
         assert g.shape == p.shape
     embed_partial = ps.grad_partial["embed"]["embedding"]
-    assert not embed_partial.sharding.is_fully_replicated  # [31, 16]: split over stage on d
+    assert embed_partial.shape == (16, 31)  # the tied table in the head's [D, V] layout
+    assert not embed_partial.sharding.is_fully_replicated  # split over stage on d
     assert got.params["embed"]["embedding"].sharding.is_fully_replicated  # both end stages read it
     mu = got.opt_state[0].mu["embed"]["embedding"]
-    assert mu.sharding.spec == jax.sharding.PartitionSpec(None, "stage")
+    assert mu.sharding.spec == jax.sharding.PartitionSpec("stage")
     sync, _ = run_pipeline(cfg, make_opt("adamw"), data, 2, "sync", data_size=2)
     assert sync.runner_state is None  # a flushed schedule carries nothing across steps
 
@@ -345,8 +353,9 @@ def test_eval_on_the_pipeline_mesh_equals_simulate_and_gathers_nothing():
     mesh1 = make_mesh(1, jax.devices()[:1])
     want = step_lib.make_eval_step(cfg, mesh1)(params, jax.device_put(batch, step_lib.eval_sharding(mesh1)))
     mesh = engine.make_pipeline_mesh(2, 2)
-    abstract = dense.abstract_params(cfg)
-    sharded = jax.device_put(params, jax.tree.map(lambda sp: NamedSharding(mesh, sp), engine.param_specs(abstract)))
+    abstract = engine_shapes(cfg)
+    sharded = jax.device_put(engine.to_engine_layout(cfg, params),
+                             jax.tree.map(lambda sp: NamedSharding(mesh, sp), engine.param_specs(abstract)))
     fn = engine.make_pipeline_eval_step(cfg, mesh, abstract, microbatch_rows=2)
     glob = jax.device_put(batch, NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
     got = fn(sharded, glob)

@@ -1,6 +1,7 @@
 """An uneven layer split for the pipeline engine (``config.pipeline.stage_layers``).
 
-The engine holds the layer stack padded to ``[P * Lmax, ...]`` (``engine.pad_layers``); the
+The engine holds the layer stack padded to ``[P * Lmax, ...]`` (``engine.pad_layers``, part of
+``engine.to_engine_layout``, which also holds a tied table as the head's ``[D, V]``); the
 contract is parity with the simulate runner on the unpadded params (as tests/test_pipeline.py, at
 its 2e-5 tolerance) and padding rows that stay exactly zero through training.
 """
@@ -15,7 +16,7 @@ from asyncpp_jax import configs
 from asyncpp_jax import train_state as state_lib
 from asyncpp_jax.models import dense
 from asyncpp_jax.optim import build_optimizer, delay
-from asyncpp_jax.pipeline import engine
+from asyncpp_jax.pipeline import engine, stage
 from test_pipeline import SCHED, T, assert_params_close, batches, make_opt, model_cfg, run_simulate
 
 
@@ -31,10 +32,10 @@ def run_split(cfg, tx, data, P, schedule, stage_layers, recompute=True, poison=F
     rows = engine.stage_split(cfg, P, stage_layers)
     M, B = data[0].shape[0], data[0].shape[0] * data[0].shape[1]
     mesh = engine.make_pipeline_mesh(1, P)
-    abstract = jax.eval_shape(lambda p: engine.pad_layers(p, rows), dense.abstract_params(cfg))
+    abstract = jax.eval_shape(engine.engine_layout(cfg, rows), dense.abstract_params(cfg))
     step = engine.make_pipeline_train_step(cfg, tx, SCHED, mesh, abstract, M, schedule, recompute=recompute,
                                            stage_rows=rows)
-    params = engine.pad_layers(dense.init_params(cfg, jax.random.key(0)), rows)
+    params = engine.to_engine_layout(cfg, dense.init_params(cfg, jax.random.key(0)), rows)
     if nan_padding:
         params = with_nan_padding(params, rows)
     state = state_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
@@ -76,6 +77,35 @@ def test_pad_unpad_round_trip_and_layout():
     assert engine.pad_layers(params, None) is params
 
 
+@pytest.mark.parametrize("tie", [True, False])
+def test_engine_layout_round_trip_and_the_tied_table_as_the_head(tie):
+    """The engine's layout pads the stack and holds a tied table as the head's [D, V] matrix (an
+    untied model's leaves keep their shapes); to_model_layout undoes both exactly."""
+    cfg = model_cfg()
+    cfg.tie_embeddings = tie
+    params = dense.init_params(cfg, jax.random.key(0))
+    rows = engine.stage_split(cfg, 4, (2, 1, 0, 1))
+    held = engine.to_engine_layout(cfg, params, rows)
+    table = params["embed"]["embedding"]
+    assert held["embed"]["embedding"].shape == (table.shape[::-1] if tie else table.shape)
+    if tie:
+        np.testing.assert_array_equal(held["embed"]["embedding"], table.T)
+        np.testing.assert_array_equal(stage.head_of(cfg, held)["w"], dense.head_params(cfg, params)["w"])
+    tokens = jnp.asarray([[3, 0, 30], [7, 7, 1]], jnp.int32)
+    np.testing.assert_array_equal(stage.lookup(cfg, held, tokens), dense.embed(cfg, params, tokens))
+    jax.tree.map(np.testing.assert_array_equal, engine.to_model_layout(cfg, held, rows), params)
+    assert held["layers"]["attn"]["q"]["kernel"].shape[0] == 8
+
+
+@pytest.mark.needs_devices(2)
+def test_engine_refuses_params_in_the_model_layout():
+    cfg = model_cfg()
+    with pytest.raises(ValueError, match=r"tied embedding table as the head's \[d_model, vocab\] = \(16, 31\).*"
+                                         r"engine.to_engine_layout"):
+        engine.make_pipeline_train_step(cfg, optax.adamw(1e-3), SCHED, engine.make_pipeline_mesh(1, 2),
+                                        dense.abstract_params(cfg), 2, "sync")
+
+
 def test_stage_split_rejects_bad_splits():
     cfg = model_cfg()
     for bad in [(3, 2), (4,), (5, -1)]:
@@ -95,7 +125,7 @@ def test_uneven_split_equals_simulate_two_stages(schedule, recompute):
     want, _ = run_simulate(cfg, make_opt("adamw") if schedule == "sync" else optax.chain(delay(1), make_opt("adamw")),
                            data)
     got, metrics, rows = run_split(cfg, make_opt("adamw"), data, 2, schedule, (3, 1), recompute=recompute)
-    assert_params_close(engine.unpad_layers(got.params, rows), want.params)
+    assert_params_close(engine.to_model_layout(cfg, got.params, rows), want.params)
     assert_padding_zero(got.params, rows)
     assert np.isfinite(metrics[-1]["loss"])
 
@@ -111,7 +141,7 @@ def test_uneven_split_equals_simulate_four_stages(schedule, recompute):
     want, _ = run_simulate(cfg, make_opt("adamw") if schedule == "sync" else optax.chain(delay(1), make_opt("adamw")),
                            data)
     got, _, rows = run_split(cfg, make_opt("adamw"), data, 4, schedule, (2, 1, 0, 1), recompute=recompute)
-    assert_params_close(engine.unpad_layers(got.params, rows), want.params)
+    assert_params_close(engine.to_model_layout(cfg, got.params, rows), want.params)
     assert_padding_zero(got.params, rows)
 
 
@@ -122,7 +152,7 @@ def test_head_only_last_stage_equals_simulate():
     cfg, data = model_cfg(), batches(3, 6, 6, seed=3)
     want, _ = run_simulate(cfg, optax.chain(delay(1), make_opt("adamw")), data)
     got, _, rows = run_split(cfg, make_opt("adamw"), data, 4, "2bw", (1, 2, 1, 0), recompute=False, poison=True)
-    assert_params_close(engine.unpad_layers(got.params, rows), want.params)
+    assert_params_close(engine.to_model_layout(cfg, got.params, rows), want.params)
     assert_padding_zero(got.params, rows)
 
 
@@ -138,7 +168,7 @@ def test_moe_uneven_split_equals_simulate(recompute):
     want, _ = run_simulate(cfg, optax.chain(delay(1), make_opt("adamw")), data)
     got, metrics, rows = run_split(cfg, make_opt("adamw"), data, 2, "2bw", (4, 0), recompute=recompute)
     assert rows == (2, 0)
-    assert_params_close(engine.unpad_layers(got.params, rows), want.params)
+    assert_params_close(engine.to_model_layout(cfg, got.params, rows), want.params)
     assert_padding_zero(got.params, rows)
     assert metrics[-1]["moe_lb_loss"] > 0
 
@@ -153,7 +183,7 @@ def test_nan_in_padding_never_reaches_the_real_layers(recompute):
     want, _ = run_simulate(cfg, optax.chain(delay(1), make_opt("adamw")), data)
     got, _, rows = run_split(cfg, make_opt("adamw"), data, 4, "2bw", (2, 1, 0, 1), recompute=recompute,
                              nan_padding=True)
-    assert_params_close(engine.unpad_layers(got.params, rows), want.params)
+    assert_params_close(engine.to_model_layout(cfg, got.params, rows), want.params)
     assert all(np.all(np.isnan(np.asarray(x))) for x in jax.tree.leaves(engine.padding_of(got.params, rows)))
 
 
@@ -174,7 +204,7 @@ def test_eval_step_with_uneven_split_equals_simulate(P, split):
     rows = engine.stage_split(cfg, P, split)
     params = dense.init_params(cfg, jax.random.key(0))
     mesh = engine.make_pipeline_mesh(1, P)
-    padded = with_nan_padding(engine.pad_layers(params, rows), rows)  # never read: the loss stays finite
+    padded = with_nan_padding(engine.to_engine_layout(cfg, params, rows), rows)  # never read: the loss stays finite
     abstract = jax.eval_shape(lambda p: p, padded)
     eval_step = engine.make_pipeline_eval_step(cfg, mesh, abstract, 2, stage_rows=rows)
     batch = batches(1, 4, 8, seed=5)[0].reshape(8, T + 1)
@@ -202,7 +232,7 @@ def test_padding_stays_zero_with_every_optimizer(name):
     c.staleness.update(mode="2bw", mitigation="ef", weight_prediction=True)
     configs.validate(c)
     rows = engine.stage_split(c.model, 2, c.pipeline.stage_layers)
-    shapes = jax.eval_shape(lambda p: engine.pad_layers(p, rows), dense.abstract_params(c.model))
+    shapes = jax.eval_shape(engine.engine_layout(c.model, rows), dense.abstract_params(c.model))
     staleness = configs.effective_staleness(c)
     from asyncpp_jax.optim import weight_prediction, delay_schedule
     tx, schedule = build_optimizer(c.optimizer, 4, staleness, shapes, delay_in_chain=False)
@@ -211,7 +241,7 @@ def test_padding_stays_zero_with_every_optimizer(name):
     prediction = weight_prediction(staleness, 4)
     step = engine.make_pipeline_train_step(c.model, tx, schedule, mesh, shapes, 2, "2bw", delay_schedule(staleness, 4),
                                            weight_prediction=prediction, stage_rows=rows)
-    params = engine.pad_layers(dense.init_params(c.model, jax.random.key(0)), rows)
+    params = engine.to_engine_layout(c.model, dense.init_params(c.model, jax.random.key(0)), rows)
     state = state_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
     ps = engine.init_pipeline_state(c.model, params, mesh, 2, 4, T, "2bw", True, weight_prediction=prediction,
                                     stage_rows=rows)
@@ -248,7 +278,7 @@ def test_runner_pads_builds_the_optimizer_on_padded_shapes_and_states_the_cost()
     pad = _layer_padding(r)
     assert pad["stage_rows"] == [3, 1] and pad["fraction"] == pytest.approx((2 * 3 - 4) / 4)
     # Same key, same real weights as the simulate runner's init (both jitted: XLA's fusion moves the last bit).
-    real = engine.unpad_layers(jax.jit(r.init_fn())(jax.random.key(0)).params, r.stage_rows)
+    real = engine.to_model_layout(c.model, jax.jit(r.init_fn())(jax.random.key(0)).params, r.stage_rows)
     want = jax.jit(lambda k: dense.init_params(c.model, k))(jax.random.key(0))
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(real), jax.device_get(want))
 

@@ -3,7 +3,9 @@
 Stage ``s`` holds layers ``[s L/P, (s+1) L/P)`` (the stacked layer leaves are sharded on their
 leading axis over ``stage``); the embedding, final norm and head are replicated, but only stage 0
 runs the embedding and only stage ``P-1`` the final norm, head and loss
-(:mod:`asyncpp_jax.pipeline.stage` says what each slot computes).
+(:mod:`asyncpp_jax.pipeline.stage` says what each slot computes).  The params are held in the
+engine's layout (:func:`to_engine_layout`): a tied embedding table as the head's ``[D, V]`` matrix,
+so nothing vocabulary-sized is ever transposed.
 
 An uneven split, ``config.pipeline.stage_layers = (L_0, ..., L_{P-1})`` (:func:`stage_split`), gives
 stage ``s`` ``L_s`` layers, e.g. fewer to the last stage, which also runs the head and loss.  SPMD
@@ -56,7 +58,8 @@ from asyncpp_jax.optim.prediction import WeightPrediction, WeightPredictionState
 from asyncpp_jax.optim.staleness import DelaySchedule
 from asyncpp_jax.pipeline import tick_tables
 from asyncpp_jax.pipeline.tick_tables import OneStepDelay
-from asyncpp_jax.pipeline.stage import ResidualTemplate, StageFns, join_params, residual_shapes, split_params, stat_names
+from asyncpp_jax.pipeline.stage import (ResidualTemplate, StageFns, head_of, join_params, lookup, residual_shapes,
+                                        split_params, stat_names)
 from asyncpp_jax.train_state import BATCH_SPEC, TrainState, apply_update, from_host
 
 DEVICE = P("data", "stage")  # per-device in-flight state: leading [data, stage] axes
@@ -158,6 +161,37 @@ def unpad_layers(params, stage_rows: tuple | None):
     return join_params(jax.tree.map(lambda x: x[dst], params["layers"]), split_params(params)[1])
 
 
+def _transpose_tied_table(model_cfg, params):
+    if not model_cfg.tie_embeddings:
+        return params
+    return {**params, "embed": {**params["embed"], "embedding": params["embed"]["embedding"].T}}
+
+
+def to_engine_layout(model_cfg, params, stage_rows: tuple | None = None):
+    """The model's params (or a tree laid out like them: abstract shapes under ``jax.eval_shape``
+    too) -> the engine's layout: the layer stack padded for an uneven split (:func:`pad_layers`),
+    and a tied embedding table held as the head's ``[D, V]`` matrix, the layout its heaviest user,
+    the last stage's head, reads (:func:`stage.head_of`).  The lookup then takes the table's
+    columns (:func:`stage.lookup`), and its gradient, its optimizer state and their reduction over
+    stages stay in that one layout: no step transposes a vocabulary-sized matrix (on XLA:CPU each
+    transpose of the 49152 x 576 table of ``dense135m`` is a full copy, one per weight version and
+    device per step, and a reduction split along ``V`` copies the gradient into columns first).
+    The values are the model's: every optimizer here treats a matrix and its transpose alike
+    (the table is on the AdamW side of Muon, SOAP and MARS)."""
+    return _transpose_tied_table(model_cfg, pad_layers(params, stage_rows))
+
+
+def to_model_layout(model_cfg, params, stage_rows: tuple | None = None):
+    """Inverse of :func:`to_engine_layout`: the engine's params -> the model's (the simulate
+    runner's, ``dense.init_params``')."""
+    return unpad_layers(_transpose_tied_table(model_cfg, params), stage_rows)
+
+
+def engine_layout(model_cfg, stage_rows: tuple | None = None):
+    """:func:`to_engine_layout` as a one-argument function (``train_state.init_state``'s ``layout``)."""
+    return functools.partial(to_engine_layout, model_cfg, stage_rows=stage_rows)
+
+
 def padding_of(params, stage_rows: tuple | None):
     """The padded rows of each stacked layer leaf (``[P * Lmax - L, ...]``; empty without padding):
     what must stay exactly zero through training."""
@@ -166,7 +200,17 @@ def padding_of(params, stage_rows: tuple | None):
     return jax.tree.map(lambda x: x[pad], params["layers"])
 
 
-def _check_padded(params_abstract, n_stages: int, stage_rows: tuple | None) -> None:
+def _check_layout(model_cfg, params_abstract, n_stages: int, stage_rows: tuple | None) -> None:
+    """The params must be in the engine's layout (:func:`to_engine_layout`)."""
+    if model_cfg.tie_embeddings:
+        got = tuple(params_abstract["embed"]["embedding"].shape)
+        want = (model_cfg.d_model, model_cfg.vocab_size)
+        if got != want:
+            raise ValueError(
+                f"the pipeline engine holds the tied embedding table as the head's [d_model, vocab] = {want} "
+                f"matrix, got {got}: put the params (and their abstract shapes) in the engine's layout with "
+                "engine.to_engine_layout(model_cfg, params, stage_rows) (engine.engine_layout(...) as "
+                "init_state's layout=), and read them back with engine.to_model_layout.")
     rows = {x.shape[0] for x in jax.tree.leaves(params_abstract["layers"])}.pop()
     want = n_stages * max(stage_rows) if stage_rows is not None else None
     if stage_rows is not None and (len(stage_rows) != n_stages or rows != want):
@@ -265,34 +309,20 @@ def _add_at(acc, i, tree):
 
 
 def _table_transpose_add(acc, tokens, ct, i):
-    """``acc[i] += (d embed / d table)^T ct`` for a tied table accumulated in the head's ``[D, V]``
-    layout: the lookup's transpose adds each cotangent row to its token's column (``b x T`` columns;
-    the advanced index puts the ``[b, T]`` axes first, so ``ct`` [b, T, D] fits as it is)."""
+    """``acc[i] += (d lookup / d table)^T ct`` for a tied table held (and accumulated) as the head's
+    ``[D, V]`` matrix: the lookup's transpose adds each cotangent row to its token's column (``b x T``
+    columns; the advanced index puts the ``[b, T]`` axes first, so ``ct`` [b, T, D] fits as it is)."""
     return acc.at[i, :, tokens].add(ct.astype(acc.dtype))
 
 
-def _reduce_tied_table(w, spec):
-    """The tied table's gradient, summed on stage 0 (lookup) and ``P-1`` (head) in the head's
-    ``[D, V]`` layout -> laid out as its update ``spec`` (:func:`update_specs`).  Split over
-    ``stage`` along ``V``, each device transposes only the shard it receives."""
-    if tuple(spec) == ("stage",):
-        return jax.lax.psum_scatter(w, "stage", scatter_dimension=1, tiled=True).T
-    w = jax.lax.psum(w, "stage").T
-    if "stage" in spec:  # split along D: keep this device's slice
-        n = w.shape[1] // jax.lax.axis_size("stage")
-        return jax.lax.dynamic_slice_in_dim(w, jax.lax.axis_index("stage") * n, n, axis=1)
-    return w
-
-
-def _reduce_grads(grads, specs, expert_parallel: bool, stage_reduced=lambda path: False):
+def _reduce_grads(grads, specs, expert_parallel: bool):
     """A device's gradient sums -> the update's gradient (laid out as ``specs``,
     :func:`update_specs`): sum the replicated leaves' per-stage uses over ``stage``, scattered over
-    ``stage`` where the spec splits the leaf, and average over ``data``.  Leaves for which
-    ``stage_reduced(path)`` already are (the tied table) are only averaged over ``data``."""
+    ``stage`` where the spec splits the leaf, and average over ``data``."""
     data_size = jax.lax.axis_size("data")
 
     def one(path, g, spec):
-        if path[0].key != "layers" and not stage_reduced(path):
+        if path[0].key != "layers":
             if "stage" in spec:
                 g = jax.lax.psum_scatter(g, "stage", scatter_dimension=list(spec).index("stage"), tiled=True)
             else:
@@ -428,12 +458,11 @@ class _Device:
 
 @_scoped("pp_versions")
 def _versions(model_cfg, params):
-    """(layers, top, head) of a weight version in ``compute_dtype``, device-varying.  The head is
-    ``[D, V]`` (the tied table transposed once per step) on every stage: on CPU a ``cond`` that
-    built it on the last stage only would fill a ``[D, V]`` buffer on the others and copy the
-    transpose out of its branch."""
+    """(layers, top, head) of a weight version in ``compute_dtype``, device-varying; the head
+    ``[D, V]`` (:func:`stage.head_of`: a tied table is held in that layout, so nothing is
+    transposed)."""
     layers, top = split_params(_vary(dense.compute_view(model_cfg, params)))
-    return layers, top, dense.head_params(model_cfg, top)
+    return layers, top, head_of(model_cfg, top)
 
 
 def _make_grads_fn(model_cfg, mesh, table: tick_tables.TickTable, is_async: bool, carries_state: bool,
@@ -467,7 +496,7 @@ def _make_grads_fn(model_cfg, mesh, table: tick_tables.TickTable, is_async: bool
         n_acc = dev.delay.accumulators
         zeros = lambda tree: _vary(jax.tree.map(lambda x: jnp.zeros((n_acc,) + x.shape, jnp.float32), tree))  # noqa: E731
         # The embedding's lookup gradient (stage 0) and the head's (stage P-1, as [D, V]); a tied
-        # table has one accumulator, in the head's layout, for both.
+        # table has one accumulator, in its (the head's) layout, for both.
         top_acc = {"head": cur_v[2]} if tied else {"embed": cur_v[1]["embed"], "head": cur_v[2]}
         sums0 = _vary({k: jnp.zeros((n_acc,), jnp.float32) for k in stat_names(model_cfg)})
         carry = (stash, fwd_buf, bwd_buf, zeros(cur_v[0]), zeros(top_acc), sums0)
@@ -487,15 +516,12 @@ def _make_grads_fn(model_cfg, mesh, table: tick_tables.TickTable, is_async: bool
 def _reduce_accumulator(model_cfg, acc_l, acc_t, sums, k, uspec, expert_parallel):
     """Accumulator ``k`` -> (gradient laid out as ``uspec``, loss sums) of its batch, over the mesh."""
     head = jax.tree.map(lambda a: a[k], acc_t["head"])
-    tied = model_cfg.tie_embeddings
-    if tied:  # both uses of the table, summed over stage in the head's layout
-        top = {"final_norm": head["final_norm"],
-               "embed": {"embedding": _reduce_tied_table(head["w"], uspec["embed"]["embedding"])}}
+    if model_cfg.tie_embeddings:  # both uses of the table, in its one [D, V] accumulator
+        top = {"final_norm": head["final_norm"], "embed": {"embedding": head["w"]}}
     else:
         top = dense.grads_from_head(model_cfg, head)
         top["embed"] = {"embedding": acc_t["embed"]["embedding"][k]}
-    grads = _reduce_grads(join_params(jax.tree.map(lambda a: a[k], acc_l), top), uspec, expert_parallel,
-                          stage_reduced=lambda path: tied and path[0].key == "embed")
+    grads = _reduce_grads(join_params(jax.tree.map(lambda a: a[k], acc_l), top), uspec, expert_parallel)
     return grads, {n: jax.lax.pmean(jax.lax.psum(v[k], "stage"), "data") for n, v in sums.items()}
 
 
@@ -547,7 +573,7 @@ def make_pipeline_train_step(model_cfg, optimizer, schedule: optax.Schedule, mes
     n_stages = mesh.shape["stage"]
     if n_stages < 2:
         raise ValueError(f"the pipeline engine needs config.pipeline.stages >= 2, got {n_stages}.")
-    _check_padded(params_abstract, n_stages, stage_rows)
+    _check_layout(model_cfg, params_abstract, n_stages, stage_rows)
     if expert_parallel:  # experts sharded over ``data``: the MoE layers exchange tokens with all_to_all
         model_cfg = with_expert_parallel(model_cfg, "data", mesh.shape["data"])
     is_2bw = pipeline_schedule == "2bw"
@@ -647,7 +673,7 @@ def make_pipeline_eval_step(model_cfg, mesh, params_abstract, microbatch_rows: i
     (``stage_rows``, :func:`stage_split`).
     """
     n_stages = mesh.shape["stage"]
-    _check_padded(params_abstract, n_stages, stage_rows)
+    _check_layout(model_cfg, params_abstract, n_stages, stage_rows)
     if expert_parallel:
         model_cfg = with_expert_parallel(model_cfg, "data", mesh.shape["data"])
     fwd_perm = [(i, i + 1) for i in range(n_stages - 1)]
@@ -658,7 +684,7 @@ def make_pipeline_eval_step(model_cfg, mesh, params_abstract, microbatch_rows: i
         is_first, is_last = s == 0, s == n_stages - 1
         live = None if stage_rows is None else jnp.asarray(stage_rows, jnp.int32)[s]
         layers, top = split_params(_vary(dense.compute_view(model_cfg, params)))
-        head = dense.head_params(model_cfg, top)  # on every stage: see the train step
+        head = head_of(model_cfg, top)
         rows, width = batch.shape
         b = min(microbatch_rows, rows)
         mbs = batch.reshape(rows // b, b, width)
@@ -670,7 +696,7 @@ def make_pipeline_eval_step(model_cfg, mesh, params_abstract, microbatch_rows: i
             tokens = mbs[jnp.clip(j, 0, n_mb - 1)]
 
             def work(buf):
-                x = jax.lax.cond(is_first, lambda: dense.embed(model_cfg, top, tokens[:, :-1]).astype(act_dtype),
+                x = jax.lax.cond(is_first, lambda: lookup(model_cfg, top, tokens[:, :-1]).astype(act_dtype),
                                  lambda: buf)
                 h = dense.apply_layers(model_cfg, layers, x, live).astype(act_dtype)
 

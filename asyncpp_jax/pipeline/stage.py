@@ -43,6 +43,29 @@ def join_params(layers, top: dict) -> dict:
     return {**top, "layers": layers}
 
 
+# The engine holds a tied embedding table in the head's ``[D, V]`` layout
+# (:func:`asyncpp_jax.pipeline.engine.to_engine_layout`): the head reads it as it is, the lookup
+# takes its columns, and its gradient, the table's optimizer state and the reduction over stages
+# all live in that one layout, so no step ever transposes a vocabulary-sized matrix.
+
+
+def head_of(cfg, top: dict) -> dict:
+    """The output side of a weight version in the engine's layout, ``{'final_norm', 'w': [D, V]}``
+    (as :func:`dense.head_params` reads the model's): a tied table is already ``[D, V]``."""
+    if cfg.tie_embeddings:
+        return {"final_norm": top["final_norm"], "w": top["embed"]["embedding"]}
+    return dense.head_params(cfg, top)
+
+
+def lookup(cfg, top: dict, tokens: Array) -> Array:
+    """``dense.embed`` on the engine's layout: the columns of a tied ``[D, V]`` table (the same
+    values as the rows of the model's ``[V, D]`` one), the rows of an untied table."""
+    if not cfg.tie_embeddings:
+        return dense.embed(cfg, top, tokens)
+    table = top["embed"]["embedding"].astype(dense.dtype_of(cfg.compute_dtype))
+    return jnp.moveaxis(jnp.take(table, tokens, axis=1), 0, -1)
+
+
 @dataclasses.dataclass(frozen=True)
 class StageFns:
     """The per-slot computations of one stage for a model config.
@@ -72,7 +95,7 @@ class StageFns:
         return (h, dense.varying_like(dense.aux_loss(self.cfg, aux), h)), block_stats(self.cfg, aux)
 
     def last_loss(self, layers, head, x, tokens):
-        """``(loss, stats)``: block, final norm, head (:func:`dense.head_params`) and next-token
+        """``(loss, stats)``: block, final norm, head (:func:`head_of`) and next-token
         loss of one microbatch."""
         h, aux = dense.apply_layers_with_aux(self.cfg, layers, x, self.live())
         logits = dense.logits_from_head(self.cfg, head, h)
@@ -82,7 +105,7 @@ class StageFns:
         return lm + dense.aux_loss(self.cfg, aux), stats
 
     def embed(self, top, tokens):
-        return dense.embed(self.cfg, top, tokens[:, :-1])
+        return lookup(self.cfg, top, tokens[:, :-1])
 
     # ------------------------------------------------------------------ the three slot kinds
     def forward(self, layers_c, x, template: "ResidualTemplate"):

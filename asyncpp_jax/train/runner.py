@@ -9,7 +9,6 @@ chain or, for exact PipeDream, in the runner's weight history); ``pipeline`` is 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable
 
 import jax
@@ -29,7 +28,7 @@ class Runner:
     mesh: jax.sharding.Mesh
     data_size: int
     pipelined: bool
-    shapes: Any  # abstract params as the state holds them (the engine's padded layer stack, if any)
+    shapes: Any  # abstract params as the state holds them (the engine's layout, engine.to_engine_layout)
     optimizer: optax.GradientTransformation
     schedule: optax.Schedule
     train_step: Callable
@@ -37,7 +36,7 @@ class Runner:
     # config.pipeline.stage_layers as rows of the layer stack per stage (engine.stage_split); None:
     # an even split (or no pipeline), no padding
     stage_rows: tuple | None = None
-    model_shapes: Any = None  # abstract params of the model itself (unpadded): what to count or export
+    model_shapes: Any = None  # abstract params of the model itself (its own layout): what to count or export
 
     def __post_init__(self):
         if self.model_shapes is None:
@@ -54,11 +53,12 @@ class Runner:
         c = self.config
 
         def init(key):
-            # The real layers are initialised as the simulate runner's (same key, same weights),
-            # then padded; the optimizer is initialised on the padded params.
+            # The weights are initialised as the simulate runner's (same key, same values), then put
+            # in the engine's layout; the optimizer is initialised on that layout.
             state = state_lib.init_state(c.model, self.optimizer, key,
                                          None if self.pipelined else self.weight_versions,
-                                         layout=functools.partial(engine.pad_layers, stage_rows=self.stage_rows))
+                                         layout=engine.engine_layout(c.model, self.stage_rows) if self.pipelined
+                                         else None)
             if self.pipelined:
                 state = state.replace(runner_state=engine.init_pipeline_state(
                     c.model, state.params, self.mesh, c.train.microbatches, c.train.global_batch_size,
@@ -108,8 +108,7 @@ def build(c, devices) -> Runner:
     model_shapes = abstract_params(c.model)
     stage_rows = engine.stage_split(c.model, c.pipeline.stages, c.pipeline.stage_layers) if pipelined else None
     # The optimizer is built on the shapes the state holds (Muon's routing reads them).
-    shapes = (model_shapes if stage_rows is None else
-              jax.eval_shape(functools.partial(engine.pad_layers, stage_rows=stage_rows), model_shapes))
+    shapes = jax.eval_shape(engine.engine_layout(c.model, stage_rows), model_shapes) if pipelined else model_shapes
     staleness = configs.effective_staleness(c)
     optimizer, schedule = build_optimizer(c.optimizer, c.train.steps, staleness, shapes,
                                           delay_in_chain=not pipelined)
