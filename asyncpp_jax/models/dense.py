@@ -360,13 +360,6 @@ def compute_view(cfg, params: dict) -> dict:
         lambda path, x: x.astype(dtype) if _read_in_compute_dtype(path) else x, params)
 
 
-def embed_transpose_add(acc: Array, tokens: Array, ct: Array, lead: tuple = ()) -> Array:
-    """``acc[lead] + (d embed / d table)^T ct``: the embedding (``params['embed']['embedding']``)
-    is a row lookup, so its transpose adds each cotangent row to its token's row: an in-place
-    scatter of ``b x T`` rows, not a dense ``[V, D]`` gradient per call."""
-    return acc.at[lead + (tokens,)].add(ct.astype(acc.dtype))
-
-
 def head_params(cfg, params: dict) -> dict:
     """What the output side reads: ``{'final_norm': ..., 'w': [D, V]}``, with ``w`` the head as a
     ``[D, V]`` matrix (the transposed embedding when tied).  A caller that applies the head to

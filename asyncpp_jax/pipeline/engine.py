@@ -303,37 +303,62 @@ def _vary(tree, axes=("data", "stage")):
     return jax.tree.map(one, tree)
 
 
-def _add_at(acc, i, tree):
-    """``acc[i] += tree`` leaf by leaf (accumulators carry a leading ``[accumulators]`` axis)."""
-    return jax.tree.map(lambda a, g: a.at[i].add(g.astype(a.dtype)), acc, tree)
+def _add_at(acc, i, tree, axes=None):
+    """``acc[i] += tree`` leaf by leaf, ``i`` indexing each leaf's accumulator axis: the leading one
+    (``axes=None``), or per leaf as ``axes`` says (:func:`_acc_axis`)."""
+    if axes is None:
+        return jax.tree.map(lambda a, g: a.at[i].add(g.astype(a.dtype)), acc, tree)
+    return jax.tree.map(lambda a, g, ax: a.at[(slice(None),) * ax + (i,)].add(g.astype(a.dtype)), acc, tree, axes)
 
 
-def _table_transpose_add(acc, tokens, ct, i):
-    """``acc[i] += (d lookup / d table)^T ct`` for a tied table held (and accumulated) as the head's
-    ``[D, V]`` matrix: the lookup's transpose adds each cotangent row to its token's column (``b x T``
-    columns; the advanced index puts the ``[b, T]`` axes first, so ``ct`` [b, T, D] fits as it is)."""
-    return acc.at[i, :, tokens].add(ct.astype(acc.dtype))
+def _acc_axis(spec, ndim: int) -> int:
+    """Where a replicated leaf's accumulator axis (one entry per batch in flight) sits in its
+    stacked accumulator: right after the axis its update splits over ``stage``
+    (:func:`update_specs`), so that each device's share of all the accumulators is one contiguous
+    slab and one reduce-scatter serves them all (with the axis in front, XLA:CPU copies each
+    vocabulary-sized accumulator out of the stack before reducing it); in front when the leaf is
+    not split, or split along its last axis (a microbatch's add would then be strided)."""
+    spec = tuple(spec)
+    if "stage" in spec and spec.index("stage") + 1 < ndim:
+        return spec.index("stage") + 1
+    return 0
 
 
-def _reduce_grads(grads, specs, expert_parallel: bool):
-    """A device's gradient sums -> the update's gradient (laid out as ``specs``,
-    :func:`update_specs`): sum the replicated leaves' per-stage uses over ``stage``, scattered over
-    ``stage`` where the spec splits the leaf, and average over ``data``."""
+def _lookup_transpose_add(acc, tokens, ct, i, axis: int, tied: bool):
+    """``acc[i] += (d lookup / d table)^T ct``: each cotangent row added to its token's row of an
+    untied ``[V, D]`` table, or column of a tied table held as the head's ``[D, V]``; ``b x T``
+    entries, not a dense table per call.  ``axis``: the accumulator axis (:func:`_acc_axis`).  (Numpy's
+    rule places the advanced ``[b, T]`` axes first when the indices are apart, in place when adjacent.)"""
+    ct = ct.astype(acc.dtype)
+    if not tied:  # [V, D] table: acc [n, V, D] or [V, n, D]; both index to [b, T, D]
+        return acc.at[(i, tokens) if axis == 0 else (tokens, i)].add(ct)
+    if axis == 0:  # acc [n, D, V]: indexes to [b, T, D]
+        return acc.at[i, :, tokens].add(ct)
+    return acc.at[:, i, tokens].add(jnp.moveaxis(ct, -1, 0))  # acc [D, n, V]: indexes to [D, b, T]
+
+
+def _reduce_top(acc, spec, axis: int):
+    """A replicated leaf's stacked accumulator summed over ``stage`` (scattered where ``spec`` splits
+    it), in one collective for every batch it holds; the accumulator axis stays at ``axis``."""
+    spec = tuple(spec)
+    if "stage" not in spec:
+        return jax.lax.psum(acc, "stage")
+    split = spec.index("stage")
+    return jax.lax.psum_scatter(acc, "stage", scatter_dimension=split + (1 if axis <= split else 0), tiled=True)
+
+
+def _mean_over_data(grads, expert_parallel: bool):
+    """Average each gradient over ``data``."""
     data_size = jax.lax.axis_size("data")
 
-    def one(path, g, spec):
-        if path[0].key != "layers":
-            if "stage" in spec:
-                g = jax.lax.psum_scatter(g, "stage", scatter_dimension=list(spec).index("stage"), tiled=True)
-            else:
-                g = jax.lax.psum(g, "stage")
+    def one(path, g):
         if expert_parallel and is_expert_weight(path):
             # This device's experts already got every data shard's tokens (all_to_all's
             # transpose sums them): divide for the mean, no reduction.
             return g / data_size
         return jax.lax.pmean(g, "data")
 
-    return jax.tree_util.tree_map_with_path(one, grads, specs)
+    return jax.tree_util.tree_map_with_path(one, grads)
 
 
 def _scoped(name: str):
@@ -365,6 +390,7 @@ class _Device:
     step: Any
     slots: int  # stash ring slots
     act_dtype: Any
+    top_axes: Any  # the replicated leaves' accumulator axes (:func:`_acc_axis`), a tree like their accumulators
     template: ResidualTemplate = dataclasses.field(default_factory=ResidualTemplate)
 
     @property
@@ -419,7 +445,7 @@ class _Device:
         i, tokens = self.delay.accumulator(j), self.tokens_of(j)
         g_l, g_h, g_x, stats = self.delay.run(j, lambda w: self.fns.last(w[0], w[2], fwd_buf, tokens),
                                               self.cur, self.prev)
-        acc_t = {**acc_t, "head": _add_at(acc_t["head"], i, g_h)}
+        acc_t = {**acc_t, "head": _add_at(acc_t["head"], i, g_h, self.top_axes["head"])}
         return _add_at(acc_l, i, g_l), acc_t, _add_at(sums, i, stats), g_x.astype(self.act_dtype)
 
     @_scoped("pp_embed_grad")
@@ -427,9 +453,11 @@ class _Device:
         """Stage 0's embedding gradient, added to accumulator ``i`` (of a tied table: in the head's
         ``[D, V]`` accumulator, which the last stage also adds to)."""
         if self.tied:
-            return {**acc_t, "head": {**acc_t["head"], "w": _table_transpose_add(acc_t["head"]["w"], tokens, ct, i)}}
-        return {**acc_t, "embed": {"embedding": dense.embed_transpose_add(acc_t["embed"]["embedding"], tokens, ct,
-                                                                          (i,))}}
+            w = _lookup_transpose_add(acc_t["head"]["w"], tokens, ct, i, self.top_axes["head"]["w"], True)
+            return {**acc_t, "head": {**acc_t["head"], "w": w}}
+        table = _lookup_transpose_add(acc_t["embed"]["embedding"], tokens, ct, i,
+                                      self.top_axes["embed"]["embedding"], False)
+        return {**acc_t, "embed": {"embedding": table}}
 
     @_scoped("pp_tick")
     def tick(self, carry, row):
@@ -476,6 +504,7 @@ def _make_grads_fn(model_cfg, mesh, table: tick_tables.TickTable, is_async: bool
     pspec = param_specs(params_abstract, expert_parallel)
     uspec = update_specs(params_abstract, n_stages, expert_parallel)
     tied = model_cfg.tie_embeddings
+    top_specs = _top_acc_specs(model_cfg, uspec)
     rows = np.stack([table.forward, table.backward], axis=-1)  # [ticks, P, 2]: (forward, backward) slot
 
     def local(cur, prev, batch, pstate, prev_live, step):
@@ -491,18 +520,22 @@ def _make_grads_fn(model_cfg, mesh, table: tick_tables.TickTable, is_async: bool
             fwd_buf = bwd_buf = _vary(jnp.zeros((b, T, model_cfg.d_model), act_dtype))
             stash = [_vary(jnp.zeros((S,) + e.shape, e.dtype)) for e in residual_shapes(fns, cur_v[0], fwd_buf)]
             prev_batch = batch
-        dev = _Device(fns, OneStepDelay(is_async, prev_live), s, n_stages, cur_v, prev_v, batch, prev_batch, step,
-                      S, act_dtype)
-        n_acc = dev.delay.accumulators
-        zeros = lambda tree: _vary(jax.tree.map(lambda x: jnp.zeros((n_acc,) + x.shape, jnp.float32), tree))  # noqa: E731
+        n_acc = 2 if is_async else 1  # OneStepDelay.accumulators
         # The embedding's lookup gradient (stage 0) and the head's (stage P-1, as [D, V]); a tied
-        # table has one accumulator, in its (the head's) layout, for both.
+        # table has one accumulator, in its (the head's) layout, for both.  Each replicated leaf's
+        # accumulators are stacked along the axis _acc_axis gives it, the layers' in front.
         top_acc = {"head": cur_v[2]} if tied else {"embed": cur_v[1]["embed"], "head": cur_v[2]}
+        top_axes = jax.tree.map(lambda x, sp: _acc_axis(sp, x.ndim), top_acc, top_specs)
+        stacked = lambda x, ax: jnp.zeros(x.shape[:ax] + (n_acc,) + x.shape[ax:], jnp.float32)  # noqa: E731
+        acc_l = _vary(jax.tree.map(lambda x: stacked(x, 0), cur_v[0]))
+        acc_t = _vary(jax.tree.map(stacked, top_acc, top_axes))
+        dev = _Device(fns, OneStepDelay(is_async, prev_live), s, n_stages, cur_v, prev_v, batch, prev_batch, step,
+                      S, act_dtype, top_axes)
         sums0 = _vary({k: jnp.zeros((n_acc,), jnp.float32) for k in stat_names(model_cfg)})
-        carry = (stash, fwd_buf, bwd_buf, zeros(cur_v[0]), zeros(top_acc), sums0)
+        carry = (stash, fwd_buf, bwd_buf, acc_l, acc_t, sums0)
         carry, _ = jax.lax.scan(dev.tick, carry, jnp.take(rows, s, axis=1))
-        return _finish(model_cfg, carry, pstate, cur, batch, prev_live, is_async, carries_state, uspec,
-                       expert_parallel)
+        return _finish(model_cfg, carry, pstate, cur, batch, prev_live, is_async, carries_state, top_specs,
+                       top_axes, expert_parallel)
 
     def grads_fn(cur, prev, batch, pstate, prev_live, step):
         sspec = pipeline_state_specs(params_abstract, pstate, expert_parallel)
@@ -513,31 +546,47 @@ def _make_grads_fn(model_cfg, mesh, table: tick_tables.TickTable, is_async: bool
     return grads_fn
 
 
-def _reduce_accumulator(model_cfg, acc_l, acc_t, sums, k, uspec, expert_parallel):
-    """Accumulator ``k`` -> (gradient laid out as ``uspec``, loss sums) of its batch, over the mesh."""
-    head = jax.tree.map(lambda a: a[k], acc_t["head"])
-    if model_cfg.tie_embeddings:  # both uses of the table, in its one [D, V] accumulator
-        top = {"final_norm": head["final_norm"], "embed": {"embedding": head["w"]}}
-    else:
-        top = dense.grads_from_head(model_cfg, head)
-        top["embed"] = {"embedding": acc_t["embed"]["embedding"][k]}
-    grads = _reduce_grads(join_params(jax.tree.map(lambda a: a[k], acc_l), top), uspec, expert_parallel)
-    return grads, {n: jax.lax.pmean(jax.lax.psum(v[k], "stage"), "data") for n, v in sums.items()}
+def _top_acc_specs(model_cfg, uspec) -> dict:
+    """Where each replicated leaf's update lives (:func:`update_specs`), laid out like the
+    accumulators of the engine's top leaves: ``{'head': {'final_norm', 'w'}}`` (and ``'embed'`` for
+    an untied model, whose head ``w`` is the ``lm_head`` kernel)."""
+    if model_cfg.tie_embeddings:
+        return {"head": {"final_norm": uspec["final_norm"], "w": uspec["embed"]["embedding"]}}
+    return {"head": {"final_norm": uspec["final_norm"], "w": uspec["lm_head"]["kernel"]}, "embed": uspec["embed"]}
+
+
+def _reduce_accumulators(model_cfg, acc_l, acc_t, sums, n_acc, top_specs, top_axes, expert_parallel):
+    """The step's accumulators -> ``[(gradient laid out as update_specs, loss sums)]``, one per
+    batch they hold.  The replicated leaves are reduced over ``stage`` once for all batches."""
+    summed = jax.tree.map(_reduce_top, acc_t, top_specs, top_axes)
+    out = []
+    for k in range(n_acc):
+        t = jax.tree.map(lambda a, ax: jax.lax.index_in_dim(a, k, ax, keepdims=False), summed, top_axes)
+        if model_cfg.tie_embeddings:  # both uses of the table, in its one [D, V] accumulator
+            top = {"final_norm": t["head"]["final_norm"], "embed": {"embedding": t["head"]["w"]}}
+        else:
+            top = {**dense.grads_from_head(model_cfg, t["head"]), "embed": t["embed"]}
+        grads = _mean_over_data(join_params(jax.tree.map(lambda a: a[k], acc_l), top), expert_parallel)
+        out.append((grads, {n: jax.lax.pmean(jax.lax.psum(v[k], "stage"), "data") for n, v in sums.items()}))
+    return out
 
 
 @_scoped("pp_reduce")
-def _finish(model_cfg, carry, pstate, cur, batch, prev_live, is_async, carries_state, uspec, expert_parallel):
+def _finish(model_cfg, carry, pstate, cur, batch, prev_live, is_async, carries_state, top_specs, top_axes,
+            expert_parallel):
     """The end of a step: the applied batch's gradient and loss (accumulator 0, joined under
     ``2bw`` with its head carried in as ``grad_partial``), and the in-flight state to carry."""
     stash, fwd_buf, bwd_buf, acc_l, acc_t, sums = carry
-    grads, totals = _reduce_accumulator(model_cfg, acc_l, acc_t, sums, 0, uspec, expert_parallel)
+    reduced = _reduce_accumulators(model_cfg, acc_l, acc_t, sums, 2 if is_async else 1, top_specs, top_axes,
+                                   expert_parallel)
+    grads, totals = reduced[0]
     new = None
     if carries_state:
         if is_async:  # batch t-1's head, reduced at the end of the previous step, joins its tail
             keep = lambda a, p: a + jnp.where(prev_live, p, jnp.zeros_like(p))  # noqa: E731
             grads = jax.tree.map(keep, grads, pstate.grad_partial)
             totals = jax.tree.map(keep, totals, pstate.stats_partial)
-            partial, partial_sums = _reduce_accumulator(model_cfg, acc_l, acc_t, sums, 1, uspec, expert_parallel)
+            partial, partial_sums = reduced[1]
         else:
             partial = jax.tree.map(jnp.zeros_like, grads)
             partial_sums = jax.tree.map(jnp.zeros_like, totals)
