@@ -455,7 +455,7 @@ class _Device:
         return _add_at(acc_l, i, g_l), g_x.astype(self.act_dtype)
 
     @_scoped("pp_last")
-    def last(self, j, fwd_buf, acc_l, acc_t, sums, _g_x=None):
+    def last(self, j, fwd_buf, acc_l, acc_t, sums):
         """Stage ``P-1``: block, final norm, head and loss of microbatch ``j`` as one fused vjp."""
         i, tokens = self.delay.accumulator(j), self.tokens_of(j)
         g_l, g_h, g_x, stats = self.delay.run(j, lambda w: self.fns.last(w[0], w[2], fwd_buf, tokens),
@@ -489,7 +489,8 @@ class _Device:
         # writes (the head's vocabulary-sized accumulator goes through the last stage's alone).
         acc_l, g_x = jax.lax.cond(live & ~self.is_last, lambda al: self.backward(jb, bwd_buf, stash, al),
                                   lambda al: (al, jnp.zeros_like(bwd_buf)), acc_l)
-        acc_l, acc_t, sums, g_x = jax.lax.cond(live & self.is_last, lambda *a: self.last(jb, fwd_buf, *a),
+        acc_l, acc_t, sums, g_x = jax.lax.cond(live & self.is_last,
+                                               lambda al, at, su, _: self.last(jb, fwd_buf, al, at, su),
                                                lambda *a: a, acc_l, acc_t, sums, g_x)
         # Stage 0's input cotangent into the embedding's gradient rows, outside the conds (every
         # stage scatters, the others zeros: b x T rows): updated inside a cond branch, XLA copies
@@ -538,7 +539,8 @@ def _make_grads_fn(model_cfg, mesh, table: tick_tables.TickTable, is_async: bool
             fwd_buf = bwd_buf = _vary(jnp.zeros((b, T, model_cfg.d_model), act_dtype))
             stash = [_vary(jnp.zeros((S,) + e.shape, e.dtype)) for e in residual_shapes(fns, cur_v[0], fwd_buf)]
             prev_batch = batch
-        n_acc = 2 if is_async else 1  # OneStepDelay.accumulators
+        delay = OneStepDelay(is_async, prev_live)
+        n_acc = delay.accumulators
         # The embedding's lookup gradient (stage 0) and the head's (stage P-1, as [D, V]); a tied
         # table has one accumulator, in its (the head's) layout, for both.  Each replicated leaf's
         # accumulators are stacked along the axis _acc_axis gives it, the layers' in front.
@@ -547,8 +549,7 @@ def _make_grads_fn(model_cfg, mesh, table: tick_tables.TickTable, is_async: bool
         stacked = lambda x, ax: jnp.zeros(x.shape[:ax] + (n_acc,) + x.shape[ax:], jnp.float32)  # noqa: E731
         acc_l = _vary(jax.tree.map(lambda x: stacked(x, 0), cur_v[0]))
         acc_t = _vary(jax.tree.map(stacked, top_acc, top_axes))
-        dev = _Device(fns, OneStepDelay(is_async, prev_live), s, n_stages, cur_v, prev_v, batch, prev_batch, step,
-                      S, act_dtype, top_axes)
+        dev = _Device(fns, delay, s, n_stages, cur_v, prev_v, batch, prev_batch, step, S, act_dtype, top_axes)
         sums0 = _vary({k: jnp.zeros((n_acc,), jnp.float32) for k in stat_names(model_cfg)})
         carry = (stash, fwd_buf, bwd_buf, acc_l, acc_t, sums0)
         carry, _ = jax.lax.scan(dev.tick, carry, jnp.take(rows, s, axis=1))
@@ -595,8 +596,8 @@ def _finish(model_cfg, carry, pstate, cur, batch, prev_live, is_async, carries_s
     """The end of a step: the applied batch's gradient and loss (accumulator 0, joined under
     ``2bw`` with its head carried in as ``grad_partial``), and the in-flight state to carry."""
     stash, fwd_buf, bwd_buf, acc_l, acc_t, sums = carry
-    reduced = _reduce_accumulators(model_cfg, acc_l, acc_t, sums, 2 if is_async else 1, top_specs, top_axes,
-                                   expert_parallel)
+    n_acc = jax.tree.leaves(acc_l)[0].shape[0]  # OneStepDelay.accumulators: 2 under the delayed table
+    reduced = _reduce_accumulators(model_cfg, acc_l, acc_t, sums, n_acc, top_specs, top_axes, expert_parallel)
     grads, totals = reduced[0]
     new = None
     if carries_state:
