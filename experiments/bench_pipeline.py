@@ -353,6 +353,12 @@ def predicted_step_seconds(table: tick_tables.TickTable, c: list) -> float:
     return sum(max(_slot_seconds(table, c, k, s) for s in range(table.n_stages)) for k in range(table.ticks))
 
 
+def predicted_sync_over_2bw(P: int, M: int, c: list) -> float:
+    """``sync / 2bw`` as the tick tables' critical paths predict it from the per-stage slot costs ``c``."""
+    return (predicted_step_seconds(tick_tables.sync_table(P, M), c)
+            / predicted_step_seconds(tick_tables.async_table(P, M), c))
+
+
 # ------------------------------------------------------------------------------------------ modes
 
 
@@ -403,14 +409,12 @@ def overlap(args) -> None:
             runs = {"sync": Pipelined(args, P, M, "sync", recompute, stage_layers=args.stage_layers),
                     "2bw": Pipelined(args, P, M, "2bw", recompute, stage_layers=args.stage_layers)}
             t = time_side_by_side(runs, args.rounds, args.steps)
-            pred = (predicted_step_seconds(tick_tables.sync_table(P, M), costs)
-                    / predicted_step_seconds(tick_tables.async_table(P, M), costs))
+            pred = predicted_sync_over_2bw(P, M, costs)
             print(f"| {P} | {M} | {recompute} | {t['sync'] / t['2bw']:.3f} | {pred:.3f} | {(M + P - 1) / M:.3f} |",
                   flush=True)
     for P4, M in ((4, 8), (8, 16)) if not args.stage_layers else ():  # even splits only
         c = [cached_slot_costs(args, args.layers // P4, True)] * P4
-        pred = (predicted_step_seconds(tick_tables.sync_table(P4, M), c)
-                / predicted_step_seconds(tick_tables.async_table(P4, M), c))
+        pred = predicted_sync_over_2bw(P4, M, c)
         print(f"| {P4} | {M} | True | (predicted only) | {pred:.3f} | {(M + P4 - 1) / M:.3f} |")
     print()
     for recompute in recomputes:
@@ -441,8 +445,7 @@ def processes(args) -> None:
                     "2bw": Pipelined(args, P, M, "2bw", recompute, stage_layers=args.stage_layers)}
             rounds = time_rounds(runs, args.rounds, args.steps)
             ratios = np.array(rounds["sync"]) / np.array(rounds["2bw"])  # round by round: same machine state
-            pred = (predicted_step_seconds(tick_tables.sync_table(P, M), costs)
-                    / predicted_step_seconds(tick_tables.async_table(P, M), costs))
+            pred = predicted_sync_over_2bw(P, M, costs)
             if lead:
                 print(f"| {P} | {M} | {recompute} | {np.median(rounds['sync']):.3f} | {np.median(rounds['2bw']):.3f} "
                       f"| {np.median(ratios):.3f} | {ratios.min():.3f}-{ratios.max():.3f} | {pred:.3f} "
