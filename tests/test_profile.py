@@ -48,6 +48,21 @@ def test_phases_split_each_update_at_its_first_and_last_slot():
     assert got == [profile.Phase(100.0, 20.0, 50.0, 30.0), profile.Phase(50.0, 10.0, 30.0, 10.0)]
 
 
+
+def test_phases_keep_overlapping_runs_apart_by_run_id():
+    # Asynchronous dispatch: device 1 starts update 2 before device 0 has finished update 1.  By
+    # time alone they would be one window; the runtime's run_id keeps them two updates, and each
+    # slot counts only inside an execution of its own device.
+    ex = lambda ts, dur, dev, run: {"name": profile._EXECUTE, "ts": ts, "dur": dur,  # noqa: E731
+                                    "args": {"device_ordinal": dev, "run_id": run}}
+    slot = lambda ts, dur, dev: {"ts": ts, "dur": dur, "args": {"device_ordinal": dev}}  # noqa: E731
+    executions = [ex(0, 100_000, "0", "7"), ex(0, 80_000, "1", "7"),
+                  ex(90_000, 100_000, "1", "8"), ex(105_000, 90_000, "0", "8")]
+    slots = [slot(10_000, 60_000, "0"), slot(20_000, 40_000, "1"),
+             slot(95_000, 50_000, "1"), slot(120_000, 40_000, "0")]
+    got = profile.phases(executions, slots)
+    assert got == [profile.Phase(100.0, 10.0, 60.0, 30.0), profile.Phase(105.0, 5.0, 65.0, 35.0)]
+
 @pytest.mark.parametrize("pipeline", [False, True], ids=["simulate", "engine_2bw"])
 def test_a_profiled_run_attributes_its_step(cache_dir, tmp_path, pipeline):
     cfg = small_train_config(cache_dir, "prof", 1, steps=4, microbatches=2, eval_every=4, eval_batches=1,

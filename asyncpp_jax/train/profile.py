@@ -151,25 +151,46 @@ def _is_thunk(e: dict) -> bool:
     return "hlo_op" in (e.get("args") or {})
 
 
-def phases(executions: list[dict], slots: list[dict]) -> list[Phase]:
-    """Per update: the executions that overlap in time (one per device of the process) form its
-    window; ``slots`` (thunk events of :data:`SLOT_PARTS`) inside it mark where its ticks begin and
-    end.  A window with no slot (another program, e.g. an eval step) is not an update."""
-    windows: list[list[float]] = []
-    for e in sorted(executions, key=lambda e: e["ts"]):
-        start, end = e["ts"], e["ts"] + e["dur"]
-        if windows and start <= windows[-1][1]:
-            windows[-1][1] = max(windows[-1][1], end)
+def _same_device(a: dict, b: dict) -> bool:
+    """Whether two events ran on one device (an event that does not say is taken to match)."""
+    da, db = ((e.get("args") or {}).get("device_ordinal") for e in (a, b))
+    return da is None or db is None or da == db
+
+
+def _runs(executions: list[dict]) -> list[list[dict]]:
+    """The executions grouped into runs of a program, one execution per device of the process: by the
+    ``run_id`` the runtime records, else (a trace without it) those that overlap in time.  Time alone
+    is not enough where it is recorded: with asynchronous dispatch one device may start the next
+    update before another has finished this one, and the two updates would merge."""
+    by_id, loose = collections.defaultdict(list), []
+    for e in executions:
+        run_id = (e.get("args") or {}).get("run_id")
+        (by_id[run_id] if run_id is not None else loose).append(e)
+    runs = list(by_id.values())
+    end = None
+    for e in sorted(loose, key=lambda e: e["ts"]):
+        if end is not None and e["ts"] <= end:
+            runs[-1].append(e)
+            end = max(end, e["ts"] + e["dur"])
         else:
-            windows.append([start, end])
+            runs.append([e])
+            end = e["ts"] + e["dur"]
+    return sorted(runs, key=lambda r: min(e["ts"] for e in r))
+
+
+def phases(executions: list[dict], slots: list[dict]) -> list[Phase]:
+    """Per update: its run's executions (:func:`_runs`) span its window; the ``slots`` (thunk
+    events of :data:`SLOT_PARTS`) inside an execution of the same device mark where its ticks begin
+    and end.  A run with no slot (another program, e.g. an eval step) is not an update."""
     out = []
-    for start, end in windows:
-        inside = [e for e in slots if start <= e["ts"] <= end]
+    ms = lambda us: us / 1e3  # noqa: E731
+    for run in _runs(executions):
+        start, end = min(e["ts"] for e in run), max(e["ts"] + e["dur"] for e in run)
+        inside = [s for s in slots for e in run if _same_device(s, e) and e["ts"] <= s["ts"] <= e["ts"] + e["dur"]]
         if not inside:
             continue
         first = min(e["ts"] for e in inside)
         last = min(max(e["ts"] + e["dur"] for e in inside), end)
-        ms = lambda us: us / 1e3  # noqa: E731
         out.append(Phase(ms(end - start), ms(first - start), ms(last - first), ms(end - last)))
     return out
 
