@@ -5,9 +5,10 @@
 it.  ``python -m asyncpp_jax.train.profile WORKDIR`` then reads the trace's XLA thunk events (each
 names its HLO instruction), takes each one's *self* time (its duration minus the thunks nested in it:
 a ``while`` or ``conditional`` thunk contains its body's), maps the instruction to the source
-``op_name`` the compiler recorded, and sums the time by the named scope it ran under (the
-pipeline engine's slots, transfers and reduction; the optimizer update; see :data:`PARTS`).  It
-also splits each traced update's wall clock into three phases (:func:`phases`): before the first
+``op_name`` the compiler recorded (where it recorded none, the scope its operands share), and
+sums the time by the named scope it ran under (the pipeline engine's slots, transfers and
+reduction; the optimizer update; see :data:`PARTS`).  It lists the compiled step's matmuls that
+run under no named part, and it also splits each traced update's wall clock into three phases (:func:`phases`): before the first
 slot (weight versions, zeroed accumulators), the slots (the ticks, waiting included), and after the
 last slot (reductions, the optimizer): a schedule's fixed per-update work, beside its bubble.
 
@@ -23,6 +24,7 @@ import dataclasses
 import gzip
 import json
 import logging
+import os
 import pathlib
 import re
 import sys
@@ -48,7 +50,11 @@ PARTS = (
 SUBDIR = "profile"
 _HLO_DIR = "hlo"
 _META = "window.json"
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?metadata=\{op_name=\"([^\"]*)\"")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = ")
+_MATMUL = re.compile(r"\S+\s+(?:dot|convolution)\(")  # a matmul's shape (one array, no spaces), its opcode
+_OP_NAME = re.compile(r"op_name=\"([^\"]*)\"")
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+_OPERAND = re.compile(r"%([\w.\-]+)")
 
 
 class StepProfiler:
@@ -113,21 +119,81 @@ class Summary:
     ms: dict  # part -> milliseconds per update, summed over devices
     top_other: list  # [(op_name, ms per update)] of the largest unattributed instructions
     phases: list = dataclasses.field(default_factory=list)  # [Phase], one per traced update
+    unscoped_matmuls: list = dataclasses.field(default_factory=list)  # op_names, see :meth:`_Hlo.unscoped_matmuls`
 
 
-def _op_names(hlo_dir: pathlib.Path) -> dict[tuple[str, str], str]:
-    """``(module, instruction) -> op_name`` from the saved compiled HLO."""
-    names = {}
+@dataclasses.dataclass
+class _Hlo:
+    names: dict  # (module, instruction) -> op_name
+    matmuls: list  # the op_name each matmul runs under ("" where none is known)
+
+    def unscoped_matmuls(self) -> list[str]:
+        """The matmuls (``dot``, ``convolution``) that run under none of :data:`PARTS` (``""``: under
+        no known scope): the step's FLOPs that the table files under "other".  Read from the
+        program, not the trace, so it does not depend on how busy the host was."""
+        return sorted({op for op in self.matmuls if part_of(op) == "other"})
+
+
+def _operands(rest: str) -> list[str]:
+    """The instructions named between the opcode's parentheses of ``rest`` (``shape opcode(...)...``)."""
+    i = rest.find("(", rest.find(" "))
+    if i < 0:
+        return []
+    depth, j = 0, i
+    for j in range(i, len(rest)):
+        depth += {"(": 1, ")": -1}.get(rest[j], 0)
+        if depth == 0:
+            break
+    return _OPERAND.findall(rest[i:j])
+
+
+def _common_scope(op_names: list[str]) -> str:
+    """The scope the named instructions share, cut at a whole ``/`` component."""
+    prefix = os.path.commonprefix(op_names)
+    return prefix if prefix in op_names else prefix.rpartition("/")[0]
+
+
+def _parse_hlo(hlo_dir: pathlib.Path) -> _Hlo:
+    """The saved compiled HLO: each instruction's ``op_name``, and those of its matmuls.
+
+    Some instructions carry no ``op_name``: XLA:CPU's YNNPACK fusions (the attention's batched
+    matmuls among them) drop it.  Such an instruction takes the scope its operands share, since it
+    computes from them where they were computed; a matmul fused into another instruction runs as the
+    fusion that calls its computation, and takes that one's."""
+    names: dict[tuple[str, str], str] = {}
+    fused = set()  # the (module, computation)s holding a matmul without an op_name
+    callers = collections.defaultdict(list)  # (module, computation) -> the (module, instruction)s calling it
+    matmuls: list = []  # the op_name of each matmul that has one
     for path in sorted(hlo_dir.glob("*.txt")):
-        module = None
+        module = computation = None
         for line in path.read_text().splitlines():
             if line.startswith("HloModule "):
                 module = line.split()[1].rstrip(",")
                 continue
-            m = _INSTR.match(line)
-            if m:
-                names[(module, m.group(1))] = m.group(2)
-    return names
+            if line and not line[0].isspace() and line.rstrip().endswith("{"):
+                computation = line.removeprefix("ENTRY ").split()[0].lstrip("%")
+                continue
+            m = _INSTRUCTION.match(line)
+            if not m:
+                continue
+            key, rest = (module, m.group(1)), line[m.end():]
+            op = _OP_NAME.search(line)
+            if op:
+                names[key] = op.group(1)
+            else:
+                scopes = [names[(module, o)] for o in _operands(rest) if (module, o) in names]
+                if scopes:
+                    names[key] = _common_scope(scopes)
+            for called in _CALLS.findall(line):
+                callers[(module, called)].append(key)
+            if _MATMUL.match(rest):
+                if op:
+                    matmuls.append(op.group(1))
+                else:
+                    fused.add((module, computation))
+    for comp in fused:
+        matmuls += [names.get(c, "") for c in callers[comp]] or [""]
+    return _Hlo(names, matmuls)
 
 
 def part_of(op_name: str) -> str:
@@ -225,7 +291,8 @@ def summarize(profile_dir: str | pathlib.Path) -> Summary:
         raise FileNotFoundError(f"no profile in {d}: run with --config.train.profile_steps=N (and "
                                 "--config.train.profile_start=S to skip the first S updates)")
     updates = json.loads((d / _META).read_text())["updates"]
-    names = _op_names(d / _HLO_DIR)
+    hlo = _parse_hlo(d / _HLO_DIR)
+    names = hlo.names
     total = collections.defaultdict(lambda: collections.defaultdict(float))
     other = collections.defaultdict(float)
     events = _complete_events(traces[-1])
@@ -242,7 +309,8 @@ def summarize(profile_dir: str | pathlib.Path) -> Summary:
     devices = {dev for per in total.values() for dev in per}
     return Summary(updates, len(devices), {p: sum(v.values()) for p, v in total.items()},
                    sorted(other.items(), key=lambda kv: -kv[1])[:8],
-                   phases([e for e in events if e["name"] == _EXECUTE], slots))
+                   phases([e for e in events if e["name"] == _EXECUTE], slots),
+                   hlo.unscoped_matmuls())
 
 
 def render(s: Summary) -> str:
@@ -256,6 +324,9 @@ def render(s: Summary) -> str:
     if s.top_other:
         lines += ["", "largest unattributed instructions (op_name: ms / update):"]
         lines += [f"  {ms:8.2f}  {op[-110:]}" for op, ms in s.top_other]
+    if s.unscoped_matmuls:
+        lines += ["", f"matmuls under no named part ({len(s.unscoped_matmuls)}; their time is in \"other\"):"]
+        lines += [f"  {op[-110:]}" for op in s.unscoped_matmuls]
     if s.phases:
         lines += ["", "wall clock of each traced update (ms; the slots include waiting between them):", "",
                   "| update | wall | before the first slot | slots | after the last slot |", "|---|---|---|---|---|"]
