@@ -48,7 +48,6 @@ def test_phases_split_each_update_at_its_first_and_last_slot():
     assert got == [profile.Phase(100.0, 20.0, 50.0, 30.0), profile.Phase(50.0, 10.0, 30.0, 10.0)]
 
 
-
 def test_phases_keep_overlapping_runs_apart_by_run_id():
     # Asynchronous dispatch: device 1 starts update 2 before device 0 has finished update 1.  By
     # time alone they would be one window; the runtime's run_id keeps them two updates, and each
@@ -93,6 +92,7 @@ def test_hlo_reader_gives_an_unnamed_fusion_its_operands_scope_and_finds_unscope
     assert profile.part_of(hlo.names[("jit_train_step", "ynn_fusion.3")]) == "pp_last"
     assert sorted(hlo.matmuls) == ["jit(train_step)/loss/dot_general", "jit(train_step)/pp_last/attn"]
     assert hlo.unscoped_matmuls() == ["jit(train_step)/loss/dot_general"]
+
 
 @pytest.mark.parametrize("pipeline", [False, True], ids=["simulate", "engine_2bw"])
 def test_a_profiled_run_attributes_its_step(cache_dir, tmp_path, pipeline):

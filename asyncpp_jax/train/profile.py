@@ -8,9 +8,10 @@ a ``while`` or ``conditional`` thunk contains its body's), maps the instruction 
 ``op_name`` the compiler recorded (where it recorded none, the scope its operands share), and
 sums the time by the named scope it ran under (the pipeline engine's slots, transfers and
 reduction; the optimizer update; see :data:`PARTS`).  It lists the compiled step's matmuls that
-run under no named part, and it also splits each traced update's wall clock into three phases (:func:`phases`): before the first
-slot (weight versions, zeroed accumulators), the slots (the ticks, waiting included), and after the
-last slot (reductions, the optimizer): a schedule's fixed per-update work, beside its bubble.
+run under no named part, and splits each traced update's wall clock into three phases
+(:func:`phases`): before the first slot (weight versions, zeroed accumulators), the slots (the
+ticks, waiting included), and after the last slot (reductions, the optimizer): a schedule's fixed
+per-update work, beside its bubble.
 
 Why our own reader: TensorBoard's profile plugin shows the trace but does not group XLA:CPU thunks
 by ``jax.named_scope``, and that grouping is the question (which part of the step costs what).
