@@ -37,30 +37,41 @@ def test_self_times_subtract_nested_thunks():
     assert got == {"while": 40, "cond": 20, "dot": 30, "add": 10, "other_thread": 40}
 
 
+def _thunk(ts, dur, run=None, slot=False, dev="0"):
+    args = {"hlo_op": "slot" if slot else "other", "device_ordinal": dev} | ({"run_id": run} if run else {})
+    return {"ts": ts, "dur": dur, "args": args}
+
+
+def _is_slot(e):
+    return e["args"]["hlo_op"] == "slot"
+
+
 def test_phases_split_each_update_at_its_first_and_last_slot():
-    ex = lambda ts, dur: {"name": profile._EXECUTE, "ts": ts, "dur": dur}  # noqa: E731
-    slot = lambda ts, dur: {"ts": ts, "dur": dur}  # noqa: E731
-    # Update 1: two devices' executions overlap (one window); update 2: one device; then a window
-    # with no slot (an eval step), which is not an update.
-    executions = [ex(0, 100_000), ex(5_000, 90_000), ex(200_000, 50_000), ex(300_000, 10_000)]
-    slots = [slot(20_000, 10_000), slot(50_000, 20_000), slot(210_000, 30_000)]
-    got = profile.phases(executions, slots)
+    # Update 1 spans two devices; then a run with no slot (an eval step), which is not an update;
+    # then update 2, whose last thunk ends after its last slot.
+    thunks = [_thunk(0, 10_000, "1"), _thunk(20_000, 10_000, "1", True), _thunk(50_000, 20_000, "1", True, "1"),
+              _thunk(90_000, 10_000, "1", dev="1"),
+              _thunk(120_000, 5_000, "2"),
+              _thunk(200_000, 5_000, "3"), _thunk(210_000, 30_000, "3", True), _thunk(245_000, 5_000, "3")]
+    got = profile.phases(thunks, _is_slot)
     assert got == [profile.Phase(100.0, 20.0, 50.0, 30.0), profile.Phase(50.0, 10.0, 30.0, 10.0)]
 
 
 def test_phases_keep_overlapping_runs_apart_by_run_id():
     # Asynchronous dispatch: device 1 starts update 2 before device 0 has finished update 1.  By
-    # time alone they would be one window; the runtime's run_id keeps them two updates, and each
-    # slot counts only inside an execution of its own device.
-    ex = lambda ts, dur, dev, run: {"name": profile._EXECUTE, "ts": ts, "dur": dur,  # noqa: E731
-                                    "args": {"device_ordinal": dev, "run_id": run}}
-    slot = lambda ts, dur, dev: {"ts": ts, "dur": dur, "args": {"device_ordinal": dev}}  # noqa: E731
-    executions = [ex(0, 100_000, "0", "7"), ex(0, 80_000, "1", "7"),
-                  ex(90_000, 100_000, "1", "8"), ex(105_000, 90_000, "0", "8")]
-    slots = [slot(10_000, 60_000, "0"), slot(20_000, 40_000, "1"),
-             slot(95_000, 50_000, "1"), slot(120_000, 40_000, "0")]
-    got = profile.phases(executions, slots)
-    assert got == [profile.Phase(100.0, 10.0, 60.0, 30.0), profile.Phase(105.0, 5.0, 65.0, 35.0)]
+    # time alone they would be one window; the runtime's run_id on each thunk keeps them apart.
+    thunks = [_thunk(0, 5_000, "7"), _thunk(10_000, 60_000, "7", True), _thunk(90_000, 10_000, "7"),
+              _thunk(20_000, 40_000, "7", True, "1"),
+              _thunk(95_000, 50_000, "8", True, "1"), _thunk(120_000, 40_000, "8", True), _thunk(160_000, 35_000, "8")]
+    got = profile.phases(thunks, _is_slot)
+    assert got == [profile.Phase(100.0, 10.0, 60.0, 30.0), profile.Phase(100.0, 0.0, 65.0, 35.0)]
+
+
+def test_phases_of_a_trace_without_run_ids_group_by_overlap():
+    thunks = [_thunk(0, 50_000), _thunk(10_000, 20_000, slot=True), _thunk(40_000, 30_000, dev="1"),
+              _thunk(100_000, 10_000, slot=True)]
+    got = profile.phases(thunks, _is_slot)
+    assert got == [profile.Phase(70.0, 10.0, 20.0, 40.0), profile.Phase(10.0, 0.0, 10.0, 0.0)]
 
 
 _HLO = """HloModule jit_train_step, entry_computation_layout={()}

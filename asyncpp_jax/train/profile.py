@@ -98,8 +98,6 @@ class StepProfiler:
 
 # The parts that are a microbatch's forward/backward work: where an update's slot phase begins and ends.
 SLOT_PARTS = ("pp_fwd", "pp_bwd", "pp_last", "sim_grad")
-# The XLA:CPU runtime's event spanning one execution of a program (one device's update).
-_EXECUTE = "ThunkExecutor::Execute (wait for completion)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,19 +216,13 @@ def _is_thunk(e: dict) -> bool:
     return "hlo_op" in (e.get("args") or {})
 
 
-def _same_device(a: dict, b: dict) -> bool:
-    """Whether two events ran on one device (an event that does not say is taken to match)."""
-    da, db = ((e.get("args") or {}).get("device_ordinal") for e in (a, b))
-    return da is None or db is None or da == db
-
-
-def _runs(executions: list[dict]) -> list[list[dict]]:
-    """The executions grouped into runs of a program, one execution per device of the process: by the
-    ``run_id`` the runtime records, else (a trace without it) those that overlap in time.  Time alone
-    is not enough where it is recorded: with asynchronous dispatch one device may start the next
-    update before another has finished this one, and the two updates would merge."""
+def _runs(thunks: list[dict]) -> list[list[dict]]:
+    """The thunks grouped into runs of a program (one run spans every device of the process): by
+    the ``run_id`` the runtime records on each thunk, else (a trace without it) those whose spans
+    overlap in time.  Time alone is not enough where the id is recorded: with asynchronous dispatch
+    one device may start the next update before another has finished this one."""
     by_id, loose = collections.defaultdict(list), []
-    for e in executions:
+    for e in thunks:
         run_id = (e.get("args") or {}).get("run_id")
         (by_id[run_id] if run_id is not None else loose).append(e)
     runs = list(by_id.values())
@@ -245,19 +237,20 @@ def _runs(executions: list[dict]) -> list[list[dict]]:
     return sorted(runs, key=lambda r: min(e["ts"] for e in r))
 
 
-def phases(executions: list[dict], slots: list[dict]) -> list[Phase]:
-    """Per update: its run's executions (:func:`_runs`) span its window; the ``slots`` (thunk
-    events of :data:`SLOT_PARTS`) inside an execution of the same device mark where its ticks begin
-    and end.  A run with no slot (another program, e.g. an eval step) is not an update."""
+def phases(thunks: list[dict], is_slot) -> list[Phase]:
+    """Per update: its run's thunks (:func:`_runs`) span its wall clock, from the first one's start to
+    the last one's end; those for which ``is_slot`` holds (the work of :data:`SLOT_PARTS`) mark where
+    its ticks begin and end.  A run with no slot (another program, e.g. an eval step) is not an
+    update.  Why not the runtime's per-execution event: XLA:CPU records it only when the caller had
+    to wait for the execution, so a short update, or one on a busy host, may have none."""
     out = []
     ms = lambda us: us / 1e3  # noqa: E731
-    for run in _runs(executions):
-        start, end = min(e["ts"] for e in run), max(e["ts"] + e["dur"] for e in run)
-        inside = [s for s in slots for e in run if _same_device(s, e) and e["ts"] <= s["ts"] <= e["ts"] + e["dur"]]
+    for run in _runs(thunks):
+        inside = [e for e in run if is_slot(e)]
         if not inside:
             continue
-        first = min(e["ts"] for e in inside)
-        last = min(max(e["ts"] + e["dur"] for e in inside), end)
+        start, end = min(e["ts"] for e in run), max(e["ts"] + e["dur"] for e in run)
+        first, last = min(e["ts"] for e in inside), max(e["ts"] + e["dur"] for e in inside)
         out.append(Phase(ms(end - start), ms(first - start), ms(last - first), ms(end - last)))
     return out
 
@@ -296,9 +289,9 @@ def summarize(profile_dir: str | pathlib.Path) -> Summary:
     names = hlo.names
     total = collections.defaultdict(lambda: collections.defaultdict(float))
     other = collections.defaultdict(float)
-    events = _complete_events(traces[-1])
-    slots = []
-    for e, self_us in self_times([e for e in events if _is_thunk(e)]):
+    thunks = [e for e in _complete_events(traces[-1]) if _is_thunk(e)]
+    slots = set()  # id() of the slot thunks
+    for e, self_us in self_times(thunks):
         a = e["args"]
         op = names.get((a.get("hlo_module"), a["hlo_op"]), "")
         part = part_of(op)
@@ -306,11 +299,11 @@ def summarize(profile_dir: str | pathlib.Path) -> Summary:
         if part == "other":
             other[op or a["hlo_op"]] += self_us / 1e3 / updates
         if part in SLOT_PARTS:
-            slots.append(e)
+            slots.add(id(e))
     devices = {dev for per in total.values() for dev in per}
     return Summary(updates, len(devices), {p: sum(v.values()) for p, v in total.items()},
                    sorted(other.items(), key=lambda kv: -kv[1])[:8],
-                   phases([e for e in events if e["name"] == _EXECUTE], slots),
+                   phases(thunks, lambda e: id(e) in slots),
                    hlo.unscoped_matmuls())
 
 
