@@ -393,6 +393,20 @@ def execute(study: Study, out: pathlib.Path, jobs: int = 1, runner=None, log=pri
     return results
 
 
+def collect_done(study: Study, out: pathlib.Path) -> tuple[pathlib.Path, int, int]:
+    """``out/<study>/results.jsonl`` from the study's done runs only (no wall time: it was not
+    measured here); returns (its path, runs done, runs in the study).  For reading a long study
+    while it runs, or one that was stopped: its rows are those a finished study would write."""
+    root = out / study.name
+    root.mkdir(parents=True, exist_ok=True)
+    runs = [r for r in expand(study) if is_finished(root / r.run_id)]
+    results = root / "results.jsonl"
+    with open(results, "w") as f:
+        for run in runs:
+            f.write(json.dumps(collect(study, run, root / run.run_id)) + "\n")
+    return results, len(runs), len(expand(study))
+
+
 def study_names() -> list[str]:
     """The study modules in ``experiments/studies`` (every module but the shared ``common``)."""
     return sorted(p.stem for p in (REPO_ROOT / "experiments" / "studies").glob("*.py")
@@ -413,6 +427,9 @@ def main(argv=None):
     ap.add_argument("--out", default="runs/studies")
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--list", action="store_true", help="print the runs and exit")
+    ap.add_argument("--collect", action="store_true",
+                    help="write results.jsonl from the runs done so far and exit (runs nothing; a study "
+                    "still running elsewhere keeps going)")
     ap.add_argument("--no-reuse", dest="reuse", action="store_false",
                     help="run every run, even one another study under --out has done with the same config")
     a = ap.parse_args(argv)
@@ -425,6 +442,10 @@ def main(argv=None):
     if a.list:
         for run in expand(study):
             print(" ".join(command(study, run, pathlib.Path(a.out) / study.name / run.run_id)[2:]))
+        return
+    if a.collect:
+        results, done, total = collect_done(study, pathlib.Path(a.out))
+        print(f"{done} of {total} runs done -> {results}")
         return
     try:
         envs = job_envs(*accelerators(), max(a.jobs, 1))

@@ -1,7 +1,9 @@
 """Presets shared by the studies.
 
-``cpu``: the tiny byte-level model, shrunk so one run takes about 100 s on one CPU core (d_model
-128, 4 layers, seq 128, batch 16, 200 updates).  ``gpu``: the SmolLM2-135M shape (``configs/dense135m.py``)
+``cpu_regime``: the paper's regime at CPU size: the ``cpu`` preset's model (0.76M parameters)
+trained with many small updates (3,200 updates of 2 x 128 byte tokens), the paper's schedule shape
+(warmup over 10% of the updates, cosine to 10% of the peak, weight decay 0.1, clip 1.0).  ``cpu``:
+the few-update regime, kept as a study of its own: the same model, 200 updates of 16 x 128 tokens.  ``gpu``: the SmolLM2-135M shape (``configs/dense135m.py``)
 on the offline corpus with the byte tokenizer, sized so one run (one variant, one seed) takes about
 an hour on one H100 (see :data:`GPU_NOTE`).  ``paper``: the SmolLM2-360M shape for the headline
 studies (optimizers, mitigations), SmolLM2-135M for the sweeps (momentum, schemes, sensitivity),
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import os
 
-# 0.76M parameters, 200 updates of 16 x 128 byte tokens (410k tokens, ~5 tokens per parameter)
+# 0.76M parameters (759,040), 200 updates of 16 x 128 byte tokens (409,600 tokens, 0.54 per parameter)
 # with a cosine to 10% of the peak: about 100 s per run on one core (`--jobs 2` on 2 cores).  Sized
 # so a synchronous run ends >= 1 nat/byte below the corpus's unigram entropy (3.25) with its
 # validation loss flat over the last 10% of updates; validation every 20 updates for the gap over
@@ -48,6 +50,31 @@ GPU_NOTE = ("dense135m body, byte vocabulary (106.4M parameters), 5000 x 128 x 2
             "1.39e18 model FLOPs, ~1.0 H100-hour at 40% MFU; the offline stdlib corpus repeats ~44 times "
             "(ASYNCPP_GPU_SOURCE for a larger one); learning rates untuned (common.LR)")
 
+# The paper's regime at CPU size.  A one-step delay costs about as much as one update moves the
+# weights, so what matters is the number of updates, not the tokens: the paper's small models take
+# ~10^4 updates.  Here the `cpu` model takes 3,200 updates of 2 x 128 byte tokens (819,200 tokens,
+# 1.08 per parameter: the paper's 20 would be 15.2M tokens, ~19x this run's cost), warmup over the
+# first 10% of the updates, cosine to 10% of the peak, weight decay 0.1, clip 1.0 (the config
+# defaults), validation every 10% of the run on the same 256 held-out sequences at every rung of
+# the `ladder` study (eval_batches x batch = 256).
+REGIME_MODEL = {k: v for k, v in CPU.items() if k.startswith("model.")}
+REGIME_SEQUENCES_EVAL = 256
+
+
+def regime_rung(batch: int, updates: int) -> dict:
+    """The `cpu_regime` model at ``updates`` updates of ``batch`` x 128 tokens, in the paper's schedule shape."""
+    return {**REGIME_MODEL, "data.seq_len": 128, "train.global_batch_size": batch, "train.steps": updates,
+            "optimizer.warmup_steps": updates // 10, "optimizer.schedule": "cosine", "optimizer.min_lr_ratio": 0.1,
+            "optimizer.weight_decay": 0.1, "optimizer.grad_clip": 1.0,
+            "train.eval_every": updates // 10, "train.eval_batches": REGIME_SEQUENCES_EVAL // batch,
+            "train.checkpoint_every": updates // 4}
+
+
+CPU_REGIME = regime_rung(2, 3200)
+CPU_REGIME_SEEDS = (0, 1, 2)
+CPU_REGIME_NOTE = ("cpu model, 3,200 updates of 2 x 128 byte tokens (819,200 tokens, 1.08 per parameter), warmup "
+                   "10%, cosine to 10%: about 2 min per run on one CPU core; --jobs 2 runs two at once")
+
 PAPER = {
     "data.source": "hf:HuggingFaceFW/fineweb-edu:sample-10BT",
     "data.tokenizer": os.environ.get("ASYNCPP_TOKENIZER", "tokenizer.json"),
@@ -60,7 +87,7 @@ PAPER_MODELS = {
     "135m": ("configs/dense135m.py", "dense135m, 10.5B tokens per run: 1.29e19 model FLOPs, ~9 H100-hours at 40% MFU"),
     "360m": ("configs/dense360m.py", "dense360m, 10.5B tokens per run: 3.07e19 model FLOPs, ~22 H100-hours at 40% MFU"),
 }
-PRESETS = ("cpu", "gpu", "paper")
+PRESETS = ("cpu", "cpu_regime", "gpu", "paper")
 
 # Untuned defaults: one peak learning rate per optimizer (Lion's 10x lower, as its update is a sign).
 LR = {"adamw": 3e-3, "muon": 3e-3, "soap": 3e-3, "adan": 3e-3, "lion": 3e-4, "mars": 3e-3}
@@ -72,6 +99,15 @@ TUNED_LR = {
     "cpu": {"adamw": 0.003, "muon": 0.016, "soap": 0.009, "adan": 0.0052, "lion": 0.0009, "mars": 0.003},
 }
 WD = {"lion": 1.0}
+
+
+def lr_centre(opt: str, batch: int | None = None) -> float:
+    """The centre of ``opt``'s learning-rate grid at a ``cpu_regime`` rung of ``batch`` sequences
+    (default: the preset's): its ``cpu`` pick scaled by ``sqrt(batch / 16)``, the square-root rule
+    for adaptive optimizers (Malladi et al. 2022, "On the SDEs and Scaling Rules for Adaptive
+    Gradient Algorithms").  Only the grid's centre: each arm's learning rate is then tuned on it."""
+    batch = CPU_REGIME["train.global_batch_size"] if batch is None else batch
+    return TUNED_LR["cpu"][opt] * (batch / CPU["train.global_batch_size"]) ** 0.5
 # Per preset, settings beside the learning rate that a study of their own tuned for one optimizer
 # (experiments.tuning.pick_lion over the `lion` study's rows; tests/test_tuning.py holds them to it).
 # Lion at cpu: the paper's b1 0.9 and the preset's cosine left it short of the preset's aim (see
@@ -82,9 +118,11 @@ TUNED_SETTINGS = {
 
 
 def preset(name: str, paper_model: str = "135m") -> tuple[str, dict, tuple, str]:
-    """(config file, base overrides, seeds, note) for ``cpu``, ``gpu`` or ``paper`` (at ``paper_model``)."""
+    """(config file, base overrides, seeds, note) for a name of :data:`PRESETS` (``paper`` at ``paper_model``)."""
     if name == "cpu":
         return "configs/tiny.py", dict(CPU), CPU_SEEDS, CPU_NOTE
+    if name == "cpu_regime":
+        return "configs/tiny.py", dict(CPU_REGIME), CPU_REGIME_SEEDS, CPU_REGIME_NOTE
     if name == "gpu":
         return "configs/dense135m.py", dict(GPU), GPU_SEEDS, GPU_NOTE
     if name == "paper":

@@ -6,9 +6,11 @@ fraction are measured at every learning rate rather than at one that suits the s
 is a study of its own so that each fits the preset's hour, and its synchronous arms are this
 study's runs (the sweep copies them).
 
-Grid: ``LR[opt] x {1/3, 1/sqrt 3, 1, sqrt 3, 3}`` (9x wide, two significant figures), so Lion's
-grid sits 10x below the others as its default does; extended upward (:data:`EXTEND`) for an
-optimizer whose best learning rate was the grid's top point.  Variant names: ``OPT/lr=VALUE/ARM`` with ARM
+Grid: ``centre x {1/3, 1/sqrt 3, 1, sqrt 3, 3}`` (9x wide, two significant figures).  At ``cpu``
+the centre is ``LR[opt]``, so Lion's grid sits 10x below the others as its default does, extended
+upward (:data:`EXTEND`) for an optimizer whose best learning rate was the grid's top point.  At
+``cpu_regime`` (and each rung of the ``ladder`` study) the centre is the optimizer's ``cpu`` pick
+scaled by the square root of the batch ratio (:func:`experiments.studies.common.lr_centre`).  Variant names: ``OPT/lr=VALUE/ARM`` with ARM
 ``sync`` here, ``sync``, ``2bw`` or ``ef`` in ``lr_gap``.  The best synchronous learning rate per optimizer
 (:func:`experiments.tuning.pick_lrs`) is what ``common.TUNED_LR`` holds for the preset.  Every
 other setting is the optimizer's at the preset (``common.optimizer``), including those a study of
@@ -18,7 +20,7 @@ study at Lion's first pick here, after which Lion's grid here was run again with
 
 import math
 
-from experiments.studies.common import LR, optimizer, preset
+from experiments.studies.common import LR, lr_centre, optimizer, preset
 from experiments.sweep import Study
 
 NAMES = ("adamw", "muon", "soap", "adan", "lion", "mars")
@@ -38,8 +40,11 @@ ARMS = {
 EXTEND = {opt: (3 * math.sqrt(3), 9.0) for opt in ("muon", "soap", "lion")}
 
 
-def grid(opt: str) -> list[float]:
-    """``opt``'s learning rates, ascending, rounded to two significant figures."""
+def grid(opt: str, preset_name: str = "cpu", batch: int | None = None) -> list[float]:
+    """``opt``'s learning rates at ``preset_name`` (a ``cpu_regime`` rung: at ``batch``), ascending,
+    rounded to two significant figures."""
+    if preset_name == "cpu_regime":
+        return [float(f"{lr_centre(opt, batch) * f:.2g}") for f in FACTORS]
     return [float(f"{LR[opt] * f:.2g}") for f in FACTORS + EXTEND.get(opt, ())]
 
 
@@ -48,11 +53,11 @@ def grid(opt: str) -> list[float]:
 CPU_SEEDS = (0, 1)
 
 
-def variants_of(name: str, optimizers, arms) -> dict:
+def variants_of(name: str, optimizers, arms, batch: int | None = None) -> dict:
     """``OPT/lr=VALUE/ARM`` -> overrides, for each optimizer's grid and each arm."""
     variants = {}
     for opt in optimizers:
-        for lr in grid(opt):
+        for lr in grid(opt, name, batch):
             for arm in arms:
                 # The grid is around the untuned LR; the optimizer's other tuned settings at this
                 # preset (common.TUNED_SETTINGS: Lion's b1 and schedule at cpu) apply.
@@ -60,8 +65,12 @@ def variants_of(name: str, optimizers, arms) -> dict:
     return variants
 
 
+# cpu_regime follows the paper's protocol: tune on one seed, then measure the picks at three.
+TUNE_SEEDS = (0,)
+
+
 def seeds_of(name: str, seeds: tuple) -> tuple:
-    return CPU_SEEDS if name == "cpu" else seeds
+    return {"cpu": CPU_SEEDS, "cpu_regime": TUNE_SEEDS}.get(name, seeds)
 
 
 def study(name: str) -> Study:

@@ -1,0 +1,53 @@
+"""The updates ladder's tuning: every arm of every rung swept over the same learning-rate grid.
+
+The ``ladder`` study (:mod:`experiments.studies.ladder`) asks whether the delay gap shrinks toward
+the paper's figures as the number of updates grows.  Its rungs train the ``cpu_regime`` model on the
+same 819,200 tokens in 200, 800 and 3,200 updates (batches of 32, 8 and 2 sequences of 128), each in
+the paper's schedule shape (``common.regime_rung``).  This study is the paper's tuning protocol on
+each rung: sync, 2BW and 2BW + error feedback of AdamW, Muon and SOAP, each over the same 5-point
+grid (``lr.grid`` at that rung's batch, 9x wide), one seed.  Each arm's best learning rate
+(:func:`experiments.tuning.pick_arm_lrs`) is what ``common.TUNED_LADDER`` holds and what ``ladder``
+measures at three seeds.
+
+Variants: ``u=UPDATES/OPT/lr=VALUE/ARM``.  135 runs of about 2 min on one core each (4.5 CPU-hours;
+about 2.3 hours with ``--jobs 2`` on 2 cores); the 3,200-update rung's sync arms are the ``lr``
+study's runs at ``cpu_regime`` (the sweep copies them: run ``lr`` first under the same ``--out``).
+"""
+
+from experiments.studies import lr
+from experiments.studies.common import optimizer, preset, regime_rung
+from experiments.sweep import Study
+
+# updates -> batch (sequences of 128 tokens): the same 819,200 tokens at every rung.
+RUNGS = {200: 32, 800: 8, 3200: 2}
+OPTIMIZERS = ("adamw", "muon", "soap")
+ARMS = ("sync", "2bw", "ef")
+
+
+def rung_name(updates: int) -> str:
+    return f"u={updates}"
+
+
+def check_preset(name: str, study: str) -> None:
+    if name != "cpu_regime":
+        raise ValueError(f"the {study} study is defined at the cpu_regime preset only (its rungs are that "
+                         f"preset's model at other batch sizes); run it with --preset=cpu_regime")
+
+
+def variants(rungs: dict = RUNGS, optimizers=OPTIMIZERS, arms=ARMS) -> dict:
+    out = {}  # optimizer-major, so that an interrupted study has whole ladders for the first optimizers
+    for opt in optimizers:
+        for updates, batch in rungs.items():
+            for lr_value in lr.grid(opt, "cpu_regime", batch):
+                for arm in arms:
+                    out[f"{rung_name(updates)}/{opt}/lr={lr_value:g}/{arm}"] = {
+                        **regime_rung(batch, updates), **optimizer(opt, "cpu_regime"), "optimizer.lr": lr_value,
+                        **lr.ARMS[arm]}
+    return out
+
+
+def study(name: str) -> Study:
+    check_preset(name, "ladder_tune")
+    config, base, _, note = preset(name)
+    return Study("ladder_tune", config, variants(), seeds=lr.TUNE_SEEDS, base=base,
+                 note="ladder tuning: 135 runs of ~2 min on one core (4.5 CPU-hours)")
