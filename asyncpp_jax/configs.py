@@ -230,6 +230,9 @@ def _model_defaults() -> ml_collections.ConfigDict:
             compute_dtype="float32",
             param_dtype="float32",
             remat=False,  # see also train.auto_remat
+            # '' = random init; 'hf:DIR' = start from a local Hugging Face Llama checkpoint
+            # (config.json + safetensors; models/hf_llama.py), checked against these fields
+            init_from="",
             # Mixture of experts (models/moe.py); num_experts = 0 is a dense model.
             moe=dict(
                 num_experts=0,
@@ -274,6 +277,9 @@ def _check_model(c) -> list[str]:
     _number(errs, "model.z_loss", m.z_loss, ge=0)
     _flag(errs, "model.tie_embeddings", m.tie_embeddings)
     _flag(errs, "model.remat", m.remat)
+    if not (m.init_from == "" or (isinstance(m.init_from, str) and m.init_from.startswith("hf:") and m.init_from[3:])):
+        errs.append(f"config.model.init_from={m.init_from!r} must be '' (random init) or 'hf:DIR', DIR a local "
+                    "Hugging Face Llama directory (config.json and model.safetensors).")
     return errs
 
 
