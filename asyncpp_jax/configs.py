@@ -36,6 +36,7 @@ HARDWARE_GB = {"cpu": 8.0, "t4-16gb": 15.0, "tpu-v5e-16gb": 16.0, "a100-40gb": 4
 # Largest mesh accepted at all (more devices than any TPU pod or GPU cluster this code targets), and
 # the largest made of fake XLA:CPU devices on a host without an accelerator.
 MAX_MESH_DEVICES = 65536
+MAX_NS_STEPS = 50  # Newton-Schulz steps are unrolled at trace time: 1e5 of them never finish compiling
 MAX_CPU_DEVICES = 1024  # measured on XLA:CPU: 512 start in ~1 s, 4096 in ~9 s, 100000 hang
 
 
@@ -203,8 +204,9 @@ def _check_top(c) -> list[str]:
     _choice(errs, "runner", c.runner, RUNNERS)
     _choice(errs, "hardware", c.hardware, tuple(HARDWARE_GB))
     _number(errs, "seed", c.seed, ge=0, lt=2**32, integer=True)
-    if not (isinstance(c.name, str) and c.name and "/" not in c.name):
-        errs.append(f"config.name={c.name!r} must be a non-empty name without '/' (it names runs/<name>).")
+    if not (isinstance(c.name, str) and c.name and "/" not in c.name and c.name not in (".", "..")):
+        errs.append(f"config.name={c.name!r} must be a non-empty name without '/', and not '.' or '..' "
+                    "(it names runs/<name>).")
     return errs
 
 
@@ -299,7 +301,11 @@ def _check_moe(c) -> list[str]:
     if not (_is_int(moe.every) and moe.every >= 1 and _is_int(m.n_layers) and m.n_layers % moe.every == 0):
         errs.append(f"config.model.moe.every={moe.every!r} must be a positive integer dividing "
                     f"config.model.n_layers={m.n_layers}.")
-    if _number(errs, "model.moe.capacity_factor", moe.capacity_factor, allow=()) and moe.capacity_factor > 0:
+    if _is_real(moe.capacity_factor) and _is_int(moe.num_experts) and moe.capacity_factor > moe.num_experts:
+        errs.append(f"config.model.moe.capacity_factor={moe.capacity_factor} gives each expert more slots than there "
+                    f"are token assignments (capacity_factor > num_experts={moe.num_experts}); use at most "
+                    f"{moe.num_experts} (1.0-1.25 is usual), or <= 0 for dropless.")
+    elif _number(errs, "model.moe.capacity_factor", moe.capacity_factor, allow=()) and moe.capacity_factor > 0:
         tokens = _tokens_per_replica_microbatch(c)
         if tokens and _is_int(moe.top_k) and moe.top_k >= 1 and moe.capacity_factor * moe.top_k * tokens < moe.num_experts:
             errs.append(
@@ -482,8 +488,9 @@ def _check_optimizer_hparams(o) -> list[str]:
     for sub in _OPTIMIZER_EPS:
         _number(errs, f"optimizer.{sub}.eps", o[sub].eps, gt=0, why=" (it keeps the denominator away from 0)")
     _choice(errs, "optimizer.muon.scaling", o.muon.scaling, MUON_SCALINGS)
-    if not (_is_int(o.muon.ns_steps) and o.muon.ns_steps > 0):
-        errs.append(f"config.optimizer.muon.ns_steps={o.muon.ns_steps!r} must be a positive integer.")
+    if not (_is_int(o.muon.ns_steps) and 0 < o.muon.ns_steps <= MAX_NS_STEPS):
+        errs.append(f"config.optimizer.muon.ns_steps={o.muon.ns_steps!r} must be a positive integer at most "
+                    f"{MAX_NS_STEPS} (5 is the reference; each step is unrolled into the compiled program).")
     _choice(errs, "optimizer.adan.weight_decay_mode", o.adan.weight_decay_mode, ADAN_DECAY_MODES)
     _number(errs, "optimizer.soap.shampoo_beta", o.soap.shampoo_beta, ge=0, lt=1, allow=(-1,),
             why=" (-1: use soap.b2)")
@@ -813,8 +820,16 @@ def check_against_devices(c: ml_collections.ConfigDict, num_devices: int) -> int
 
 
 def check_workdir(workdir) -> None:
-    """A workdir must be a directory or not exist yet; a file there (or above it) is a typo."""
+    """A workdir must be a directory or not exist yet; a file there (or above it) is a typo.  The
+    file system root, the current directory and its parents (``--config.name=..``, ``--workdir=.``)
+    are refused: a run writes checkpoints/, metrics.jsonl and status.json into its workdir."""
     path = pathlib.Path(workdir)
+    resolved, cwd = path.expanduser().resolve(), pathlib.Path.cwd().resolve()
+    if resolved == cwd or resolved in cwd.parents or resolved == pathlib.Path(resolved.anchor):
+        what = ("the file system root" if resolved == pathlib.Path(resolved.anchor) else
+                "the current directory" if resolved == cwd else "a parent of the current directory")
+        raise ConfigError(f"--workdir={workdir} is {what} ({resolved}); a run writes its checkpoints and records "
+                          "into its workdir: pass a new directory such as runs/<name> (--workdir, or config.name).")
     for p in (path, *path.parents):
         if p.exists() and not p.is_dir():
             raise ConfigError(f"--workdir={workdir}: {p} is an existing file, not a directory; pass a new "

@@ -21,6 +21,7 @@ BAD = [
     ("hardware", "h100", {}, "is unknown"),
     ("seed", -1, {}, "[0, 4294967296)"),
     ("name", "", {}, "non-empty"),
+    ("name", "..", {}, "not '.' or '..'"),  # runs/.. is the current directory itself
     # model
     ("model.vocab_size", 0, {}, ">= 1"),
     ("model.d_model", -8, {}, ">= 1"),
@@ -55,6 +56,7 @@ BAD = [
     ("model.moe.router_z_loss_coef", -1.0, {}, ">= 0"),
     ("model.moe.capacity_factor", 1e-9, {}, "less than one slot"),
     ("model.moe.capacity_factor", NAN, {}, "finite"),
+    ("model.moe.capacity_factor", 1e12, {}, "more slots than"),  # its capacity would overflow int32
     ("model.moe.every", 3, {}, "dividing"),
     # data
     ("data.seq_len", 1, {}, ">= 2"),
@@ -98,6 +100,7 @@ BAD = [
     ("optimizer.adamw.eps", 0.0, {}, "> 0"),
     ("optimizer.muon.mu", 1.5, {}, "[0, 1)"),
     ("optimizer.muon.ns_steps", 0, {}, "positive integer"),
+    ("optimizer.muon.ns_steps", 100_000, {}, "at most 50"),  # unrolled at trace time: never compiles
     ("optimizer.muon.scaling", "other", {}, "is unknown"),
     ("optimizer.soap.b1", NAN, {}, "[0, 1)"),
     ("optimizer.soap.b2", 1.0, {}, "[0, 1)"),
