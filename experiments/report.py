@@ -36,7 +36,8 @@ import tempfile
 
 import numpy as np
 
-from experiments import stats, tuning
+from experiments import paper, report_ladder, stats, tuning
+from experiments.report_format import claim, est, md_table, plot_xy, plt_module, se_kind
 
 # Thresholds that turn the paper's words into a test, stated in the report.
 FAR_LARGER = 2.0  # "AdamW's gap is far larger than Muon's": at least this ratio
@@ -108,17 +109,6 @@ def fmt(values: np.ndarray) -> str:
     return f"{values.mean():.4f}"
 
 
-def _est(e: stats.Estimate | None, pct: bool = False) -> str:
-    if e is None:
-        return "-"
-    return e.pct() if pct else str(e)
-
-
-def _claim(claims: dict, name: str, verdict: str, test: str, measured: str) -> None:
-    assert verdict in stats.VERDICTS, verdict
-    claims[name] = (verdict, test, measured)
-
-
 def _both(verdicts: list[str]) -> str:
     """All parts shown: reproduced; any part contradicted: not reproduced; else inconclusive."""
     if all(v == stats.REPRODUCED for v in verdicts):
@@ -126,12 +116,6 @@ def _both(verdicts: list[str]) -> str:
     if any(v == stats.NOT_REPRODUCED for v in verdicts):
         return stats.NOT_REPRODUCED
     return stats.INCONCLUSIVE
-
-
-def _se_kind(e: stats.Estimate | None) -> str:
-    if e is None:
-        return "-"
-    return f"paired, {e.n} seed{'s' * (e.n != 1)}" if e.paired else f"independent, >= {e.n} runs per arm"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,18 +200,18 @@ def analyse_gap_over_time(name: str, rows, pairs, out: pathlib.Path, claims: dic
                 verdict = stats.INCONCLUSIVE
             key = f"The delay gap does not grow with training ({opt})"
             if prefer or key not in claims:
-                _claim(claims, key, verdict,
+                claim(claims, key, verdict,
                        f"change c of the gap from the midpoint to the last evaluation: reproduced if c + 2 SE < "
                        f"{GROWTH_MARGIN:.0%} of the midpoint gap, not reproduced if c - 2 SE > 0",
                        f"`{name}`, {label}: gap {g_mid} at update {mid} -> {g_last} at update {last}; "
-                       f"c = {change}")
+                       f"c = {change}", "the gap stays flat over training (reported, no figure)")
     if not series:
         return lines
     lines += ["### The delay gap over training", "",
               "Gap (async minus sync) at each evaluation, ± 1 SE over seeds (paired when the seeds pair). "
               "Test of the trend: the change c of the gap from the midpoint evaluation (the first at or after "
               "half the run) to the last: grows if c > 2 SE, shrinks if c < -2 SE, else stays (within noise).", ""]
-    lines += _table(["arms", "evaluations (mid / last)", "gap at mid", "gap at last", "change c", "trend"], table)
+    lines += md_table(["arms", "evaluations (mid / last)", "gap at mid", "gap at last", "change c", "trend"], table)
     lines += ["", f"![gap over training]({plot_bands(series, out / f'{name}_gap_over_time.png', unit)})", ""]
     return lines
 
@@ -281,7 +265,7 @@ def analyse_lr(rows, out: pathlib.Path, claims: dict) -> list[str]:
               "Each cell is `lr: mean ± SE over seeds`, learning rates ascending; the pick (lowest mean; a "
               "learning rate at which any seed diverged is never picked) is what `common.TUNED_LR[preset]` must "
               "hold for this preset (`tests/test_tuning.py` checks it against the committed rows).", ""]
-    lines += _table(["optimizer"] + [f"lr {k + 1}" for k in range(width)], table) + [""]
+    lines += md_table(["optimizer"] + [f"lr {k + 1}" for k in range(width)], table) + [""]
     lines.append("Picks: " + ", ".join(f"{k} {v:g}" for k, v in sorted(picks.items())) + ".")
     lines.append("")
     if series:
@@ -305,7 +289,7 @@ def analyse_lr_gap(rows, out: pathlib.Path) -> list[str]:
             g = stats.gap(arms, v["2bw"], v["sync"])
             g_ef = stats.gap(arms, v["ef"], v["sync"]) if v["ef"] else None
             f = stats.recovered(arms, v["ef"], v["2bw"], v["sync"]) if v["ef"] else None
-            table.append((opt, f"{lr:g}", _est(g), _est(g_ef), _est(f, pct=True), _se_kind(g)))
+            table.append((opt, f"{lr:g}", est(g), est(g_ef), est(f, pct=True), se_kind(g)))
             if g:
                 gap_series.setdefault(opt, []).append((lr, g.value, g.se))
             if f:
@@ -313,7 +297,7 @@ def analyse_lr_gap(rows, out: pathlib.Path) -> list[str]:
     if table:
         lines += ["### Delay gap and EF recovery per learning rate", "",
                   "Gap = 2bw - sync, EF gap = 2bw+EF - sync, recovered = 1 - EF gap / gap (delta method).", ""]
-        lines += _table(["optimizer", "lr", "delay gap", "EF gap", "EF recovers", "standard errors"], table) + [""]
+        lines += md_table(["optimizer", "lr", "delay gap", "EF gap", "EF recovers", "standard errors"], table) + [""]
     if gap_series:
         lines.append(f"![gap vs lr]({plot_xy(gap_series, out / 'lr_gap.png', 'peak learning rate', 'delay gap 2bw - sync', 'delay gap vs learning rate', logx=True)})")
         lines.append("")
@@ -341,16 +325,16 @@ def analyse_mitigations(rows, out: pathlib.Path, claims: dict) -> list[str]:
             # f_arm - f_ef = (ef - arm) / (none - sync)
             vs = stats.ratio(arms, {f"{opt}/ef": 1.0, f"{opt}/{arm}": -1.0}, {none: 1.0, sync: -1.0}) \
                 if arm != "ef" else None
-            table.append((opt, rank, arm, _est(stats.gap(arms, f"{opt}/{arm}", sync)), f.pct(),
-                          "-" if vs is None else f"{vs.value:+.0%} ± {vs.se:.0%}", _se_kind(f)))
+            table.append((opt, rank, arm, est(stats.gap(arms, f"{opt}/{arm}", sync)), f.pct(),
+                          "-" if vs is None else f"{vs.value:+.0%} ± {vs.se:.0%}", se_kind(f)))
         ef = stats.recovered(arms, f"{opt}/ef", none, sync)
         if ef is not None:
-            _claim(claims, f"Error feedback recovers a large part of the gap ({opt})",
+            claim(claims, f"Error feedback recovers a large part of the gap ({opt})",
                    stats.verdict(ef, LARGE_PART, at_least=True),
                    f"EF's fraction f: reproduced if f - 2 SE >= {LARGE_PART:.0%}, not reproduced if "
                    f"f + 2 SE < {LARGE_PART:.0%}",
-                   f"f = {ef.pct()} ({_se_kind(ef)})")
-    lines += _table(["optimizer", "rank", "mitigation", "gap vs sync", "fraction of the gap recovered",
+                   f"f = {ef.pct()} ({se_kind(ef)})", f"{paper.ef_share(opt)} (Table 2)")
+    lines += md_table(["optimizer", "rank", "mitigation", "gap vs sync", "fraction of the gap recovered",
                      "minus EF's fraction", "standard errors"], table) + [""]
     if series:
         lines.append(f"![recovered]({plot_xy(series, out / 'mitigations_recovered.png', 'mitigation', 'fraction recovered', 'gap recovered', bars=True)})")
@@ -392,9 +376,9 @@ def analyse_ef_causes(rows, out: pathlib.Path) -> list[str]:
                 ({ef: 1.0, sync: -1.0}, {none: 1.0, sync: -1.0}))
             effect = ("no standard error (one seed)" if diff.n < 2 else "raises it" if diff.value - 2 * diff.se > 0
                       else "lowers it" if diff.value + 2 * diff.se < 0 else "no effect within 2 SE")
-        table.append((cause, setting, f"{sync_val.value:.3f}", _est(stats.gap(arms, none, sync)),
-                      _est(stats.gap(arms, ef, sync)), f.pct(),
-                      "-" if diff is None else f"{diff.value:+.0%} ± {diff.se:.0%}", effect, _se_kind(f)))
+        table.append((cause, setting, f"{sync_val.value:.3f}", est(stats.gap(arms, none, sync)),
+                      est(stats.gap(arms, ef, sync)), f.pct(),
+                      "-" if diff is None else f"{diff.value:+.0%} ± {diff.se:.0%}", effect, se_kind(f)))
     if not table:
         return []
     lines = ["### What error feedback's share of AdamW's gap depends on", "",
@@ -402,25 +386,16 @@ def analyse_ef_causes(rows, out: pathlib.Path) -> list[str]:
              "2bw + EF; `strength` changes only the EF arm. EF recovers = 1 - (EF - sync) / (2bw - sync) "
              "(delta method); minus base's = that fraction minus the preset's own, its SE from the "
              "linearised difference (paired over seeds). Raises / lowers it: the difference beyond 2 SE.", ""]
-    lines += _table(["cause", "setting", "sync val", "delay gap", "EF gap", "EF recovers", "minus base's",
+    lines += md_table(["cause", "setting", "sync val", "delay gap", "EF gap", "EF recovers", "minus base's",
                      "effect", "standard errors"], table) + [""]
     lines.append(f"![EF recovery per cause]({plot_xy({'adamw': series}, out / 'ef_causes_recovered.png', 'cause', 'fraction of the gap EF recovers', 'EF recovery per cause', bars=True)})")
     lines.append("")
     return lines
 
 
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def plot_curves(rows, out: pathlib.Path, title: str) -> str:
     """Validation curves (mean over seeds) of every variant of one study."""
-    plt = _plt()
+    plt = plt_module()
     curves = collections.defaultdict(list)
     for r in rows:
         if r["val_curve"] and r.get("final_val") is not None:
@@ -443,33 +418,9 @@ def plot_curves(rows, out: pathlib.Path, title: str) -> str:
     return out.name
 
 
-def plot_xy(series: dict[str, list[tuple[float, float, float]]], out: pathlib.Path, xlabel: str, ylabel: str,
-            title: str, bars: bool = False, logx: bool = False, zero: bool = True) -> str:
-    plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for i, (name, pts) in enumerate(sorted(series.items())):
-        xs, ys, es = zip(*pts)
-        if bars:
-            pos = np.arange(len(xs)) + 0.4 * i
-            ax.bar(pos, ys, 0.4, yerr=es, label=name)
-            ax.set_xticks(np.arange(len(xs)) + 0.2, [str(x) for x in xs], rotation=30, fontsize=8)
-        else:
-            ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=name)
-    if zero:
-        ax.axhline(0, color="gray", lw=0.5)
-    if logx:
-        ax.set_xscale("log")
-    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
-    return out.name
-
-
 def plot_bands(series: dict, out: pathlib.Path, unit: str) -> str:
     """Gap vs training tokens (or updates, if a run did not save its batch shape), mean ± 1 SE band."""
-    plt = _plt()
+    plt = plt_module()
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for label, (points, per_update) in sorted(series.items()):
         scale = per_update if unit == "tokens" else 1
@@ -488,9 +439,18 @@ def plot_bands(series: dict, out: pathlib.Path, unit: str) -> str:
     return out.name
 
 
-def _table(header, rows) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + \
-        ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+def analyse_ladder(name: str, rows: list[dict], out: pathlib.Path, claims: dict, picks: dict) -> list[str]:
+    """``ladder_tune``: each arm's grid and the ladder at the picks on the tuning seed; ``ladder``: the
+    picks at three seeds (``picks`` from the ``ladder_tune`` rows given to the same report)."""
+    div = diverged(rows)
+    lines = [f"## Study `{name}`", "", f"{len(rows)} runs, seeds {sorted({r['seed'] for r in rows})}"
+             + (f"; {sum(div.values())} diverged" if div else "") + ".", ""]
+    if name == "ladder_tune":
+        lines += report_ladder.grid_table(rows)
+    elif not picks:
+        return lines + ["The `ladder_tune` rows that picked these learning rates are not in this report; give them "
+                        "too, since each gap is taken at the arms' picks.", ""]
+    return lines + report_ladder.analyse(rows, picks, out, claims)
 
 
 def analyse(name: str, rows: list[dict], out: pathlib.Path, claims: dict) -> list[str]:
@@ -498,7 +458,7 @@ def analyse(name: str, rows: list[dict], out: pathlib.Path, claims: dict) -> lis
     arms = stats.arms_of(rows)
     div = diverged(rows)
     lines = [f"## Study `{name}`", "", f"{len(rows)} runs, seeds {sorted({r['seed'] for r in rows})}.", ""]
-    lines += _table(["variant", "final val loss (nats/byte)", "runs"],
+    lines += md_table(["variant", "final val loss (nats/byte)", "runs"],
                     [(v, fmt(table[v]) if v in table else "-",
                       f"{len(table.get(v, []))}" + (f" (+{div[v]} diverged)" if div.get(v) else ""))
                      for v in sorted(set(table) | set(div))]) + [""]
@@ -508,17 +468,18 @@ def analyse(name: str, rows: list[dict], out: pathlib.Path, claims: dict) -> lis
     if name in ("optimizers", "sensitivity"):
         prefixes = sorted({v.rsplit("/", 1)[0] for v in arms})
         gaps = {p: stats.gap(arms, f"{p}/2bw", f"{p}/sync") for p in prefixes}
-        lines += _table(["setting", "delay gap 2bw - sync", "standard error"],
-                        [(p, _est(g), _se_kind(g)) for p, g in gaps.items()]) + [""]
+        lines += md_table(["setting", "delay gap 2bw - sync", "standard error"],
+                        [(p, est(g), se_kind(g)) for p, g in gaps.items()]) + [""]
         if name == "optimizers" and gaps.get("adamw") and gaps.get("muon"):
             d = stats.contrast(arms, {"adamw/2bw": 1.0, "adamw/sync": -1.0,
                                       "muon/2bw": -FAR_LARGER, "muon/sync": FAR_LARGER})
             verdict = stats.verdict(d)
             if verdict == stats.REPRODUCED and gaps["adamw"].value <= 0:
                 verdict = stats.INCONCLUSIVE  # "far larger" than a gap that helps says nothing of the delay's harm
-            _claim(claims, "AdamW's delay gap is far larger than Muon's", verdict,
+            claim(claims, "AdamW's delay gap is far larger than Muon's", verdict,
                    f"d = G_AdamW - {FAR_LARGER:g} G_Muon: reproduced if d > 2 SE, not reproduced if d < -2 SE",
-                   f"G_AdamW {gaps['adamw']}, G_Muon {gaps['muon']}; d = {d} ({_se_kind(d)})")
+                   f"G_AdamW {gaps['adamw']}, G_Muon {gaps['muon']}; d = {d} ({se_kind(d)})",
+                   f"G_AdamW {paper.gap('adamw')}, G_Muon {paper.gap('muon')}: {paper.gap_ratio():.0f}x (Table 1)")
         if name == "optimizers":
             pairs = [(f"{opt} 2bw", f"{opt}/2bw", f"{opt}/sync") for opt in ("adamw", "muon")]
             lines += analyse_gap_over_time(name, rows, pairs, out, claims,
@@ -533,8 +494,8 @@ def analyse(name: str, rows: list[dict], out: pathlib.Path, claims: dict) -> lis
                     series[m.group(1)].append((float(m.group(2)), g.value, g.se))
                     found[m.group(1)].append((float(m.group(2)), g, m.group(2)))
         series = {k: sorted(v) for k, v in series.items()}
-        lines += _table(["optimizer", "momentum", "delay gap", "standard error"],
-                        [(k, x, str(g), _se_kind(g)) for k, pts in sorted(found.items())
+        lines += md_table(["optimizer", "momentum", "delay gap", "standard error"],
+                        [(k, x, str(g), se_kind(g)) for k, pts in sorted(found.items())
                          for x, g, _ in sorted(pts, key=lambda p: p[0])]) + [""]
         lines.append(f"![gap vs momentum]({plot_xy(series, out / 'momentum_gap.png', 'b1 / mu', 'delay gap', 'gap vs momentum')})")
         lines.append("")
@@ -545,10 +506,11 @@ def analyse(name: str, rows: list[dict], out: pathlib.Path, claims: dict) -> lis
             (lo, g_lo, s_lo), (hi, g_hi, s_hi) = pts[0], pts[-1]
             shrink = stats.contrast(arms, {f"{opt}/beta={s_lo}/2bw": 1.0, f"{opt}/beta={s_lo}/sync": -1.0,
                                            f"{opt}/beta={s_hi}/2bw": -1.0, f"{opt}/beta={s_hi}/sync": 1.0})
-            _claim(claims, f"Higher momentum shrinks the delay gap ({opt})", stats.verdict(shrink),
+            claim(claims, f"Higher momentum shrinks the delay gap ({opt})", stats.verdict(shrink),
                    "s = gap at the lowest momentum - gap at the highest: reproduced if s > 2 SE, "
                    "not reproduced if s < -2 SE",
-                   f"gap {g_lo} at {lo:g} -> {g_hi} at {hi:g}; s = {shrink} ({_se_kind(shrink)})")
+                   f"gap {g_lo} at {lo:g} -> {g_hi} at {hi:g}; s = {shrink} ({se_kind(shrink)})",
+                   "higher momentum consistently shrinks the gap (reported, no figure)")
     elif name == "mitigations":
         lines += analyse_mitigations(rows, out, claims)
     elif name == "lr":
@@ -575,9 +537,9 @@ def analyse(name: str, rows: list[dict], out: pathlib.Path, claims: dict) -> lis
         series = {"pipedream": [(p, g.value, g.se) for p, g, _ in pts]}
         if two and pts:
             series["2bw"] = [(p, two.value, two.se) for p, _, _ in pts]
-        lines += _table(["scheme", "P", "delay gap", "standard error"],
-                        [("pipedream", p, str(g), _se_kind(g)) for p, g, _ in pts]
-                        + ([("2bw", "any", str(two), _se_kind(two))] if two else [])) + [""]
+        lines += md_table(["scheme", "P", "delay gap", "standard error"],
+                        [("pipedream", p, str(g), se_kind(g)) for p, g, _ in pts]
+                        + ([("2bw", "any", str(two), se_kind(two))] if two else [])) + [""]
         if pts:
             lines.append(f"![gap vs depth]({plot_xy(series, out / 'schemes_gap.png', 'pipeline depth P', 'delay gap', 'gap vs depth')})")
             lines.append("")
@@ -585,12 +547,13 @@ def analyse(name: str, rows: list[dict], out: pathlib.Path, claims: dict) -> lis
             (p_lo, _, v_lo), (p_hi, _, v_hi) = pts[0], pts[-1]
             deeper = stats.contrast(arms, {v_hi: 1.0, v_lo: -1.0})
             vs_2bw = stats.contrast(arms, {v_hi: 1.0, "adamw/2bw": -1.0})
-            _claim(claims, "PipeDream degrades with depth while 2BW does not",
+            claim(claims, "PipeDream degrades with depth while 2BW does not",
                    _both([stats.verdict(deeper), stats.verdict(vs_2bw)]),
                    f"d1 = PipeDream(P={p_hi}) - PipeDream(P={p_lo}) and d2 = PipeDream(P={p_hi}) - 2BW: "
                    "reproduced if both > 2 SE, not reproduced if either < -2 SE (2BW has one delay at any depth)",
                    f"PipeDream gap {' -> '.join(str(g) for _, g, _ in pts)} for P = "
-                   f"{', '.join(str(p) for p, _, _ in pts)}; 2BW {two}; d1 = {deeper}, d2 = {vs_2bw}")
+                   f"{', '.join(str(p) for p, _, _ in pts)}; 2BW {two}; d1 = {deeper}, d2 = {vs_2bw}",
+                   "PipeDream's gap grows with P, 2BW's does not (reported, no figure)")
     return lines
 
 
@@ -607,8 +570,12 @@ def report(paths, out: pathlib.Path) -> pathlib.Path:
         studies[row["study"]].append(row)
     claims: dict[str, tuple[str, str, str]] = {}
     body = []
+    ladder_picks = tuning.pick_arm_lrs(studies.get("ladder_tune", []), "ladder_tune")
     for name in sorted(studies):
-        body += analyse(name, studies[name], out, claims)
+        if name in ("ladder_tune", "ladder"):
+            body += analyse_ladder(name, studies[name], out, claims, ladder_picks)
+        else:
+            body += analyse(name, studies[name], out, claims)
     digest = hashlib.sha256(data.encode()).hexdigest()[:16]
     lines = ["# Async PP study report", "", f"Made from `{RESULTS}` beside this file ({len(rows)} runs, sha256 "
              f"`{digest}`); regenerate with `python -m experiments.report --check <this directory>`.", "",
@@ -624,8 +591,8 @@ def report(paths, out: pathlib.Path) -> pathlib.Path:
              "claim's side of its threshold), not reproduced (more than 2 SE on the other side), or "
              "inconclusive at this scale (within 2 SE, or fewer than two seeds).", ""]
     if claims:
-        lines += _table(["claim", "verdict", "test", "measured"],
-                        [(c, v, test, why) for c, (v, test, why) in claims.items()])
+        lines += md_table(["claim", "verdict", "test", "measured", "the paper"],
+                       [(c, v, test, why, theirs) for c, (v, test, why, theirs) in claims.items()])
     else:
         lines.append("None of the given studies tests a claim.")
     lines += [""] + body

@@ -71,6 +71,60 @@ def pick_lrs(rows) -> dict[str, float]:
     return picks
 
 
+ARM_VARIANT = re.compile(r"^(?P<prefix>.+)/lr=(?P<lr>[^/]+)/(?P<arm>\w+)$")
+
+
+def parse_arm(variant: str) -> tuple[str, float, str] | None:
+    """``(prefix, lr, arm)`` of a variant ``PREFIX/lr=VALUE/ARM`` (``u=200/adamw/lr=0.0042/2bw`` ->
+    ``('u=200/adamw', 0.0042, '2bw')``); else None."""
+    m = ARM_VARIANT.match(variant)
+    if not m:
+        return None
+    try:
+        return m["prefix"], float(m["lr"]), m["arm"]
+    except ValueError:
+        return None
+
+
+def arm_means(rows, study: str) -> dict[tuple[str, str], dict[float, float | None]]:
+    """``{(prefix, arm): {lr: mean final val over seeds, or None if a seed diverged}}`` of ``study``'s rows."""
+    runs = collections.defaultdict(list)
+    for r in rows:
+        parsed = parse_arm(r["variant"]) if r.get("study") == study else None
+        if parsed:
+            runs[(parsed[0], parsed[2], parsed[1])].append(r.get("final_val"))
+    out: dict = collections.defaultdict(dict)
+    for (prefix, arm, lr), vals in sorted(runs.items()):
+        ok = all(v is not None and math.isfinite(v) for v in vals)
+        out[(prefix, arm)][lr] = sum(vals) / len(vals) if ok else None
+    return dict(out)
+
+
+def pick_arm_lrs(rows, study: str) -> dict[str, dict[str, float]]:
+    """The paper's protocol: every arm tuned on the same grid.  ``{prefix: {arm: lr}}`` with each
+    arm's learning rate of lowest mean final val over ``study``'s seeds (never one at which a seed
+    diverged); for ``ladder_tune``'s rows, ``{'u=200/adamw': {'sync': ..., '2bw': ..., 'ef': ...}}``."""
+    picks: dict = collections.defaultdict(dict)
+    for (prefix, arm), by_lr in arm_means(rows, study).items():
+        finite = {lr: m for lr, m in by_lr.items() if m is not None}
+        if finite:
+            picks[prefix][arm] = min(finite, key=lambda lr: (finite[lr], lr))
+    return {k: dict(v) for k, v in sorted(picks.items())}
+
+
+def on_grid_edge(rows, study: str) -> list[str]:
+    """``prefix/arm`` whose pick is the lowest or highest learning rate it was run at: its grid
+    did not bracket the optimum, so the pick is a bound, not a tuned value."""
+    edges = []
+    for (prefix, arm), by_lr in arm_means(rows, study).items():
+        finite = {lr: m for lr, m in by_lr.items() if m is not None}
+        if len(by_lr) >= 3 and finite:
+            best = min(finite, key=lambda lr: (finite[lr], lr))
+            if best in (min(by_lr), max(by_lr)):
+                edges.append(f"{prefix}/{arm}")
+    return edges
+
+
 LION_VARIANT = re.compile(r"^b1=(?P<b1>[\d.]+)/(?P<schedule>\w+)$")
 
 
@@ -98,6 +152,13 @@ def main(argv=None):
     if not picks:
         raise SystemExit(f"error: no lr-study rows in {', '.join(a.results)}; run `python -m experiments.sweep lr`")
     print("{" + ", ".join(f'"{k}": {v!r}' for k, v in sorted(picks.items())) + "}")
+    for study in ("ladder_tune",):
+        arm_picks = pick_arm_lrs(rows, study)
+        if arm_picks:
+            print(f"{study}: {json.dumps(arm_picks)}")  # common.TUNED_LADDER
+            edges = on_grid_edge(rows, study)
+            if edges:
+                print(f"{study}: picked on the grid's edge (extend the grid): {', '.join(edges)}")
     lion_pick = pick_lion(rows)
     if lion_pick is not None:
         print(f"lion: {json.dumps(lion_pick)}")  # common.TUNED_SETTINGS[preset]["lion"]

@@ -190,7 +190,7 @@ def test_report_tables_claims_and_plots(tmp_path):
     assert "| adamw | 2 | ef | +0.3000 ± 0.0000 | 70% ± 0% | - | paired, 2 seeds |" in md
     assert "| muon | 1 | ef | +0.1600 ± 0.0000 | 20% ± 0% | - | paired, 2 seeds |" in md
     verdicts = {line.split(" | ")[0][2:]: line.split(" | ")[1] for line in md.splitlines()
-                if line.startswith("| ") and len(line.split(" | ")) == 4}
+                if line.startswith("| ") and len(line.split(" | ")) == 5}  # claim, verdict, test, measured, the paper
     assert verdicts["AdamW's delay gap is far larger than Muon's"] == "reproduced"  # d = 1.05 - 0.2 ± 0.05
     assert verdicts["Error feedback recovers a large part of the gap (adamw)"] == "reproduced"  # 70% ± 0
     assert verdicts["Error feedback recovers a large part of the gap (muon)"] == "not reproduced"  # 20% ± 0
@@ -278,5 +278,5 @@ def test_sensitivity_lr_arms_are_the_lr_studys_grid_points_where_it_has_them():
 
 def test_an_unknown_study_is_named_with_the_choices():
     assert {"lr", "lr_gap", "lion", "optimizers", "ef_causes"} <= set(sweep.study_names())
-    with pytest.raises(ValueError, match="no study 'nosuch'; choose one of ef_causes, lion, lr, lr_gap"):
+    with pytest.raises(ValueError, match="no study 'nosuch'; choose one of ef_causes, ladder, ladder_tune, lion, lr, lr_gap"):
         sweep.load_study("nosuch", "cpu")

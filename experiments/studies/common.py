@@ -99,6 +99,10 @@ TUNED_LR = {
     "cpu": {"adamw": 0.003, "muon": 0.016, "soap": 0.009, "adan": 0.0052, "lion": 0.0009, "mars": 0.003},
 }
 WD = {"lion": 1.0}
+# The ladder's per-arm picks: {'u=UPDATES/OPT': {arm: lr}} from the `ladder_tune` study's rows
+# (experiments.tuning.pick_arm_lrs; tests/test_tuning.py holds the table to the committed rows).
+# Empty until that study is committed: the `ladder` study then refuses to expand.
+TUNED_LADDER: dict[str, dict[str, float]] = {}
 
 
 def lr_centre(opt: str, batch: int | None = None) -> float:

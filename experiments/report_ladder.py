@@ -1,0 +1,186 @@
+"""The updates ladder's sections of the study report (``ladder_tune`` and ``ladder`` studies).
+
+Every arm is tuned on the same grid (the paper's protocol), so each delay gap is given both ways:
+
+- best against best: ``G* = L(2bw at its pick) - L(sync at its pick)``;
+- at the sync-tuned learning rate: ``G_s = L(2bw at sync's pick) - L(sync at its pick)``;
+
+and error feedback's share the same two ways, ``f = 1 - (L_ef - L_sync) / (L_2bw - L_sync)``.  The
+picks come from the ``ladder_tune`` rows (one seed; :func:`experiments.tuning.pick_arm_lrs`); the
+``ladder`` rows measure them at three seeds.  The trend over the ladder is the least-squares slope
+of the gap against ``log2(updates)``, a linear contrast of the arms' means (paired over seeds where
+they share them), tested against two standard errors; the paper's figure stands beside each row.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import pathlib
+import re
+
+from experiments import paper, stats, tuning
+from experiments.report_format import claim, est, md_table, plot_xy, se_kind
+
+VARIANT = re.compile(r"^u=(?P<updates>\d+)/(?P<opt>\w+)/lr=(?P<lr>[^/]+)/(?P<arm>\w+)$")
+ARMS = ("sync", "2bw", "ef")
+
+
+def _names(rows) -> dict[tuple[int, str, str, float], str]:
+    """(updates, optimizer, arm, lr) -> variant name."""
+    out = {}
+    for r in rows:
+        m = VARIANT.match(r["variant"])
+        if m:
+            out[(int(m["updates"]), m["opt"], m["arm"], float(m["lr"]))] = r["variant"]
+    return out
+
+
+def grid_table(rows) -> list[str]:
+    """Final val per learning rate for each rung, optimizer and arm (``ladder_tune``), picks in bold."""
+    means = tuning.arm_means(rows, "ladder_tune")
+    picks = tuning.pick_arm_lrs(rows, "ladder_tune")
+    body = []
+    for (prefix, arm), by_lr in sorted(means.items(), key=lambda kv: (_rung_key(kv[0][0]), ARMS.index(kv[0][1])
+                                                                      if kv[0][1] in ARMS else 9)):
+        cells = []
+        for lr, m in sorted(by_lr.items()):
+            text = "diverged" if m is None else f"{m:.3f}"
+            cells.append(f"**{lr:g}: {text}**" if picks.get(prefix, {}).get(arm) == lr else f"{lr:g}: {text}")
+        body.append((prefix, arm, ", ".join(cells)))
+    edges = tuning.on_grid_edge(rows, "ladder_tune")
+    lines = ["### Each arm's learning-rate grid", "",
+             "Final validation loss (nats/byte, mean over the tuning seeds) at each learning rate; the pick "
+             "(lowest, no seed diverged) in bold.", ""]
+    lines += md_table(["rung / optimizer", "arm", "lr: final val"], body) + [""]
+    if edges:
+        lines += [f"Picked on the grid's edge (the optimum may lie beyond it): {', '.join(edges)}.", ""]
+    return lines
+
+
+def _rung_key(prefix: str) -> tuple:
+    m = re.match(r"u=(\d+)/(\w+)", prefix)
+    return (int(m[1]), m[2]) if m else (0, prefix)
+
+
+def gaps(rows, picks: dict) -> dict[tuple[int, str], dict]:
+    """Per (updates, optimizer): the gap and EF's share both ways, each an Estimate or None."""
+    arms = stats.arms_of(rows)
+    names = _names(rows)
+    out = {}
+    for prefix, arm_lrs in picks.items():
+        updates, opt = _rung_key(prefix)
+        if "sync" not in arm_lrs:
+            continue
+        sync = names.get((updates, opt, "sync", arm_lrs["sync"]))
+        own = {arm: names.get((updates, opt, arm, arm_lrs[arm])) for arm in ("2bw", "ef") if arm in arm_lrs}
+        at_sync = {arm: names.get((updates, opt, arm, arm_lrs["sync"])) for arm in ("2bw", "ef")}
+        if sync is None:
+            continue
+        res = {"sync": stats.contrast(arms, {sync: 1.0}), "lrs": arm_lrs,
+               "terms": {"best": (sync, own.get("2bw"), own.get("ef")),
+                         "at_sync": (sync, at_sync.get("2bw"), at_sync.get("ef"))}}
+        for way, (s, d, e) in res["terms"].items():
+            res[f"gap_{way}"] = stats.gap(arms, d, s) if d else None
+            res[f"ef_gap_{way}"] = stats.gap(arms, e, s) if e else None
+            res[f"ef_share_{way}"] = stats.recovered(arms, e, d, s) if d and e else None
+        out[(updates, opt)] = res
+    return out
+
+
+def slope(rows, found: dict, opt: str, way: str = "best") -> stats.Estimate | None:
+    """Least-squares slope of ``opt``'s gap against ``log2(updates)`` over the rungs: a linear
+    contrast ``sum_i c_i G_i`` with ``c_i = (x_i - mean x) / sum (x - mean x)^2``."""
+    rungs = sorted(u for (u, o), r in found.items() if o == opt and r[f"gap_{way}"] is not None)
+    if len(rungs) < 2:
+        return None
+    xs = [math.log2(u) for u in rungs]
+    x_bar = sum(xs) / len(xs)
+    sxx = sum((x - x_bar) ** 2 for x in xs)
+    coefs: dict = collections.defaultdict(float)
+    for u, x in zip(rungs, xs):
+        s, d, _ = found[(u, opt)]["terms"][way]
+        c = (x - x_bar) / sxx
+        coefs[d] += c
+        coefs[s] -= c
+    return stats.contrast(stats.arms_of(rows), dict(coefs))
+
+
+def analyse(rows, picks: dict, out: pathlib.Path, claims: dict) -> list[str]:
+    """Tables, plots and claims of the ladder, each arm at its ``picks`` ({'u=U/OPT': {arm: lr}})."""
+    found = gaps(rows, picks)
+    if not found:
+        return ["No rung has its synchronous arm at the picked learning rate yet.", ""]
+    seeds = sorted({r["seed"] for r in rows})
+    lines = ["### The delay gap along the ladder", "",
+             f"Same model, same 819,200 tokens, the number of updates stepped by the batch; seeds {seeds}. "
+             "Gap both ways: best arm against best arm (each at its own pick), and the delayed arms at the "
+             "synchronous arm's pick. EF's share = 1 - (EF - sync) / (2bw - sync), delta method. The paper's "
+             "figures (360M, ~10^4 updates) beside ours.", ""]
+    body, gap_series, share_series = [], collections.defaultdict(list), collections.defaultdict(list)
+    for (updates, opt), r in sorted(found.items()):
+        lrs = r["lrs"]
+        body.append((updates, opt, f"{lrs.get('sync', '-')} / {lrs.get('2bw', '-')} / {lrs.get('ef', '-')}",
+                     f"{r['sync'].value:.3f}", est(r["gap_best"]), est(r["gap_at_sync"]),
+                     paper.gap(opt), est(r["ef_share_best"], pct=True),
+                     est(r["ef_share_at_sync"], pct=True), paper.ef_share(opt),
+                     se_kind(r["gap_best"])))
+        if r["gap_best"] is not None:
+            gap_series[opt].append((updates, r["gap_best"].value, r["gap_best"].se))
+        if r["ef_share_best"] is not None:
+            share_series[opt].append((updates, r["ef_share_best"].value, r["ef_share_best"].se))
+    lines += md_table(["updates", "optimizer", "lr sync / 2bw / ef", "sync val", "gap, best vs best",
+                             "gap at sync's lr", "paper's gap", "EF share, best", "EF share at sync's lr",
+                             "paper's EF share", "standard errors"], body) + [""]
+    lines += _ratio_rows(rows, found)
+    lines += _trend(rows, found, claims)
+    if gap_series:
+        lines.append(f"![gap vs updates]({plot_xy(gap_series, out / 'ladder_gap.png', 'updates (same tokens)', 'delay gap, best vs best', 'delay gap along the ladder', logx=True)})")
+        lines.append("")
+    if share_series:
+        lines.append(f"![EF share vs updates]({plot_xy(share_series, out / 'ladder_ef_share.png', 'updates (same tokens)', 'fraction of the gap EF recovers', 'EF share along the ladder', logx=True)})")
+        lines.append("")
+    return lines
+
+
+def _ratio_rows(rows, found) -> list[str]:
+    """AdamW's gap over Muon's per rung (best vs best), the paper's 23x beside it."""
+    arms = stats.arms_of(rows)
+    body = []
+    for updates in sorted({u for u, _ in found}):
+        a, m = found.get((updates, "adamw")), found.get((updates, "muon"))
+        if not (a and m and a["gap_best"] and m["gap_best"]):
+            continue
+        (sa, da, _), (sm, dm, _) = a["terms"]["best"], m["terms"]["best"]
+        q = stats.ratio(arms, {da: 1.0, sa: -1.0}, {dm: 1.0, sm: -1.0})
+        body.append((updates, f"{q.value:.2f} ± {q.se:.2f}" if q else "-", f"{paper.gap_ratio():.0f}"))
+    if not body:
+        return []
+    return ["AdamW's gap over Muon's (best vs best, delta method):", ""] + \
+        md_table(["updates", "G_AdamW / G_Muon", "paper"], body) + [""]
+
+
+def _trend(rows, found, claims) -> list[str]:
+    body = []
+    for opt in sorted({o for _, o in found}):
+        s = slope(rows, found, opt)
+        if s is None:
+            continue
+        rungs = sorted(u for (u, o) in found if o == opt)
+        verdict = ("shrinks" if s.n >= 2 and s.value + 2 * s.se < 0 else
+                   "grows" if s.n >= 2 and s.value - 2 * s.se > 0 else
+                   "unknown (one seed)" if s.n < 2 else "no trend within 2 SE")
+        body.append((opt, ", ".join(map(str, rungs)), str(s), se_kind(s), verdict))
+        key = f"More, smaller updates on the same tokens shrink the delay gap ({opt})"
+        if key in claims and s.n < 2:
+            continue  # the ladder's seeds judge it, not the tuning seed
+        claim(claims, key,
+                       stats.verdict(stats.Estimate(-s.value, s.se, s.paired, s.n)),
+                       "least-squares slope b of the gap (best vs best) against log2(updates) over the ladder's "
+                       "rungs: reproduced if b + 2 SE < 0, not reproduced if b - 2 SE > 0",
+                       f"rungs {', '.join(map(str, rungs))}: b = {s} per doubling ({se_kind(s)})",
+                       "a smaller batch shrinks the gap (reported, no figure)")
+    if not body:
+        return []
+    return ["Trend: the least-squares slope of the gap (best vs best) per doubling of the updates.", ""] + \
+        md_table(["optimizer", "rungs (updates)", "slope per doubling", "standard error", "trend"], body) + [""]

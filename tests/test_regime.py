@@ -1,0 +1,186 @@
+"""The cpu_regime preset (the paper's schedule shape at many small updates), the updates ladder's
+studies, per-arm tuning and the ladder's report section, on fabricated rows (no training)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from experiments import paper, report as report_lib, report_ladder, stats, sweep, tuning
+from experiments.studies import common, ladder, ladder_tune, lr as lr_study
+
+
+def test_cpu_regime_is_in_the_papers_regime():
+    config, base, seeds, _ = common.preset("cpu_regime")
+    assert config == "configs/tiny.py" and seeds == (0, 1, 2)
+    steps, batch, seq = base["train.steps"], base["train.global_batch_size"], base["data.seq_len"]
+    assert steps >= 2000  # thousands of updates
+    assert base["optimizer.warmup_steps"] == steps // 10  # warmup over 10% of the updates
+    assert base["optimizer.schedule"] == "cosine" and base["optimizer.min_lr_ratio"] == 0.1
+    assert base["optimizer.weight_decay"] == 0.1 and base["optimizer.grad_clip"] == 1.0
+    # the cpu preset's model; tokens per parameter as the comments state them
+    assert {k: v for k, v in base.items() if k.startswith("model.")} == common.REGIME_MODEL
+    assert steps * batch * seq == 819_200
+    assert round(819_200 / 759_040, 2) == 1.08
+
+
+def test_ladder_rungs_share_the_model_tokens_and_eval_set():
+    for updates, batch in ladder_tune.RUNGS.items():
+        rung = common.regime_rung(batch, updates)
+        assert updates * batch * rung["data.seq_len"] == 819_200
+        assert rung["train.eval_batches"] * batch == common.REGIME_SEQUENCES_EVAL  # the same held-out sequences
+        assert rung["optimizer.warmup_steps"] * 10 == updates
+    assert common.regime_rung(2, 3200) == common.CPU_REGIME  # the last rung is the preset itself
+
+
+def test_lr_grid_at_cpu_regime_is_centred_by_the_square_root_batch_rule():
+    for opt in lr_study.NAMES:
+        for batch in (2, 8, 32):
+            g = lr_study.grid(opt, "cpu_regime", batch)
+            assert len(g) == 5 and g == sorted(g)
+            assert g[2] == pytest.approx(common.TUNED_LR["cpu"][opt] * math.sqrt(batch / 16), rel=0.05)  # two significant figures
+    assert lr_study.grid("adamw") == [0.001, 0.0017, 0.003, 0.0052, 0.009]  # cpu unchanged
+    assert len(sweep.expand(lr_study.study("cpu_regime"))) == 30  # tuned on one seed
+
+
+def test_ladder_tune_sweeps_every_arm_over_the_same_grid():
+    study = ladder_tune.study("cpu_regime")
+    runs = sweep.expand(study)
+    assert len(runs) == 3 * 3 * 5 * 3
+    by_prefix: dict = {}
+    for run in runs:
+        prefix, lr, arm = tuning.parse_arm(run.variant)
+        assert run.overrides["optimizer.lr"] == lr
+        by_prefix.setdefault(prefix, {}).setdefault(arm, set()).add(lr)
+    for prefix, arms in by_prefix.items():
+        assert set(arms) == {"sync", "2bw", "ef"} and len({frozenset(v) for v in arms.values()}) == 1, prefix
+    # the 3,200-update rung's sync arms are the lr study's runs at cpu_regime: the sweep copies them
+    sigs = {sweep.run_signature(study, r) for r in runs}
+    lr_runs = lr_study.study("cpu_regime")
+    shared = [r for r in sweep.expand(lr_runs) if sweep.run_signature(lr_runs, r) in sigs]
+    assert len(shared) == 3 * 5
+    with pytest.raises(ValueError, match="cpu_regime"):
+        ladder_tune.study("cpu")
+
+
+def test_ladder_measures_each_arm_at_its_pick_and_at_syncs():
+    picks = {f"u={u}/{o}": {"sync": 1.0, "2bw": 2.0, "ef": 1.0} for u in ladder_tune.RUNGS for o in ladder_tune.OPTIMIZERS}
+    grid_lrs = {(u, o): lr_study.grid(o, "cpu_regime", b) for u, b in ladder_tune.RUNGS.items()
+                for o in ladder_tune.OPTIMIZERS}
+    for key in picks:
+        u, o = report_ladder._rung_key(key)
+        g = grid_lrs[(u, o)]
+        picks[key] = {"sync": g[2], "2bw": g[1], "ef": g[2]}
+    v = ladder.variants(picks)
+    # per rung and optimizer: sync at its pick; 2bw at its own and sync's; ef's own pick is sync's
+    assert len(v) == 9 * 4
+    assert "u=200/adamw/lr=0.0024/2bw" in v and "u=200/adamw/lr=0.0042/2bw" in v
+    tune = ladder_tune.variants()
+    assert all(v[name] == tune[name] for name in v)  # the same configs: seed 0 is the tuning run
+    with pytest.raises(ValueError, match="TUNED_LADDER"):
+        ladder.variants({})
+
+
+def _row(study, variant, seed, final):
+    return {"study": study, "run_id": f"{variant}-{seed}", "variant": variant, "point": {}, "seed": seed,
+            "overrides": {"seed": seed}, "status": "finished" if final is not None else "diverged",
+            "final_val": final, "best_val": final, "val_curve": [[10, final]] if final else [], "train_curve": [],
+            "seconds": 1.0, "config": {}}
+
+
+GAP = {200: {"adamw": 0.40, "muon": 0.20}, 800: {"adamw": 0.20, "muon": 0.08}, 3200: {"adamw": 0.10, "muon": 0.02}}
+
+
+def ladder_rows(seed_noise=(0.0, 0.004, -0.003)):
+    """Tuning rows (seed 0): sync best at 0.002, 2bw best at 0.001 (where its gap is GAP), EF
+    recovering 60% there; and the ladder's rows at those picks for three seeds."""
+    tune, meas = [], []
+    for updates, by_opt in GAP.items():
+        for opt, g in by_opt.items():
+            for lr in (0.001, 0.002, 0.004):
+                sync = 2.0 + abs(math.log2(lr / 0.002)) * 0.05
+                delayed = sync + g * (1.0 if lr == 0.001 else 1.5 + (lr == 0.004))
+                ef = sync + 0.4 * (delayed - sync)
+                for arm, val in (("sync", sync), ("2bw", delayed), ("ef", ef)):
+                    name = f"u={updates}/{opt}/lr={lr:g}/{arm}"
+                    tune.append(_row("ladder_tune", name, 0, val))
+                    if (arm, lr) in (("sync", 0.002), ("2bw", 0.001), ("2bw", 0.002), ("ef", 0.001), ("ef", 0.002)):
+                        for seed, noise in enumerate(seed_noise):
+                            meas.append(_row("ladder", name, seed, val + noise * (arm != "sync")))
+    return tune, meas
+
+
+def test_pick_arm_lrs_tunes_every_arm_and_never_a_diverged_lr():
+    tune, _ = ladder_rows()
+    picks = tuning.pick_arm_lrs(tune, "ladder_tune")
+    assert picks["u=200/adamw"] == {"sync": 0.002, "2bw": 0.001, "ef": 0.001}
+    tune.append(_row("ladder_tune", "u=200/adamw/lr=0.0005/2bw", 0, None))  # diverged: never picked
+    tune.append(_row("ladder_tune", "u=200/adamw/lr=0.0005/sync", 0, 0.5))
+    assert tuning.pick_arm_lrs(tune, "ladder_tune")["u=200/adamw"]["2bw"] == 0.001
+    assert "u=200/adamw/sync" in tuning.on_grid_edge(tune, "ladder_tune")  # 0.0005 is the grid's low end
+
+
+def test_ladder_report_gives_gaps_both_ways_the_trend_and_the_paper(tmp_path):
+    tune, meas = ladder_rows()
+    picks = tuning.pick_arm_lrs(tune, "ladder_tune")
+    found = report_ladder.gaps(meas, picks)
+    best, at_sync = found[(200, "adamw")]["gap_best"], found[(200, "adamw")]["gap_at_sync"]
+    assert best.value == pytest.approx(0.40 + 0.05 + (0.0 + 0.004 - 0.003) / 3, abs=1e-9)  # 2bw@0.001 - sync@0.002
+    assert at_sync.value == pytest.approx(0.40 * 1.5 + (0.001) / 3, abs=1e-9)
+    assert best.paired and best.n == 3
+    share = found[(3200, "muon")]["ef_share_at_sync"]
+    assert share.value == pytest.approx(0.6, abs=0.05)
+    s = report_ladder.slope(meas, found, "adamw")
+    assert s.value < 0 and s.n == 3
+    # the slope is the least-squares fit of the best-vs-best gap against log2(updates)
+    xs = [math.log2(u) for u in GAP]
+    ys = [found[(u, "adamw")]["gap_best"].value for u in GAP]
+    x_bar, y_bar = sum(xs) / 3, sum(ys) / 3
+    fit = sum((x - x_bar) * (y - y_bar) for x, y in zip(xs, ys)) / sum((x - x_bar) ** 2 for x in xs)
+    assert s.value == pytest.approx(fit, abs=1e-9)
+
+    path = tmp_path / "results.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in tune + meas) + "\n")
+    text = report_lib.report([path], tmp_path / "rep").read_text()
+    assert "| claim | verdict | test | measured | the paper |" in text
+    assert "More, smaller updates on the same tokens shrink the delay gap (adamw) | reproduced" in text
+    assert "gap, best vs best" in text and "gap at sync's lr" in text
+    assert f"| {paper.gap('adamw')} |" in text and "90%" in text  # the paper's figures beside ours
+    assert "**0.002: 2.000**" in text  # the sync pick in bold in the grid table
+    assert (tmp_path / "rep" / "ladder_gap.png").is_file()
+
+
+def test_ladder_report_without_its_tuning_rows_says_what_is_missing(tmp_path):
+    _, meas = ladder_rows()
+    path = tmp_path / "results.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in meas) + "\n")
+    assert "The `ladder_tune` rows that picked these learning rates are not in this report" in \
+        report_lib.report([path], tmp_path / "rep").read_text()
+
+
+def test_tuned_ladder_table_equals_the_picks_of_its_committed_rows():
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "experiments" / "results" / "cpu_regime" / "results.jsonl"
+    if not path.is_file():
+        pytest.skip("experiments/results/cpu_regime/results.jsonl is not committed yet")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    picks = tuning.pick_arm_lrs(rows, "ladder_tune")
+    if not picks:
+        assert common.TUNED_LADDER == {}, "TUNED_LADDER is set but no ladder_tune rows are committed"
+        pytest.skip("no ladder_tune rows committed yet")
+    complete = {k: v for k, v in picks.items() if set(v) == {"sync", "2bw", "ef"}}
+    assert common.TUNED_LADDER == complete, f"set common.TUNED_LADDER to {complete}"
+
+
+def test_stats_contrast_slope_matches_a_paired_regression():
+    # one arm pair per rung, two seeds: the contrast's SE is that of the per-seed slopes
+    arms = {f"d{u}": [(0, 1.0 / u + 0.01), (1, 1.0 / u - 0.01)] for u in (1, 2, 4)}
+    arms.update({f"s{u}": [(0, 0.0), (1, 0.0)] for u in (1, 2, 4)})
+    xs = [0.0, 1.0, 2.0]
+    c = {f"d{u}": (x - 1.0) / 2.0 for u, x in zip((1, 2, 4), xs)}
+    c.update({f"s{u}": -(x - 1.0) / 2.0 for u, x in zip((1, 2, 4), xs)})
+    est = stats.contrast(arms, c)
+    assert est.paired and est.value == pytest.approx((0.25 - 1.0) / 2.0)
