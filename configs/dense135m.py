@@ -2,7 +2,7 @@
 
 hidden 576, MLP 1536, 30 layers, 9 heads, 3 KV heads, vocab 49152, tied embeddings, RoPE θ 100000.
 Target hardware: one H100 80GB (``config.hardware='h100-80gb'``), remat on, 8 microbatches of 32
-sequences (the dry run's peak estimate is in the README's table; without remat at 4 microbatches
+sequences (the dry run's peak estimate is in docs/fitting.md's table; without remat at 4 microbatches
 it was ~900 GB).
 Meant for a GPU/TPU; it also runs (slowly) on CPU with the default byte tokenizer.  For the paper's
 setting use the SmolLM2 tokenizer and FineWeb-Edu:

@@ -2,7 +2,7 @@
 
 hidden 960, MLP 2560, 32 layers, 15 heads, 5 KV heads, vocab 49152, tied embeddings, RoPE θ 100000.
 Target hardware: one H100 80GB (``config.hardware='h100-80gb'``), remat on, 8 microbatches of 32
-sequences (the dry run's peak estimate is in the README's table).
+sequences (the dry run's peak estimate is in docs/fitting.md's table).
 """
 
 from asyncpp_jax.configs import base_config

@@ -29,6 +29,7 @@ from asyncpp_jax.optim.adan import adan
 from asyncpp_jax.optim.mars import mars
 from asyncpp_jax.optim.muon import muon
 from asyncpp_jax.optim.soap import soap
+from experiments import records
 
 LR = 1e-3
 
@@ -111,6 +112,9 @@ def main():
     ap.add_argument("--only", default="", help="comma-separated subset of optimizer names")
     ap.add_argument("--layers", type=int, default=0, help="override the layer count (same matrix shapes, less "
                     "memory: SOAP at all 30 dense135m layers holds ~14 GB here)")
+    ap.add_argument("--record", default="", metavar="FILE.jsonl",
+                    help="append the figures, command, commit, date and hardware as one JSON line to this file "
+                         "(experiments/results/bench/bench_optimizers.jsonl renders docs/optimizers.md's table)")
     a = ap.parse_args()
     cfg = load_config(a.config).model
     if a.layers:
@@ -148,6 +152,13 @@ def main():
     print(f"{'optimizer':<10} {'ms/update':>10} {'vs adamw':>9} {'vs optax':>9} {'state B/param':>14}")
     for name, t, r, vo, b in rows:
         print(f"{name:<10} {t * 1e3:>10.1f} {r:>9.2f} {vo:>9} {b:>14.2f}")
+    if a.record:
+        records.append(a.record, records.make("bench_optimizers", {
+            "shape": f"{a.config} ({n_params:,} params" + (f", {a.layers} layers)" if a.layers else ")"),
+            "rounds": a.rounds, "updates_per_round": a.steps,
+            "rows": {name: {"time_vs_adamw": r, "time_vs_optax": None if vo == "-" else float(vo),
+                            "optax_reference": pairs.get(name), "state_bytes_per_param": b, "s_per_update": t}
+                     for name, t, r, vo, b in rows}}))
 
 
 if __name__ == "__main__":

@@ -76,6 +76,10 @@ def _args():
     ap.add_argument("--stage_layers", default="",
                     help="layers per stage, e.g. 26,6 (config.pipeline.stage_layers; work: 4 stages, overlap: 2); "
                          "default an even split")
+    ap.add_argument("--record", default="", metavar="FILE.jsonl",
+                    help="work, processes, compile: append the table's figures with the command, commit, date and "
+                         "hardware as one JSON line to this file (experiments/results/bench/bench_pipeline.jsonl "
+                         "renders docs/pipeline.md's tables)")
     args = ap.parse_args()
     try:
         args.stage_layers = tuple(int(n) for n in args.stage_layers.split(",") if n.strip())
@@ -362,8 +366,18 @@ def predicted_sync_over_2bw(P: int, M: int, c: list) -> float:
 # ------------------------------------------------------------------------------------------ modes
 
 
+def _record(args, kind: str, figures: dict) -> None:
+    """Append the figures to ``--record`` (the command without the launcher's internal ``--worker``)."""
+    if args.record:
+        from experiments import records
+
+        command = records.command_line([a for a in sys.argv if a != "--worker"])
+        records.append(args.record, records.make(kind, figures, command=command))
+
+
 def work(args) -> None:
     P, M = 4, 8
+    rows = []
     split = split_of(args, P)
     print(f"work ratio: {jax.device_count()} fake devices on {len(os.sched_getaffinity(0))} core; "
           f"vocab {args.vocab}, d_model {args.d_model}, {args.layers} layers, P={P}, M={M}, "
@@ -387,9 +401,16 @@ def work(args) -> None:
             per_round = np.array(rounds[name]) / np.array(rounds["simulate"])  # same machine state, round by round
             print(f"| {name} | {recompute} | {t[name] / t['simulate']:.3f} | {per_round.min():.3f}-{per_round.max():.3f} "
                   f"| {slots / t['simulate']:.3f} | {t[name] / slots:.3f} | <= {bound:.2f} |", flush=True)
+            rows.append({"schedule": name, "recompute": recompute, "engine_over_simulate": t[name] / t["simulate"],
+                         "spread": [float(per_round.min()), float(per_round.max())],
+                         "slot_work_over_simulate": slots / t["simulate"], "engine_over_slot_work": t[name] / slots,
+                         "target": f"≤ {bound:.2f}"})
         print(f"(simulate step {t['simulate']:.2f} s)", flush=True)
     print(f"\nmeasured F/(F+B) of a {costs['layers']}-layer stage's block = {f_share:.3f} (F {costs['F'] * 1e3:.1f} "
           f"ms, B {costs['B'] * 1e3:.1f} ms, last stage's fused slot {costs['last'] * 1e3:.1f} ms)")
+    _record(args, "bench_pipeline_work", {
+        "rows_per_microbatch": args.rows, "seq": args.seq, "stages": P, "microbatches": M, "layers": args.layers,
+        "vocab": args.vocab, "d_model": args.d_model, "rounds": args.rounds, "f_over_f_plus_b": f_share, "rows": rows})
     for recompute in (True, False):
         print_balanced_split(args, P, cached_slot_costs(args, max(args.layers // P, 1), recompute), recompute)
 
@@ -436,7 +457,8 @@ def processes(args) -> None:
         print("| P | M | recompute | sync s/update | 2bw s/update | measured sync/2bw | spread over rounds | "
               "tick-table critical path | textbook (M+P-1)/M |")
         print("|---|---|---|---|---|---|---|---|---|")
-    for recompute in (v.strip() == "True" for v in args.recompute.split(",")):
+    recomputes, rows = [v.strip() == "True" for v in args.recompute.split(",")], []
+    for recompute in recomputes:
         # Every process times the slot kinds of both stages on its own core, at the same time (as
         # in the pipelined run, where both cores are busy): the prediction's per-slot costs.
         costs = stage_costs(args, split, recompute)
@@ -450,6 +472,12 @@ def processes(args) -> None:
                 print(f"| {P} | {M} | {recompute} | {np.median(rounds['sync']):.3f} | {np.median(rounds['2bw']):.3f} "
                       f"| {np.median(ratios):.3f} | {ratios.min():.3f}-{ratios.max():.3f} | {pred:.3f} "
                       f"| {(M + P - 1) / M:.3f} |", flush=True)
+            rows.append({"rows_per_microbatch": args.rows, "seq": args.seq, "microbatches": M, "recompute": recompute,
+                         "sync_s_per_update": float(np.median(rounds["sync"])),
+                         "twobw_s_per_update": float(np.median(rounds["2bw"])),
+                         "sync_over_2bw": float(np.median(ratios)), "spread": [float(ratios.min()), float(ratios.max())],
+                         "tick_table_critical_path": pred, "textbook": (M + P - 1) / M,
+                         "measured_over_textbook": float(np.median(ratios)) / ((M + P - 1) / M)})
             for name, r in runs.items() if args.profile else ():
                 out = os.path.join(args.profile, f"{name}_M{M}_recompute{recompute}")
                 prof = profile.StepProfiler(out, start=0, steps=2)
@@ -458,6 +486,10 @@ def processes(args) -> None:
                 prof.after_step(2)
                 print(f"== {name}, M={M}, recompute={recompute}, process {jax.process_index()} (stage "
                       f"{jax.process_index()}):\n{profile.render(profile.summarize(prof.dir))}", flush=True)
+    if lead:
+        _record(args, "bench_pipeline_processes", {
+            "layers": args.layers, "stage_layers": list(split), "recompute": recomputes[0] if len(recomputes) == 1
+            else recomputes, "vocab": args.vocab, "d_model": args.d_model, "rounds": args.rounds, "rows": rows})
 
 
 def compile_times(args) -> None:
@@ -468,6 +500,8 @@ def compile_times(args) -> None:
     print("|---|---|")
     print(f"| 16 layers, M=8 | {deep / base:.2f} |")
     print(f"| 8 layers, M=16 | {wide / base:.2f} |")
+    _record(args, "bench_pipeline_compile", {"schedule": "2bw", "stages": 4, "baseline": "8 layers, M = 8",
+                                              "twice_depth": deep / base, "twice_microbatches": wide / base})
 
 
 if __name__ == "__main__":

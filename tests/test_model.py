@@ -56,7 +56,7 @@ _TINY_OUTSIDE = 257 * 256 + 256
 def test_cpu_config_parameter_counts_by_formula(name, expected):
     cfg = configs.load_file(f"configs/{name}.py").model
     assert dense.count_params(dense.abstract_params(cfg)) == expected
-    assert expected == {"tiny": 2_968_064, "moe_tiny": 6_142_464}[name]  # the README's table
+    assert expected == {"tiny": 2_968_064, "moe_tiny": 6_142_464}[name]  # the table of docs/training.md, "Configs"
 
 
 def test_param_count_matches_formula_and_untied_head():

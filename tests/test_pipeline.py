@@ -1,4 +1,4 @@
-"""The pipeline engine against the simulate runner (parity is the contract: README, "The pipeline engine").
+"""The pipeline engine against the simulate runner (parity is the contract: docs/pipeline.md, "Parity").
 
 Small model (4 layers, d 16) on fake CPU devices; the simulate runner with ``delay(1)`` in its
 chain is the reference for ``2bw``, the plain simulate runner for ``sync``.

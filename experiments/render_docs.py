@@ -1,0 +1,365 @@
+"""Render the measured tables of README.md and docs/*.md from the records in the repository.
+
+    python -m experiments.render_docs            # rewrite every table between markers
+    python -m experiments.render_docs --check    # print what differs from the records; exit 1 if anything does
+
+A rendered table sits between ``<!-- render:NAME -->`` and ``<!-- end:NAME -->`` on lines of their
+own; NAME is a key of ``RENDERERS``. The records are ``experiments/results/bench/*.jsonl`` (see
+``experiments/records.py``: command, commit, date, hardware, source, figures) and the studies'
+``experiments/results/cpu/results.jsonl``. Each table ends with a line naming its records and, for
+figures transcribed from an older text, that they were typed by hand. The tests run ``--check``
+(tests/test_docs.py), as tests/test_report_regenerates.py does for the study report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import difflib
+import json
+import math
+import os
+import pathlib
+import re
+import statistics
+import sys
+
+from experiments import records
+
+REPO_ROOT = records.REPO_ROOT
+STUDY_RESULTS = REPO_ROOT / "experiments" / "results" / "cpu" / "results.jsonl"
+BLOCK = re.compile(r"^<!-- render:(?P<name>[\w-]+) -->\n(?P<body>.*?)^<!-- end:(?P=name) -->$", re.M | re.S)
+
+
+def documents() -> list[pathlib.Path]:
+    """The files whose tables are rendered: README.md and every page of docs/."""
+    return [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
+
+
+def _link(target: pathlib.Path, doc: pathlib.Path) -> str:
+    rel = os.path.relpath(target, doc.parent).replace(os.sep, "/")
+    return f"[`{target.relative_to(REPO_ROOT).as_posix()}`]({rel})"
+
+
+def _short_source(source: str) -> str:
+    """``typed by hand from README.md (the figures entered it in commit 267642a; ...)`` -> ``README.md at 267642a``."""
+    text = source.removeprefix("typed by hand from ").split(" (")[0]
+    commits = re.findall(r"\b[0-9a-f]{7,40}\b", source)
+    text = re.sub(r" at commit [0-9a-f]+", "", text)
+    return text + (f" at {', '.join(commits)}" if commits else "")
+
+
+def _provenance(rows: list[dict], files: list[pathlib.Path], doc: pathlib.Path) -> str:
+    """The line under a table: its records, how many were measured by a script as it ran, and how many
+    were typed by hand from an older text (and from where; each record says more)."""
+    typed = [r for r in rows if r["source"] != "measured"]
+    text = "Records: " + ", ".join(_link(f, doc) for f in files)
+    if len(rows) > len(typed):
+        text += f"; {len(rows) - len(typed)} measured and written by the script as it ran"
+    if typed:
+        sources = sorted({_short_source(r["source"]) for r in typed})
+        text += f"; {len(typed)} typed by hand from {'; '.join(sources)} (each record says more)"
+    return f"_{text}._"
+
+
+def _hw(rows: list[dict]) -> str:
+    return "; ".join(sorted({r["hardware"] for r in rows}))
+
+
+def _f(x, fmt="{:.2f}", none="-"):
+    return none if x is None else fmt.format(x)
+
+
+def _minsec(seconds: float) -> str:
+    return f"{int(seconds) // 60} min {int(seconds) % 60:02d} s"
+
+
+# ---- the studies' results (experiments/results/cpu/results.jsonl) ----------------------------------
+
+
+def _study(name: str) -> dict[str, dict[int, dict]]:
+    rows = collections.defaultdict(dict)
+    for line in STUDY_RESULTS.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            if row["study"] == name:
+                rows[row["variant"]][row["seed"]] = row
+    return rows
+
+
+def _gap(study: dict, opt: str) -> tuple[float, float, int]:
+    """Mean over seeds of 2bw - sync and its paired standard error."""
+    sync, delayed = study[f"{opt}/sync"], study[f"{opt}/2bw"]
+    diffs = [delayed[s]["final_val"] - sync[s]["final_val"] for s in sorted(set(sync) & set(delayed))]
+    se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")
+    return statistics.mean(diffs), se, len(diffs)
+
+
+def _mean_std(runs: dict[int, dict]) -> str:
+    vals = [r["final_val"] for r in runs.values()]
+    return f"{statistics.mean(vals):.3f} ± {statistics.stdev(vals):.3f}" if len(vals) > 1 else f"{vals[0]:.3f}"
+
+
+OPT_ORDER = ["muon", "soap", "mars", "adamw", "adan", "lion"]
+OPT_NAMES = {"adamw": "AdamW", "muon": "Muon", "soap": "SOAP", "adan": "Adan", "lion": "Lion", "mars": "MARS-AdamW"}
+
+
+def optimizers_study(doc: pathlib.Path) -> str:
+    study = _study("optimizers")
+    lines = ["| optimizer | tuned lr | sync | 2bw | delay gap (paired SE) | seeds |", "|---|---|---|---|---|---|"]
+    for opt in OPT_ORDER:
+        if f"{opt}/sync" not in study:
+            continue
+        gap, se, n = _gap(study, opt)
+        lr = next(iter(study[f"{opt}/sync"].values()))["overrides"].get("optimizer.lr")
+        lines.append(f"| {OPT_NAMES[opt]} | {lr:g} | {_mean_std(study[f'{opt}/sync'])} | "
+                     f"{_mean_std(study[f'{opt}/2bw'])} | {gap:+.3f} ± {se:.3f} | {n} |")
+    lines += ["", f"_Final validation loss in nats/byte, mean ± std over seeds, from {_link(STUDY_RESULTS, doc)} "
+                  "(the `optimizers` study at the `cpu` preset), the rows the study report regenerates from._"]
+    return "\n".join(lines)
+
+
+# ---- bench records ----------------------------------------------------------------------------
+
+
+def glance(doc: pathlib.Path) -> str:
+    study = _study("optimizers")
+    adamw, muon = _gap(study, "adamw"), _gap(study, "muon")
+    proc = records.load("bench_pipeline", "bench_pipeline_processes")[-1]
+    best = max(proc["figures"]["rows"], key=lambda r: (r["rows_per_microbatch"], r["microbatches"]))
+    bench_rec = _optimizer_benches()[0]
+    bench = bench_rec["figures"]["rows"]
+    parity = ", ".join(f"{k} {v['time_vs_optax']:.2f}" for k, v in bench.items() if v["time_vs_optax"] is not None)
+    docs = REPO_ROOT / "docs"
+    lines = [
+        "| question | answer at this scale | page |", "|---|---|---|",
+        f"| Does the one-step delay hurt AdamW more than Muon? (`optimizers` study, `cpu` preset, "
+        f"{adamw[2]} seeds) | yes: delay gap AdamW {adamw[0]:+.3f} ± {adamw[1]:.3f}, Muon {muon[0]:+.3f} ± "
+        f"{muon[1]:.3f} nats/byte | {_link(docs / 'studies.md', doc)} |",
+        f"| Does `2bw` remove the bubble? (2 processes, one core per stage, P = 2, "
+        f"M = {best['microbatches']}, {best['rows_per_microbatch']} × {best['seq']}-token microbatches) | "
+        f"sync / 2bw = {best['sync_over_2bw']:.3f} against the textbook {best['textbook']:.3f} | "
+        f"{_link(docs / 'pipeline.md', doc)} |",
+        "| Does the engine compute what the simulation does? | yes: equal parameters (fp32 allclose, rtol 2e-5) "
+        "for `sync` and `2bw`, across a synchronous start and cooldown, with MoE and data parallel "
+        f"(tests) | {_link(docs / 'pipeline.md', doc)} |",
+        f"| Do the optimizers cost what optax's own do? (time per update, ours / optax's) | {parity} | "
+        f"{_link(docs / 'optimizers.md', doc)} |",
+    ]
+    rows = [proc, bench_rec]
+    return "\n".join(lines + ["", _provenance(rows, [STUDY_RESULTS, records.BENCH_DIR / "bench_pipeline.jsonl",
+                                                      records.BENCH_DIR / "bench_optimizers.jsonl"], doc)])
+
+
+def main_job(doc: pathlib.Path) -> str:
+    rows = records.load("main_job")
+    lines = ["| commit | hardware | wall time, end to end | s/update | final validation loss (nats/byte) |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        f = r["figures"]
+        lines.append(f"| {r['commit'] or 'not recorded'} | {r['hardware']} | {_minsec(f['wall_s'])} | "
+                     f"{_f(f.get('s_per_update'), '{:.1f}')} | {_f(f.get('final_val_nats_per_byte'), '{:.3f}')} |")
+    first = rows[0]["figures"]
+    lines += ["", f"The corpus: {first['train_files']:,} train / {first['val_files']:,} validation files, "
+                  f"{first['train_tokens'] / 1e6:.1f}M / {first['val_tokens'] / 1e6:.2f}M tokens; unigram entropy of the "
+                  f"train split {first['unigram_entropy_train_nats_per_byte']:.3f} nats/byte, unigram cross-entropy on "
+                  f"the validation split {first['unigram_xent_val_nats_per_byte']:.3f}.",
+              "", _provenance(rows, [records.BENCH_DIR / "main_job.jsonl"], doc)]
+    return "\n".join(lines)
+
+
+NOTEBOOK_WHAT = {
+    "notebooks/quickstart.ipynb": "sync vs 2bw vs 2bw + EF through the trainer, with their curves",
+    "notebooks/optax_delay.ipynb": "`optim.delay` and `optim.error_feedback` around `optax.adamw` and `optim.muon` in a "
+                                   "plain JAX loop",
+}
+
+
+def notebooks(doc: pathlib.Path) -> str:
+    rows = records.load("notebooks")
+    lines = ["| notebook | what it shows | size | runtime |", "|---|---|---|---|"]
+    for name, what in NOTEBOOK_WHAT.items():
+        path = REPO_ROOT / name
+        rec = [r for r in rows if r["notebook"] == name][-1]
+        runtime = rec["figures"]["runtime"]
+        if "wall_s" in rec["figures"]:
+            runtime += f" ({rec['figures']['wall_s']:.0f} s on {rec['hardware']})"
+        lines.append(f"| [`{name}`]({os.path.relpath(path, doc.parent)}) | {what} | "
+                     f"{path.stat().st_size / 1000:.0f} kB | {runtime} |")
+    return "\n".join(lines + ["", _provenance(rows, [records.BENCH_DIR / "notebooks.jsonl"], doc)])
+
+
+def main_job_summary(doc: pathlib.Path) -> str:
+    rows = records.load("main_job")
+    walls = [r["figures"]["wall_s"] for r in rows]
+    vals = [r["figures"]["final_val_nats_per_byte"] for r in rows if "final_val_nats_per_byte" in r["figures"]]
+    entropy = next(r["figures"]["unigram_entropy_train_nats_per_byte"] for r in rows
+                   if "unigram_entropy_train_nats_per_byte" in r["figures"])
+    return (f"The main job's {len(rows)} recorded runs ({_link(REPO_ROOT / 'docs' / 'training.md', doc)}) took "
+            f"{_minsec(min(walls))} to {_minsec(max(walls))} end to end on a 2-core CPU and ended at a validation loss "
+            f"of {min(vals):.3f} to {max(vals):.3f} nats/byte, against a unigram entropy of {entropy:.3f} nats/byte "
+            f"for the train split. {_provenance(rows, [records.BENCH_DIR / 'main_job.jsonl'], doc)}")
+
+
+def tiny_optimizers(doc: pathlib.Path) -> str:
+    rows = records.load("tiny_optimizers")
+    lines = ["| optimizer | lr | weight decay | hardware | final validation loss (nats/byte) |", "|---|---|---|---|---|"]
+    for r in rows:
+        f = r["figures"]
+        lines.append(f"| {r['optimizer']} | {f['lr']:g} | {f['weight_decay']:g} | {r['hardware']} | "
+                     f"{f['final_val_nats_per_byte']:.3f} |")
+    return "\n".join(lines + ["", _provenance(rows, [records.BENCH_DIR / "tiny_optimizers.jsonl"], doc)])
+
+
+def _optimizer_benches() -> tuple[dict, list[dict]]:
+    """The latest whole-model run of bench_optimizers, and every SOAP run at fewer layers (``--layers``)."""
+    rows = records.load("bench_optimizers")
+    full = [r for r in rows if "--layers" not in r["command"]][-1]
+    soap = [r for r in rows if "--layers" in r["command"] and "soap" in r["figures"]["rows"]]
+    return full, soap
+
+
+def bench_optimizers(doc: pathlib.Path) -> str:
+    full_rec, soap_recs = _optimizer_benches()
+    rows = [full_rec, *soap_recs]
+    full = full_rec["figures"]["rows"]
+    soap = [r["figures"]["rows"]["soap"] for r in soap_recs]
+    lines = ["| optimizer | time vs AdamW | time vs optax's own | state bytes / param |", "|---|---|---|---|"]
+    for name, f in full.items():
+        t = _f(f["time_vs_adamw"])
+        if name == "adamw":
+            t += " (AdamW against itself: the noise level)"
+        if name == "soap" and soap:
+            t = " and ".join(f"{s['time_vs_adamw']:.1f}" for s in soap) + f" ({len(soap)} runs at 10 layers, below)"
+        vs = "-" if f["time_vs_optax"] is None else f"{f['time_vs_optax']:.2f} (`{f['optax_reference']}`)"
+        lines.append(f"| {name} | {t} | {vs} | {f['state_bytes_per_param']:.2f} |")
+    lines += ["", "Commands: " + "; ".join(sorted({f'`{r["command"]}`' for r in rows})) + f". Hardware: {_hw(rows)}.",
+              "", _provenance(rows, [records.BENCH_DIR / "bench_optimizers.jsonl"], doc)]
+    return "\n".join(lines)
+
+
+def bench_pipeline_work(doc: pathlib.Path) -> str:
+    rows = records.load("bench_pipeline", "bench_pipeline_work")
+    lines = ["| microbatch | schedule | recompute | engine / simulate step | spread over rounds | slot work / simulate "
+             "| engine / slot work | target |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        f = r["figures"]
+        for x in f["rows"]:
+            target = x["target"] + (f" (F/(F+B) = {f['f_over_f_plus_b']:.2f})" if x["recompute"] else "")
+            lines.append(f"| {f['rows_per_microbatch']} × {f['seq']} | {x['schedule']} | {x['recompute']} | "
+                         f"**{x['engine_over_simulate']:.2f}** | {x['spread'][0]:.2f}–{x['spread'][1]:.2f} | "
+                         f"{x['slot_work_over_simulate']:.2f} | {x['engine_over_slot_work']:.2f} | {target} |")
+    lines += ["", "Commands: " + "; ".join(f'`{r["command"]}`' for r in rows) + f". Hardware: {_hw(rows)}.",
+              "", _provenance(rows, [records.BENCH_DIR / "bench_pipeline.jsonl"], doc)]
+    return "\n".join(lines)
+
+
+def bench_pipeline_processes(doc: pathlib.Path) -> str:
+    rows = records.load("bench_pipeline", "bench_pipeline_processes")[-1:]
+    lines = ["| microbatch | M | sync s/update | 2bw s/update | measured sync / 2bw | spread over rounds | "
+             "tick-table critical path | textbook (M+P-1)/M | measured / textbook |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for x in r["figures"]["rows"]:
+            lines.append(f"| {x['rows_per_microbatch']} × {x['seq']} | {x['microbatches']} | {x['sync_s_per_update']:.2f} | "
+                         f"{x['twobw_s_per_update']:.2f} | **{x['sync_over_2bw']:.3f}** | {x['spread'][0]:.2f}–"
+                         f"{x['spread'][1]:.2f} | {x['tick_table_critical_path']:.3f} | {x['textbook']:.3f} | "
+                         f"{x['measured_over_textbook']:.3f} |")
+    f = rows[0]["figures"]
+    lines += ["", f"{f['layers']} layers split {','.join(map(str, f['stage_layers']))}, recompute {f['recompute']}. "
+                  f"Command: `{rows[0]['command']}`. Hardware: {_hw(rows)}.",
+              "", _provenance(rows, [records.BENCH_DIR / "bench_pipeline.jsonl"], doc)]
+    return "\n".join(lines)
+
+
+def bench_pipeline_compile(doc: pathlib.Path) -> str:
+    rows = records.load("bench_pipeline", "bench_pipeline_compile")[-1:]
+    f = rows[0]["figures"]
+    return "\n".join([
+        f"| program ({f['schedule']}, P = {f['stages']}) | compile time vs {f['baseline']} |", "|---|---|",
+        f"| twice the depth | {f['twice_depth']:.2f}× |", f"| twice the microbatches | {f['twice_microbatches']:.2f}× |",
+        "", f"Command: `{rows[0]['command']}`. " + _provenance(rows, [records.BENCH_DIR / "bench_pipeline.jsonl"], doc)])
+
+
+def moe10b_dry_run(doc: pathlib.Path) -> str:
+    rows = records.load("dry_run", "dry_run")[-1:]
+    f = rows[0]["figures"]
+    return "\n".join([f"```\n$ {rows[0]['command']}", *f["stdout"], "```", "",
+                      f"{f['wall_s']} s end to end, {f['compile_s']} s of it compiling, on {rows[0]['hardware']}. "
+                      + _provenance(rows, [records.BENCH_DIR / "dry_run.jsonl"], doc)])
+
+
+def fit_table(doc: pathlib.Path) -> str:
+    rows = records.load("dry_run", "fit")
+    lines = ["| config / preset | target (`config.hardware`) | microbatches | remat | dry-run peak per device | "
+             "before remat and microbatches were set |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        f = r["figures"]
+        name = f"`{r['config']}`" if r["config"].startswith("configs/") else r["config"]
+        name += f" ({r['note']})" if r["note"] else ""
+        lines.append(f"| {name} | `{f['target']}` | {f['microbatches']} | {f['remat']} | {f['peak_gb']:.2f} GB | "
+                     f"{f['before'] or 'same'} |")
+    return "\n".join(lines + ["", _provenance(rows, [records.BENCH_DIR / "dry_run.jsonl"], doc)])
+
+
+def ci(doc: pathlib.Path) -> str:
+    rows = records.load("ci")[-1:]
+    f = rows[0]["figures"]
+    return "\n".join([
+        "| command | default run | passed | skipped | all tests (`slow` included) | wall time, clean clone |",
+        "|---|---|---|---|---|---|",
+        f"| `{rows[0]['command']}` | {f['tests_default']} | {f['passed']} | {f['skipped']} | {f['tests_all']} "
+        f"({f['tests_slow']} slow) | {_minsec(f['wall_s'])} |",
+        "", f"Hardware: {rows[0]['hardware']}. " + _provenance(rows, [records.BENCH_DIR / "ci.jsonl"], doc)])
+
+
+RENDERERS = {f.__name__: f for f in (notebooks, glance, main_job, main_job_summary, tiny_optimizers, bench_optimizers, optimizers_study,
+                                      bench_pipeline_work, bench_pipeline_processes, bench_pipeline_compile,
+                                      moe10b_dry_run, fit_table, ci)}
+
+
+def render(text: str, doc: pathlib.Path) -> str:
+    """``text`` with every block between markers replaced by its renderer's output."""
+    def one(m: re.Match) -> str:
+        name = m.group("name")
+        if name not in RENDERERS:
+            raise KeyError(f"{doc}: no renderer named {name!r} (known: {', '.join(RENDERERS)})")
+        return f"<!-- render:{name} -->\n{RENDERERS[name](doc)}\n<!-- end:{name} -->"
+    return BLOCK.sub(one, text)
+
+
+def check(paths: list[pathlib.Path] | None = None) -> str:
+    """A unified diff of every document against its rendering; empty when all are up to date."""
+    out = []
+    for doc in paths or documents():
+        text = doc.read_text()
+        new = render(text, doc)
+        if new != text:
+            rel = doc.relative_to(REPO_ROOT).as_posix()
+            out += difflib.unified_diff(text.splitlines(True), new.splitlines(True), rel, f"{rel} (rendered)")
+    return "".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="print what differs from the records and exit 1 if any")
+    args = ap.parse_args(argv)
+    if args.check:
+        diff = check()
+        if diff:
+            print(diff, end="")
+            print("\nrendered tables differ from the records: run python -m experiments.render_docs", file=sys.stderr)
+            return 1
+        print("every rendered table matches its records")
+        return 0
+    for doc in documents():
+        text = doc.read_text()
+        new = render(text, doc)
+        if new != text:
+            doc.write_text(new)
+            print(f"rendered {doc.relative_to(REPO_ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
