@@ -38,10 +38,11 @@ class TrainState:
 
 
 def init_state(model_cfg, optimizer: optax.GradientTransformation, rng: jax.Array,
-               weight_versions=None, layout=None) -> TrainState:
+               weight_versions=None, layout=None, params=None) -> TrainState:
     """A fresh state.  ``layout``: applied to the model's fresh params before anything else sees
-    them (the pipeline engine's layout, ``engine.to_engine_layout``)."""
-    params = dense.init_params(model_cfg, rng)
+    them (the pipeline engine's layout, ``engine.to_engine_layout``).  ``params``: the model's
+    params in its own layout (e.g. read from a Hugging Face checkpoint) instead of a random init."""
+    params = dense.init_params(model_cfg, rng) if params is None else params
     if layout is not None:
         params = layout(params)
     versions = weight_versions.init(params) if weight_versions is not None else None

@@ -16,7 +16,7 @@ import optax
 
 from asyncpp_jax import configs
 from asyncpp_jax import train_state as state_lib
-from asyncpp_jax.models import abstract_params
+from asyncpp_jax.models import abstract_params, hf_llama
 from asyncpp_jax.optim import build_optimizer, delay_schedule, weight_prediction, weight_versions
 from asyncpp_jax.pipeline import engine, make_mesh, tick_tables
 from asyncpp_jax.train import step as step_lib
@@ -50,15 +50,24 @@ class Runner:
         return make(c.pipeline.stages, c.train.microbatches)
 
     def init_fn(self) -> Callable:
+        """``init(key) -> state`` for a fresh run (the trainer jits it with the state's shardings).
+        With ``config.model.init_from = 'hf:DIR'`` the weights are read from that Hugging Face
+        checkpoint (checked against ``config.model`` now, read when the jitted init runs)."""
+        c = self.config
+        source = c.model.get("init_from", "")
+        pretrained = hf_llama.params_initializer(c.model, source[len("hf:"):]) if source else None
+        return self._init(pretrained)
+
+    def _init(self, pretrained: Callable | None) -> Callable:
         c = self.config
 
         def init(key):
-            # The weights are initialised as the simulate runner's (same key, same values), then put
-            # in the engine's layout; the optimizer is initialised on that layout.
+            # The weights are initialised as the simulate runner's (same key, same values), or read
+            # from a checkpoint, then put in the engine's layout; the optimizer is initialised on that layout.
             state = state_lib.init_state(c.model, self.optimizer, key,
                                          None if self.pipelined else self.weight_versions,
                                          layout=engine.engine_layout(c.model, self.stage_rows) if self.pipelined
-                                         else None)
+                                         else None, params=pretrained() if pretrained is not None else None)
             if self.pipelined:
                 state = state.replace(runner_state=engine.init_pipeline_state(
                     c.model, state.params, self.mesh, c.train.microbatches, c.train.global_batch_size,
@@ -75,7 +84,7 @@ class Runner:
 
     def abstract_state(self, key):
         """The train state as sharded ``ShapeDtypeStruct``s: nothing is allocated."""
-        abstract = jax.eval_shape(self.init_fn(), key)
+        abstract = jax.eval_shape(self._init(None), key)  # an imported checkpoint has these shapes too
         shardings = self.state_shardings(abstract)
         return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
 

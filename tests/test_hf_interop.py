@@ -1,0 +1,304 @@
+"""Hugging Face Llama checkpoints in and out (asyncpp_jax.models.hf_llama, asyncpp_jax.export).
+
+No torch, no transformers: the reference for the weight conventions is a NumPy float64 forward of
+``LlamaForCausalLM`` written from Hugging Face's ``modeling_llama`` on the HF-named tensors
+(``rotate_half`` RoPE, ``repeat_kv``, ``[out, in]`` linear weights); the reference for the file
+format is the ``safetensors`` package's NumPy API.
+"""
+
+import json
+import os
+import pathlib
+import tracemalloc
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+from asyncpp_jax import configs, export
+from asyncpp_jax.models import dense, hf_llama
+from asyncpp_jax.models.hf_llama import HFCheckpointError
+from asyncpp_jax.pipeline import engine
+from asyncpp_jax.train import runner as runner_lib
+
+
+def model_cfg(**kw):
+    m = configs.base_config().model
+    m.update(vocab_size=96, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=48, rope_theta=500000.0,
+             tie_embeddings=False, norm_eps=1e-6)
+    m.update(**kw)
+    return m
+
+
+def random_params(m, seed=0):
+    """Every leaf random (the norm scales around 1), so a swapped or untransposed tensor shows."""
+    rng = np.random.default_rng(seed)
+    shapes = jax.eval_shape(lambda: dense.init_params(m, jax.random.key(0)))
+
+    def leaf(path, s):
+        scale = path[-1].key == "scale"
+        x = rng.normal(1.0 if scale else 0.0, 0.1 if scale else 0.2, s.shape)
+        return x.astype(np.float32)
+
+    return jax.tree_util.tree_map_with_path(leaf, shapes)
+
+
+def same(a, b) -> bool:
+    la, lb = jax.tree_util.tree_flatten_with_path(a)[0], jax.tree_util.tree_flatten_with_path(b)[0]
+    return [p for p, _ in la] == [p for p, _ in lb] and all(
+        np.asarray(x).dtype == np.asarray(y).dtype and np.array_equal(np.asarray(x), np.asarray(y))
+        for (_, x), (_, y) in zip(la, lb))
+
+
+# ------------------------------------------------------------------------------ the reference
+
+
+def _rms(x, w, eps):
+    return w * (x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps))
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return np.concatenate([-x[..., half:], x[..., :half]], -1)
+
+
+def hf_llama_forward(hf: dict, t: dict, ids: np.ndarray) -> np.ndarray:
+    """``LlamaForCausalLM(ids).logits`` in float64 from the HF config dict and the HF-named tensors."""
+    t = {k: np.asarray(v, np.float64) for k, v in t.items()}
+    H, K, eps = hf["num_attention_heads"], hf["num_key_value_heads"], hf["rms_norm_eps"]
+    hd = hf["head_dim"]
+    T = len(ids)
+    inv_freq = 1.0 / (hf["rope_theta"] ** (np.arange(0, hd, 2) / hd))
+    emb = np.concatenate([np.outer(np.arange(T), inv_freq)] * 2, -1)  # [T, hd]
+    cos, sin = np.cos(emb), np.sin(emb)
+    h = t["model.embed_tokens.weight"][ids]
+    for i in range(hf["num_hidden_layers"]):
+        p = lambda n: t[f"model.layers.{i}.{n}"]  # noqa: E731
+        x = _rms(h, p("input_layernorm.weight"), eps)
+        q = (x @ p("self_attn.q_proj.weight").T).reshape(T, H, hd).transpose(1, 0, 2)
+        k = (x @ p("self_attn.k_proj.weight").T).reshape(T, K, hd).transpose(1, 0, 2)
+        v = (x @ p("self_attn.v_proj.weight").T).reshape(T, K, hd).transpose(1, 0, 2)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        k, v = np.repeat(k, H // K, axis=0), np.repeat(v, H // K, axis=0)  # repeat_kv
+        s = q @ k.transpose(0, 2, 1) / np.sqrt(hd) + np.triu(np.full((T, T), -np.inf), 1)
+        a = np.exp(s - s.max(-1, keepdims=True))
+        a /= a.sum(-1, keepdims=True)
+        o = (a @ v).transpose(1, 0, 2).reshape(T, H * hd)
+        h = h + o @ p("self_attn.o_proj.weight").T
+        x = _rms(h, p("post_attention_layernorm.weight"), eps)
+        g, u = x @ p("mlp.gate_proj.weight").T, x @ p("mlp.up_proj.weight").T
+        h = h + (g / (1 + np.exp(-g)) * u) @ p("mlp.down_proj.weight").T
+    h = _rms(h, t["model.norm.weight"], eps)
+    head = t["model.embed_tokens.weight"] if hf["tie_word_embeddings"] else t["lm_head.weight"]
+    return h @ head.T
+
+
+def write_hf(directory, m, params, **kw):
+    hf_llama.write_checkpoint(str(directory), m, params, max_position_embeddings=64, **kw)
+    return str(directory)
+
+
+# ------------------------------------------------------------------------------ the format
+
+
+def test_safetensors_files_agree_with_the_reference_package(tmp_path):
+    st = pytest.importorskip("safetensors.numpy")
+    rng = np.random.default_rng(0)
+    tensors = {"a.weight": rng.normal(size=(3, 5)).astype(np.float32),
+               "b": rng.normal(size=(7,)).astype(ml_dtypes.bfloat16), "c": np.arange(6, dtype=np.int32).reshape(2, 3)}
+    ours = str(tmp_path / "ours.safetensors")
+    hf_llama.write_safetensors(ours, [(n, x.shape, x.dtype, lambda x=x: x) for n, x in tensors.items()])
+    theirs = st.load_file(ours)
+    assert theirs.keys() == tensors.keys() and all(same(theirs[n], tensors[n]) for n in tensors)
+    ref = str(tmp_path / "ref.safetensors")
+    st.save_file(tensors, ref, metadata={"format": "pt"})
+    f = hf_llama.SafetensorsFile(ref)
+    assert sorted(f.names()) == sorted(tensors) and all(same(f.tensor(n), tensors[n]) for n in tensors)
+    assert f.metadata == {"format": "pt"}
+
+
+# ------------------------------------------------------------------------------ the mapping
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_imported_weights_compute_hf_llama(tmp_path, tied):
+    """GQA (4 query heads on 2 K/V heads), RoPE theta 500000, tied or untied head: the dense model
+    on the imported weights gives LlamaForCausalLM's logits (NumPy float64 reference)."""
+    m = model_cfg(tie_embeddings=tied)
+    params = random_params(m)
+    d = write_hf(tmp_path, m, params)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    f = hf_llama.SafetensorsFile(str(tmp_path / "model.safetensors"))
+    tensors = {n: f.tensor(n) for n in f.names()}
+    assert ("lm_head.weight" in tensors) == (not tied)
+    ids = np.random.default_rng(1).integers(0, m.vocab_size, 11)
+    want = hf_llama_forward(hf, tensors, ids)
+    got = np.asarray(dense.forward(m, hf_llama.read_params(m, d), ids[None]))[0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert np.abs(got - want).max() < 1e-3 * np.abs(want).max()
+
+
+def test_round_trip_is_bit_identical_also_sharded(tmp_path):
+    m = model_cfg()
+    params = random_params(m, seed=3)
+    d = write_hf(tmp_path / "one", m, params)
+    assert same(hf_llama.read_params(m, d), params)
+    # The same tensors over two shards with model.safetensors.index.json, as save_pretrained shards.
+    single = hf_llama.SafetensorsFile(os.path.join(d, "model.safetensors"))
+    names = sorted(single.names())
+    sharded = tmp_path / "two"
+    sharded.mkdir()
+    (sharded / "config.json").write_text((tmp_path / "one" / "config.json").read_text())
+    weight_map = {}
+    for k, part in enumerate((names[::2], names[1::2])):
+        fn = f"model-0000{k + 1}-of-00002.safetensors"
+        hf_llama.write_safetensors(str(sharded / fn), [(n, single.shape(n), np.float32, lambda n=n: single.tensor(n))
+                                                       for n in part])
+        weight_map.update({n: fn for n in part})
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    assert same(hf_llama.read_params(m, str(sharded)), params)
+
+
+def test_bfloat16_checkpoints_widen_exactly(tmp_path):
+    """SmolLM2's published weights are bfloat16: each widens to the float32 parameter exactly."""
+    m = model_cfg(tie_embeddings=True)
+    params = random_params(m, seed=4)
+    d = write_hf(tmp_path, m, params, dtype="bfloat16")
+    assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    want = jax.tree.map(lambda x: x.astype(ml_dtypes.bfloat16).astype(np.float32), params)
+    assert same(hf_llama.read_params(m, d), want)
+    assert not same(want, params)
+
+
+def test_loading_costs_the_parameters_not_a_copy_of_the_file(tmp_path):
+    """The tensors are read from a memory map: host allocations while loading stay within the
+    parameters' own bytes plus one leaf, while a whole-file read would add the file's size."""
+    m = model_cfg(vocab_size=4096, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=384)
+    params = random_params(m)
+    d = write_hf(tmp_path, m, params)
+    del params
+    total = sum(x.size * 4 for x in jax.tree.leaves(dense.abstract_params(m)))
+    largest = max(x.size * 4 for x in jax.tree.leaves(dense.abstract_params(m)))
+    file_size = os.path.getsize(os.path.join(d, "model.safetensors"))
+    assert file_size > 0.99 * total
+    tracemalloc.start()
+    try:
+        loaded = hf_llama.read_params(m, d)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert sum(x.nbytes for x in jax.tree.leaves(loaded)) == total
+    assert peak < total + largest // 4 + (1 << 20), (peak, total, largest)  # the destination, plus bookkeeping
+
+
+# ------------------------------------------------------------------------------ mismatches
+
+
+def _error(m, d) -> str:
+    with pytest.raises(HFCheckpointError) as e:
+        hf_llama.read_params(m, d)
+    return str(e.value)
+
+
+def test_config_mismatch_names_each_field_and_its_flag(tmp_path):
+    m = model_cfg()
+    d = write_hf(tmp_path, m, random_params(m))
+    msg = _error(model_cfg(d_model=64, rope_theta=10000.0, n_kv_heads=4, tie_embeddings=True), d)
+    for want in ("--config.model.d_model=32", "--config.model.rope_theta=500000.0", "--config.model.n_kv_heads=2",
+                 "--config.model.tie_embeddings=False"):
+        assert want in msg, msg
+    assert "d_ff" not in msg
+
+
+def test_tensor_shape_and_dtype_mismatches_name_the_tensor(tmp_path):
+    m = model_cfg()
+    d = write_hf(tmp_path, m, random_params(m))
+    f = hf_llama.SafetensorsFile(os.path.join(d, "model.safetensors"))
+    tensors = {n: np.array(f.tensor(n)) for n in f.names()}
+    del f
+    tensors["model.layers.1.self_attn.k_proj.weight"] = np.zeros((32, 32), np.float32)  # n_kv_heads 4's shape
+    tensors["model.layers.2.mlp.up_proj.weight"] = tensors["model.layers.2.mlp.up_proj.weight"].astype(np.float64)
+    tensors["model.layers.0.self_attn.q_proj.bias"] = np.zeros(32, np.float32)
+    del tensors["model.norm.weight"]
+    hf_llama.write_safetensors(os.path.join(d, "model.safetensors"),
+                               [(n, x.shape, x.dtype, lambda x=x: x) for n, x in tensors.items()])
+    msg = _error(m, d)
+    assert "'model.layers.1.self_attn.k_proj.weight' has shape [32, 32], config.model needs [16, 32]" in msg, msg
+    assert "'model.layers.2.mlp.up_proj.weight' has dtype F64" in msg
+    assert "'model.norm.weight' is missing" in msg
+    assert "model.layers.0.self_attn.q_proj.bias" in msg
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "only Llama-family"),
+    ({"attention_bias": True}, "no biases"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "plain RoPE"),
+    ({"hidden_act": "gelu"}, "SwiGLU"),
+])
+def test_unsupported_architectures_are_refused(tmp_path, change, says):
+    m = model_cfg()
+    d = write_hf(tmp_path, m, random_params(m))
+    hf = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**hf, **change}))
+    assert says in _error(m, d)
+
+
+def test_model_overrides_read_smollm2_135m_config():
+    """SmolLM2-135M's config.json (its published values) gives the dense135m shape."""
+    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
+          "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+          "vocab_size": 49152, "rms_norm_eps": 1e-5, "rope_theta": 100000, "rope_scaling": None,
+          "tie_word_embeddings": True, "hidden_act": "silu", "head_dim": 64, "max_position_embeddings": 8192}
+    c = configs.load_file("configs/dense135m.py")
+    assert hf_llama.config_errors(c.model, hf, "config.json") == []
+    over = hf_llama.model_overrides(hf)
+    assert over == {"vocab_size": 49152, "d_model": 576, "n_layers": 30, "n_heads": 9, "d_ff": 1536, "norm_eps": 1e-5,
+                    "tie_embeddings": True, "n_kv_heads": 3, "head_dim": 0, "rope_theta": 100000.0}
+
+
+# ------------------------------------------------------------------------------ every runner's layout
+
+
+def run_config(m, **pipeline):
+    c = configs.base_config()
+    c.model.update(m.to_dict())
+    c.data.seq_len = 16
+    c.train.update(global_batch_size=8, microbatches=2, steps=4)
+    c.optimizer.warmup_steps = 1
+    c.pipeline.update(**pipeline)
+    return c
+
+
+@pytest.mark.needs_devices(2)
+@pytest.mark.parametrize("pipeline", [{}, {"stages": 2, "schedule": "2bw"},
+                                      {"stages": 2, "schedule": "sync", "stage_layers": (1, 3)}])
+def test_init_from_under_every_runner_layout(tmp_path, pipeline):
+    """The runner's jitted init (what the trainer runs, with the state's shardings) starts from
+    the checkpoint: simulate, the engine's even split and its padded uneven split, tied table."""
+    m = model_cfg(n_layers=4, tie_embeddings=True)
+    params = random_params(m, seed=5)
+    m.init_from = "hf:" + write_hf(tmp_path, m, params)
+    c = configs.resolve(run_config(m, **pipeline))
+    configs.validate(c)
+    r = runner_lib.build(c, jax.devices()[:c.pipeline.stages])
+    key = jax.random.key(0)
+    shardings = jax.tree.map(lambda x: x.sharding, r.abstract_state(key))
+    state = jax.jit(r.init_fn(), out_shardings=shardings)(key)
+    got = jax.device_get(state.params)
+    if r.pipelined:
+        assert got["embed"]["embedding"].shape == (m.d_model, m.vocab_size)  # the engine's layout
+        got = engine.to_model_layout(c.model, got, r.stage_rows)
+    assert same(got, params)
+
+
+def test_init_from_errors_before_anything_compiles(tmp_path):
+    m = model_cfg()
+    d = write_hf(tmp_path, m, random_params(m))
+    c = configs.resolve(run_config(model_cfg(d_ff=64, init_from="hf:" + d)))
+    r = runner_lib.build(c, jax.devices()[:1])
+    with pytest.raises(HFCheckpointError, match="--config.model.d_ff=48"):
+        r.init_fn()
+    c.model.init_from = "hf:" + str(tmp_path / "nowhere")
+    with pytest.raises(HFCheckpointError, match="no config.json"):
+        runner_lib.build(c, jax.devices()[:1]).init_fn()
