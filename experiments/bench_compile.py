@@ -44,6 +44,9 @@ def main():
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--record", default="", metavar="FILE.jsonl",
+                   help="append the compile times and their ratio, with the command, commit, date and hardware, "
+                        "as one JSON line to this file (e.g. experiments/results/bench/bench_compile.jsonl)")
     a = p.parse_args()
     # Alternate the two depths so drift on a shared machine hits both alike; keep the best of each.
     times = {a.layers: [], 2 * a.layers: []}
@@ -55,6 +58,12 @@ def main():
     for n, s in best.items():
         print(f"  {n:3d} layers: compile {s:.2f} s")
     print(f"compile-time ratio {2 * a.layers}/{a.layers} layers: {best[2 * a.layers] / best[a.layers]:.2f}")
+    if a.record:
+        from experiments import records
+
+        records.append(a.record, records.make("bench_compile", {
+            "runner": "simulate", "d_model": a.d_model, "seq_len": a.seq_len, "batch": a.batch, "repeats": a.repeats,
+            "compile_s": {str(n): s for n, s in best.items()}, "twice_depth": best[2 * a.layers] / best[a.layers]}))
 
 
 if __name__ == "__main__":
