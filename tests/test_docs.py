@@ -90,6 +90,29 @@ def test_a_record_written_by_a_script_has_every_field(tmp_path):
         records.append(tmp_path / "y.jsonl", {k: "" for k in records.KEYS if k != "figures"})
 
 
+def test_record_run_reads_a_runs_figures(tmp_path):
+    from experiments import record_run
+
+    (tmp_path / "status.json").write_text(json.dumps({
+        "status": "finished", "step": 500, "val_loss": 1.29, "val_loss_per_byte": 1.288,
+        "unigram": {"train_entropy": 3.248, "val_cross_entropy": 3.312}}))
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps({"step": s, "step_time": t, "tokens_per_sec": 4096 / t})
+                                                      for s, t in ((1, 9.0), (2, 1.0), (3, 1.0))) + "\n")
+    f = record_run.figures_from_workdir(tmp_path)
+    assert f == {"status": "finished", "updates": 500, "final_val_nats_per_byte": 1.288, "final_val_nats_per_token": 1.29,
+                 "unigram_entropy_train_nats_per_byte": 3.248, "unigram_xent_val_nats_per_byte": 3.312,
+                 "s_per_update": 1.0, "tokens_per_s": 4096.0}
+    assert record_run.workdir_of(["-m", "asyncpp_jax.main", "--workdir=runs/x"]) == pathlib.Path("runs/x")
+    assert record_run.workdir_of(["-m", "asyncpp_jax.main", "--config=configs/moe_tiny.py"]) == \
+        pathlib.Path("runs/moe_tiny")
+    stdout = "\n".join(["I0 log line", *records.load("dry_run", "dry_run")[-1]["figures"]["stdout"], "done"])
+    d = record_run.figures_from_dry_run(stdout)
+    assert d["stdout"][0].startswith("dry run of moe10b") and d["stdout"][-1].startswith("  target") and \
+        d["compile_s"] == 11.0
+    with pytest.raises(ValueError, match="no dry-run report"):
+        record_run.figures_from_dry_run("Traceback ...")
+
+
 # ---- modules and paths named in docstrings and docs ---------------------------------------------
 
 
@@ -358,6 +381,11 @@ def _check_invocation(argv: list[str], monkeypatch):
         _parse_script(module, args, monkeypatch)
         if "--" in args:
             _parse_main_flags(args[args.index("--") + 1:])
+    elif module == "experiments.record_run":
+        _parse_script(module, args, monkeypatch)
+        inner = args[args.index("--") + 1:]
+        assert inner[:1] == ["python"], f"record_run runs a python command: {inner}"
+        _check_invocation(inner[1:], monkeypatch)
     else:
         _parse_script(module, args, monkeypatch)
     return module
