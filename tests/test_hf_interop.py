@@ -302,3 +302,88 @@ def test_init_from_errors_before_anything_compiles(tmp_path):
     c.model.init_from = "hf:" + str(tmp_path / "nowhere")
     with pytest.raises(HFCheckpointError, match="no config.json"):
         runner_lib.build(c, jax.devices()[:1]).init_fn()
+
+
+# ------------------------------------------------------------------------------ export a run
+
+
+_RUNS = {}
+
+
+@pytest.fixture
+def run_of(cache_dir, tmp_path_factory):
+    """``run_of(name)``: a 4-update run of a 4-layer byte model (checkpoints at 2 and 4), once per
+    module: the simulate runner's, or the engine's over an uneven split (its params padded, the
+    tied table held as [D, V])."""
+    from asyncpp_jax.train.trainer import Trainer
+    from helpers import small_train_config
+
+    def make(name):
+        if name not in _RUNS:
+            c = small_train_config(cache_dir, name, 1, steps=4, microbatches=2, eval_every=4, eval_batches=1,
+                                   checkpoint_every=2)
+            c.model.n_layers = 4
+            if name == "pipeline":
+                c.pipeline.update(stages=2, schedule="sync", stage_layers=(1, 3))
+            t = Trainer(c, tmp_path_factory.mktemp(name))
+            t.run()
+            t.close()
+            _RUNS[name] = t
+        return _RUNS[name]
+
+    return make
+
+
+def _model_params(t):
+    params = jax.device_get(t.state.params)
+    if t.runner.pipelined:
+        params = engine.to_model_layout(t.config.model, params, t.runner.stage_rows)
+    return params
+
+
+@pytest.mark.needs_devices(2)
+@pytest.mark.parametrize("name", ["simulate", pytest.param("pipeline", marks=pytest.mark.slow)])
+def test_export_reads_back_bit_identically(run_of, tmp_path, name):
+    t = run_of(name)
+    assert export.main([f"--workdir={t.workdir}", f"--out={tmp_path}"]) == 0
+    hf = json.loads((tmp_path / "config.json").read_text())
+    assert (hf["num_hidden_layers"], hf["hidden_size"], hf["vocab_size"], hf["tie_word_embeddings"]) == (4, 32, 257, True)
+    assert hf["eos_token_id"] == 256 and not (tmp_path / "tokenizer.json").exists()  # the byte tokenizer
+    info = json.loads((tmp_path / export.EXPORT_INFO).read_text())
+    assert info["step"] == 4 and info["runner"] == name
+    assert same(hf_llama.read_params(t.config.model, str(tmp_path)), _model_params(t))
+
+
+@pytest.mark.slow  # a pipeline run: ~30 s
+@pytest.mark.needs_devices(2)
+def test_a_pipeline_export_starts_a_simulate_run(run_of, tmp_path):
+    """The trainer's own fresh start (restore_or_init) from the engine run's export."""
+    from asyncpp_jax.train.trainer import Trainer
+
+    t = run_of("pipeline")
+    export.export(t.workdir, tmp_path / "hf", log=lambda _: None)
+    c = configs.resolve(t.config)
+    c.pipeline.update(stages=1, stage_layers=())
+    c.model.init_from = f"hf:{tmp_path / 'hf'}"
+    fresh = Trainer(c, tmp_path / "run")
+    try:
+        state, _ = fresh.restore_or_init()
+    finally:
+        fresh.close()
+    assert int(state.step) == 0 and same(jax.device_get(state.params), _model_params(t))
+
+
+def test_export_takes_the_newest_verified_checkpoint(run_of, tmp_path):
+    import shutil
+
+    work = tmp_path / "run"
+    shutil.copytree(run_of("simulate").workdir, work)
+    damaged = next(p for p in sorted((work / "checkpoints" / "4" / "state").rglob("*")) if p.is_file() and p.stat().st_size)
+    data = bytearray(damaged.read_bytes())
+    data[0] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    info = export.export(work, tmp_path / "out", log=lambda _: None)
+    assert info["step"] == 2
+    with pytest.raises(export.ExportError, match="step 4: .*checksum"):
+        export.export(work, tmp_path / "out4", step=4)
+    assert export.main([f"--workdir={tmp_path / 'nothing'}", f"--out={tmp_path / 'x'}"]) == 1

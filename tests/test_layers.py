@@ -27,7 +27,9 @@ LAYERS = (
     ("trainer", ("asyncpp_jax.train",)),
     # the trainer's entry point, and the local launcher that starts it in N processes (it reads
     # host_setup's CPU-list convention to give each process its own cores)
-    ("entry point", ("asyncpp_jax.main", "asyncpp_jax.launch")),
+    # (and the exporter of a run's checkpoint as a Hugging Face model, which reads checkpoints and
+    # both runners' layouts)
+    ("entry point", ("asyncpp_jax.main", "asyncpp_jax.launch", "asyncpp_jax.export")),
 )
 
 # Function-level imports of the package's own modules, each with why it is not dodging a cycle.

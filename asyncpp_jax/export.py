@@ -1,0 +1,162 @@
+"""Export a run's latest verified checkpoint as a Hugging Face Llama directory.
+
+    python -m asyncpp_jax.export --workdir=runs/dense135m --out=exported/dense135m [--step=N] [--dtype=bfloat16]
+
+writes ``config.json`` (``LlamaForCausalLM``), ``model.safetensors`` and, when the run tokenized
+with a ``tokenizer.json``, that file with a ``tokenizer_config.json`` beside it, so that
+``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` and ``AutoTokenizer.from_pretrained(DIR)``
+load it (docs/interop.md).  ``--config.model.init_from=hf:DIR`` reads it back bit for bit
+(``--dtype=float32``, the default).
+
+The checkpoint is the newest step whose files match their sealed manifest (the check a resume
+makes, :func:`asyncpp_jax.train.checkpoint.verify`); only its parameters are read (orbax partial
+restore, as NumPy on the host: no accelerator, no optimizer state).  The run's ``config.json`` says
+which runner wrote it: the pipeline engine's layout (padded layer stack, a tied table held as
+``[D, V]``) is turned back into the model's with :func:`asyncpp_jax.pipeline.engine.to_model_layout`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import sys
+
+import jax
+import ml_collections
+import numpy as np
+import orbax.checkpoint as ocp
+
+from asyncpp_jax import configs
+from asyncpp_jax.data.tokenizers import get_tokenizer
+from asyncpp_jax.models import hf_llama
+from asyncpp_jax.models.hf_llama import HFCheckpointError
+from asyncpp_jax.pipeline import engine
+from asyncpp_jax.train import checkpoint
+
+EXPORT_INFO = "asyncpp_export.json"
+
+
+class ExportError(ValueError):
+    """The run cannot be exported; the message says why."""
+
+
+def run_config(workdir: pathlib.Path) -> ml_collections.ConfigDict:
+    path = workdir / "config.json"
+    if not path.is_file():
+        raise ExportError(f"{workdir} has no config.json: not a run directory (python -m asyncpp_jax.main "
+                          "--workdir=... writes one when a run starts).")
+    c = ml_collections.ConfigDict(json.loads(path.read_text()))
+    if c.model.get("moe") and c.model.moe.num_experts:
+        raise ExportError(f"{workdir} is an MoE run; only the dense model maps onto a Hugging Face Llama.")
+    return c
+
+
+def latest_verified_step(workdir: pathlib.Path, step: int | None = None) -> tuple[int, pathlib.Path]:
+    """``(step, its directory)``: the newest checkpoint that passes its checksums (or ``step``, if it does)."""
+    found = checkpoint.step_dirs(workdir / "checkpoints")
+    if not found:
+        raise ExportError(f"{workdir / 'checkpoints'} holds no checkpoint.")
+    if step is not None and step not in found:
+        raise ExportError(f"{workdir / 'checkpoints'} has no step {step}; it has {sorted(found)}.")
+    problems = []
+    for s in [step] if step is not None else sorted(found, reverse=True):
+        why = checkpoint.verify(found[s])
+        if why is None:
+            return s, found[s]
+        problems.append(f"step {s}: {why}")
+    raise ExportError(f"no intact checkpoint to export in {workdir / 'checkpoints'}:\n  " + "\n  ".join(problems))
+
+
+def read_params(step_dir: pathlib.Path) -> dict:
+    """The ``params`` of a saved train state, as NumPy arrays in the layout they were saved in."""
+    path = step_dir / "state"
+    ckptr = ocp.PyTreeCheckpointer()
+    tree = ckptr.metadata(path).item_metadata
+    item = {"params": jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree["params"])}
+    restore_args = {"params": jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree["params"])}
+    out = ckptr.restore(path, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True))
+    return out["params"]
+
+
+def model_layout(c, params: dict) -> dict:
+    """Saved params (either runner's layout) -> the model's own (``dense.init_params``')."""
+    if not configs.uses_pipeline(c):
+        return params
+    stage_rows = engine.stage_split(c.model, c.pipeline.stages, c.pipeline.get("stage_layers", ()))
+    return engine.to_model_layout(c.model, params, stage_rows)
+
+
+def _write_tokenizer(c, out: pathlib.Path) -> tuple[int | None, str | None]:
+    """Copy the run's ``tokenizer.json`` (if it used one) with a ``tokenizer_config.json``; returns
+    ``(eos id, tokenizer.json path)``, the byte tokenizer's eos id and ``None`` for a byte run."""
+    eos_token = c.data.get("eos_token") or None
+    try:
+        tok = get_tokenizer(c.data.tokenizer, eos_token)
+    except ValueError as e:
+        raise ExportError(f"the run's tokenizer {c.data.tokenizer!r} cannot be loaded ({e}); the export needs it "
+                          "for the tokenizer files and the eos id.") from e
+    if tok.vocab_size > c.model.vocab_size:
+        raise ExportError(f"the tokenizer at {c.data.tokenizer!r} now has {tok.vocab_size} tokens, more than the "
+                          f"model's config.model.vocab_size={c.model.vocab_size}: not the tokenizer the run used.")
+    path = getattr(tok, "path", None)
+    if path is None:
+        return tok.eos_id, None
+    shutil.copyfile(path, out / "tokenizer.json")
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.eos_token, "bos_token": None,
+        "unk_token": None, "pad_token": None, "add_bos_token": False, "add_eos_token": False,
+        "clean_up_tokenization_spaces": False, "model_max_length": int(c.data.seq_len)}, indent=2))
+    (out / "special_tokens_map.json").write_text(json.dumps({"eos_token": tok.eos_token}, indent=2))
+    return tok.eos_id, path
+
+
+def export(workdir, out, step: int | None = None, dtype: str = "float32", log=print) -> dict:
+    """Write the run in ``workdir`` to ``out`` as a Hugging Face Llama directory; returns what was written."""
+    workdir, out = pathlib.Path(workdir), pathlib.Path(out)
+    c = run_config(workdir)
+    s, step_dir = latest_verified_step(workdir, step)
+    params = model_layout(c, read_params(step_dir))
+    out.mkdir(parents=True, exist_ok=True)
+    eos_id, tokenizer = _write_tokenizer(c, out)
+    hf_llama.write_checkpoint(str(out), c.model, params, max_position_embeddings=int(c.data.seq_len),
+                              eos_token_id=eos_id, dtype=dtype)
+    info = {"workdir": str(workdir.resolve()), "step": s, "run": c.get("name"), "dtype": dtype,
+            "runner": "pipeline" if configs.uses_pipeline(c) else "simulate", "tokenizer": tokenizer,
+            "params": int(sum(int(x.size) for x in _leaves(params)))}
+    (out / EXPORT_INFO).write_text(json.dumps(info, indent=2))
+    log(f"exported step {s} of {workdir} ({info['params']:,} parameters, {dtype}) to {out}")
+    return info
+
+
+def _leaves(tree):
+    if isinstance(tree, dict):
+        for v in tree.values():
+            yield from _leaves(v)
+    else:
+        yield tree
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m asyncpp_jax.export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workdir", required=True, help="the run's directory (config.json, checkpoints/)")
+    parser.add_argument("--out", required=True, help="the Hugging Face directory to write")
+    parser.add_argument("--step", type=int, default=None, help="default: the newest verified checkpoint")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="float32 (default) reads back bit-identically; bfloat16 halves the file")
+    args = parser.parse_args(argv)
+    if not os.environ.get("JAX_PLATFORMS"):
+        jax.config.update("jax_platforms", "cpu")  # host arrays only: never claim a training job's accelerator
+    try:
+        export(args.workdir, args.out, args.step, args.dtype, log=lambda m: print(m, file=sys.stderr))
+    except (ExportError, HFCheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
