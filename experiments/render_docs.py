@@ -28,6 +28,7 @@ from experiments import records
 
 REPO_ROOT = records.REPO_ROOT
 STUDY_RESULTS = REPO_ROOT / "experiments" / "results" / "cpu" / "results.jsonl"
+BENCH_LINK = REPO_ROOT / "experiments" / "results" / "bench"  # where the docs link to the records
 BLOCK = re.compile(r"^<!-- render:(?P<name>[\w-]+) -->\n(?P<body>.*?)^<!-- end:(?P=name) -->$", re.M | re.S)
 
 
@@ -147,8 +148,8 @@ def glance(doc: pathlib.Path) -> str:
         f"{_link(docs / 'optimizers.md', doc)} |",
     ]
     rows = [proc, bench_rec]
-    return "\n".join(lines + ["", _provenance(rows, [STUDY_RESULTS, records.BENCH_DIR / "bench_pipeline.jsonl",
-                                                      records.BENCH_DIR / "bench_optimizers.jsonl"], doc)])
+    return "\n".join(lines + ["", _provenance(rows, [STUDY_RESULTS, BENCH_LINK / "bench_pipeline.jsonl",
+                                                      BENCH_LINK / "bench_optimizers.jsonl"], doc)])
 
 
 def main_job(doc: pathlib.Path) -> str:
@@ -164,7 +165,7 @@ def main_job(doc: pathlib.Path) -> str:
                   f"{first['train_tokens'] / 1e6:.1f}M / {first['val_tokens'] / 1e6:.2f}M tokens; unigram entropy of the "
                   f"train split {first['unigram_entropy_train_nats_per_byte']:.3f} nats/byte, unigram cross-entropy on "
                   f"the validation split {first['unigram_xent_val_nats_per_byte']:.3f}.",
-              "", _provenance(rows, [records.BENCH_DIR / "main_job.jsonl"], doc)]
+              "", _provenance(rows, [BENCH_LINK / "main_job.jsonl"], doc)]
     return "\n".join(lines)
 
 
@@ -186,7 +187,7 @@ def notebooks(doc: pathlib.Path) -> str:
             runtime += f" ({rec['figures']['wall_s']:.0f} s on {rec['hardware']})"
         lines.append(f"| [`{name}`]({os.path.relpath(path, doc.parent)}) | {what} | "
                      f"{path.stat().st_size / 1000:.0f} kB | {runtime} |")
-    return "\n".join(lines + ["", _provenance(rows, [records.BENCH_DIR / "notebooks.jsonl"], doc)])
+    return "\n".join(lines + ["", _provenance(rows, [BENCH_LINK / "notebooks.jsonl"], doc)])
 
 
 def main_job_summary(doc: pathlib.Path) -> str:
@@ -198,7 +199,7 @@ def main_job_summary(doc: pathlib.Path) -> str:
     return (f"The main job's {len(rows)} recorded runs ({_link(REPO_ROOT / 'docs' / 'training.md', doc)}) took "
             f"{_minsec(min(walls))} to {_minsec(max(walls))} end to end on a 2-core CPU and ended at a validation loss "
             f"of {min(vals):.3f} to {max(vals):.3f} nats/byte, against a unigram entropy of {entropy:.3f} nats/byte "
-            f"for the train split. {_provenance(rows, [records.BENCH_DIR / 'main_job.jsonl'], doc)}")
+            f"for the train split. {_provenance(rows, [BENCH_LINK / 'main_job.jsonl'], doc)}")
 
 
 def tiny_optimizers(doc: pathlib.Path) -> str:
@@ -208,7 +209,7 @@ def tiny_optimizers(doc: pathlib.Path) -> str:
         f = r["figures"]
         lines.append(f"| {r['optimizer']} | {f['lr']:g} | {f['weight_decay']:g} | {r['hardware']} | "
                      f"{f['final_val_nats_per_byte']:.3f} |")
-    return "\n".join(lines + ["", _provenance(rows, [records.BENCH_DIR / "tiny_optimizers.jsonl"], doc)])
+    return "\n".join(lines + ["", _provenance(rows, [BENCH_LINK / "tiny_optimizers.jsonl"], doc)])
 
 
 def _optimizer_benches() -> tuple[dict, list[dict]]:
@@ -234,12 +235,13 @@ def bench_optimizers(doc: pathlib.Path) -> str:
         vs = "-" if f["time_vs_optax"] is None else f"{f['time_vs_optax']:.2f} (`{f['optax_reference']}`)"
         lines.append(f"| {name} | {t} | {vs} | {f['state_bytes_per_param']:.2f} |")
     lines += ["", "Commands: " + "; ".join(sorted({f'`{r["command"]}`' for r in rows})) + f". Hardware: {_hw(rows)}.",
-              "", _provenance(rows, [records.BENCH_DIR / "bench_optimizers.jsonl"], doc)]
+              "", _provenance(rows, [BENCH_LINK / "bench_optimizers.jsonl"], doc)]
     return "\n".join(lines)
 
 
 def bench_pipeline_work(doc: pathlib.Path) -> str:
-    rows = records.load("bench_pipeline", "bench_pipeline_work")
+    latest = {r["figures"]["rows_per_microbatch"]: r for r in records.load("bench_pipeline", "bench_pipeline_work")}
+    rows = [latest[k] for k in sorted(latest)]  # the latest record at each microbatch size
     lines = ["| microbatch | schedule | recompute | engine / simulate step | spread over rounds | slot work / simulate "
              "| engine / slot work | target |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -250,7 +252,7 @@ def bench_pipeline_work(doc: pathlib.Path) -> str:
                          f"**{x['engine_over_simulate']:.2f}** | {x['spread'][0]:.2f}–{x['spread'][1]:.2f} | "
                          f"{x['slot_work_over_simulate']:.2f} | {x['engine_over_slot_work']:.2f} | {target} |")
     lines += ["", "Commands: " + "; ".join(f'`{r["command"]}`' for r in rows) + f". Hardware: {_hw(rows)}.",
-              "", _provenance(rows, [records.BENCH_DIR / "bench_pipeline.jsonl"], doc)]
+              "", _provenance(rows, [BENCH_LINK / "bench_pipeline.jsonl"], doc)]
     return "\n".join(lines)
 
 
@@ -268,7 +270,7 @@ def bench_pipeline_processes(doc: pathlib.Path) -> str:
     f = rows[0]["figures"]
     lines += ["", f"{f['layers']} layers split {','.join(map(str, f['stage_layers']))}, recompute {f['recompute']}. "
                   f"Command: `{rows[0]['command']}`. Hardware: {_hw(rows)}.",
-              "", _provenance(rows, [records.BENCH_DIR / "bench_pipeline.jsonl"], doc)]
+              "", _provenance(rows, [BENCH_LINK / "bench_pipeline.jsonl"], doc)]
     return "\n".join(lines)
 
 
@@ -278,7 +280,7 @@ def bench_pipeline_compile(doc: pathlib.Path) -> str:
     return "\n".join([
         f"| program ({f['schedule']}, P = {f['stages']}) | compile time vs {f['baseline']} |", "|---|---|",
         f"| twice the depth | {f['twice_depth']:.2f}× |", f"| twice the microbatches | {f['twice_microbatches']:.2f}× |",
-        "", f"Command: `{rows[0]['command']}`. " + _provenance(rows, [records.BENCH_DIR / "bench_pipeline.jsonl"], doc)])
+        "", f"Command: `{rows[0]['command']}`. " + _provenance(rows, [BENCH_LINK / "bench_pipeline.jsonl"], doc)])
 
 
 def moe10b_dry_run(doc: pathlib.Path) -> str:
@@ -286,7 +288,7 @@ def moe10b_dry_run(doc: pathlib.Path) -> str:
     f = rows[0]["figures"]
     return "\n".join([f"```\n$ {rows[0]['command']}", *f["stdout"], "```", "",
                       f"{f['wall_s']} s end to end, {f['compile_s']} s of it compiling, on {rows[0]['hardware']}. "
-                      + _provenance(rows, [records.BENCH_DIR / "dry_run.jsonl"], doc)])
+                      + _provenance(rows, [BENCH_LINK / "dry_run.jsonl"], doc)])
 
 
 def fit_table(doc: pathlib.Path) -> str:
@@ -299,7 +301,7 @@ def fit_table(doc: pathlib.Path) -> str:
         name += f" ({r['note']})" if r["note"] else ""
         lines.append(f"| {name} | `{f['target']}` | {f['microbatches']} | {f['remat']} | {f['peak_gb']:.2f} GB | "
                      f"{f['before'] or 'same'} |")
-    return "\n".join(lines + ["", _provenance(rows, [records.BENCH_DIR / "dry_run.jsonl"], doc)])
+    return "\n".join(lines + ["", _provenance(rows, [BENCH_LINK / "dry_run.jsonl"], doc)])
 
 
 def ci(doc: pathlib.Path) -> str:
@@ -310,7 +312,7 @@ def ci(doc: pathlib.Path) -> str:
         "|---|---|---|---|---|---|",
         f"| `{rows[0]['command']}` | {f['tests_default']} | {f['passed']} | {f['skipped']} | {f['tests_all']} "
         f"({f['tests_slow']} slow) | {_minsec(f['wall_s'])} |",
-        "", f"Hardware: {rows[0]['hardware']}. " + _provenance(rows, [records.BENCH_DIR / "ci.jsonl"], doc)])
+        "", f"Hardware: {rows[0]['hardware']}. " + _provenance(rows, [BENCH_LINK / "ci.jsonl"], doc)])
 
 
 RENDERERS = {f.__name__: f for f in (notebooks, glance, main_job, main_job_summary, tiny_optimizers, bench_optimizers, optimizers_study,

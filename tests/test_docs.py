@@ -66,6 +66,26 @@ def test_rendering_restores_a_changed_figure():
         render_docs.render("<!-- render:nope -->\n<!-- end:nope -->", README)
 
 
+def test_a_new_measured_record_replaces_the_typed_figures(tmp_path, monkeypatch):
+    import shutil
+
+    shutil.copytree(records.BENCH_DIR, tmp_path / "bench")
+    monkeypatch.setattr(records, "BENCH_DIR", tmp_path / "bench")
+    old = records.load("bench_pipeline", "bench_pipeline_compile")[-1]
+    records.append(tmp_path / "bench" / "bench_pipeline.jsonl", records.make(
+        "bench_pipeline_compile", {**old["figures"], "twice_depth": 1.234}, command="python -m experiments.bench_pipeline compile"))
+    job = records.load("main_job")[-1]
+    records.append(tmp_path / "bench" / "main_job.jsonl", records.make(
+        "main_job", {"wall_s": 1000.0, "s_per_update": 2.0, "final_val_nats_per_byte": 1.25, "updates": 500},
+        command=job["command"]))
+    page = (ROOT / "docs" / "pipeline.md").read_text()
+    rendered = render_docs.render(page, ROOT / "docs" / "pipeline.md")
+    assert "| twice the depth | 1.23× |" in rendered and "1 measured and written by the script as it ran" in rendered
+    assert "| twice the depth | 1.01× |" in page
+    rendered = render_docs.render(README.read_text(), README)
+    assert "to 16 min 40 s end to end" in rendered and "loss of 1.250 to" in rendered
+
+
 def test_every_record_says_where_its_figures_came_from():
     files = sorted(records.BENCH_DIR.glob("*.jsonl"))
     assert files
