@@ -77,7 +77,7 @@ def _args():
                     help="layers per stage, e.g. 26,6 (config.pipeline.stage_layers; work: 4 stages, overlap: 2); "
                          "default an even split")
     ap.add_argument("--record", default="", metavar="FILE.jsonl",
-                    help="work, processes, compile: append the table's figures with the command, commit, date and "
+                    help="work, overlap, processes, compile: append the table's figures with the command, commit, date and "
                          "hardware as one JSON line to this file (experiments/results/bench/bench_pipeline.jsonl "
                          "renders docs/pipeline.md's tables)")
     args = ap.parse_args()
@@ -423,7 +423,7 @@ def overlap(args) -> None:
           f"{','.join(map(str, split))}\n")
     print("| P | M | recompute | measured sync/2bw | tick-table critical path | textbook (M+P-1)/M |")
     print("|---|---|---|---|---|---|")
-    recomputes = [v.strip() == "True" for v in args.recompute.split(",")]
+    recomputes, rows = [v.strip() == "True" for v in args.recompute.split(",")], []
     for recompute in recomputes:
         costs = stage_costs(args, split, recompute)  # each stage's own slot costs: the split's critical path
         for M in (int(m) for m in args.microbatches.split(",")):
@@ -433,11 +433,17 @@ def overlap(args) -> None:
             pred = predicted_sync_over_2bw(P, M, costs)
             print(f"| {P} | {M} | {recompute} | {t['sync'] / t['2bw']:.3f} | {pred:.3f} | {(M + P - 1) / M:.3f} |",
                   flush=True)
+            rows.append({"stages": P, "microbatches": M, "recompute": recompute, "sync_over_2bw": t["sync"] / t["2bw"],
+                         "tick_table_critical_path": pred, "textbook": (M + P - 1) / M})
     for P4, M in ((4, 8), (8, 16)) if not args.stage_layers else ():  # even splits only
         c = [cached_slot_costs(args, args.layers // P4, True)] * P4
         pred = predicted_sync_over_2bw(P4, M, c)
         print(f"| {P4} | {M} | True | (predicted only) | {pred:.3f} | {(M + P4 - 1) / M:.3f} |")
     print()
+    _record(args, "bench_pipeline_overlap", {
+        "layers": args.layers, "stage_layers": list(split), "rows_per_microbatch": args.rows, "seq": args.seq,
+        "vocab": args.vocab, "d_model": args.d_model, "rounds": args.rounds, "rows": rows,
+        "note": "one process: the fake devices never run at the same time on XLA:CPU, so this is not overlap"})
     for recompute in recomputes:
         print_balanced_split(args, P, cached_slot_costs(args, max(args.layers // P, 1), recompute), recompute)
 
