@@ -352,22 +352,22 @@ def _parse_main_flags(argv: list[str]) -> ml_collections.ConfigDict:
     return config
 
 
-def _parse_script(module: str, argv: list[str], monkeypatch) -> argparse.Namespace | None:
+def _parse_script(module: str, argv: list[str]) -> argparse.Namespace | None:
     """Parse argv with the script's own argparse parser, stopping right after parse_args (nothing runs).
     Returns None after ``--help`` (which must exit 0)."""
     mod = importlib.import_module(module)
     err = io.StringIO()
-    monkeypatch.setattr(sys, "argv", [module, *argv])
+    saved_argv, original = sys.argv, argparse.ArgumentParser.parse_args
+
+    def parse_only(self, args=None, namespace=None):
+        raise _Parsed(original(self, args, namespace))
+
     if hasattr(mod, "_args"):  # the parser is its own function (bench_pipeline parses before importing JAX)
         entry = mod._args
     else:
-        original = argparse.ArgumentParser.parse_args
-
-        def parse_only(self, args=None, namespace=None):
-            raise _Parsed(original(self, args, namespace))
-
-        monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_only)
+        argparse.ArgumentParser.parse_args = parse_only
         entry = (lambda: mod.main(argv)) if inspect.signature(mod.main).parameters else mod.main
+    sys.argv = [module, *argv]
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             result = entry()
@@ -377,11 +377,11 @@ def _parse_script(module: str, argv: list[str], monkeypatch) -> argparse.Namespa
         assert e.code == 0 and "--help" in argv, f"{module} {shlex.join(argv)}: exit {e.code}: {err.getvalue()}"
         return None
     finally:
-        monkeypatch.undo()
+        sys.argv, argparse.ArgumentParser.parse_args = saved_argv, original
     return result
 
 
-def _check_invocation(argv: list[str], monkeypatch):
+def _check_invocation(argv: list[str]):
     if argv[0] == "-m":
         module, args = argv[1], argv[2:]
     else:
@@ -398,16 +398,16 @@ def _check_invocation(argv: list[str], monkeypatch):
         if "--help" not in args:
             _parse_main_flags(args)
     elif module == "asyncpp_jax.launch":
-        _parse_script(module, args, monkeypatch)
+        _parse_script(module, args)
         if "--" in args:
             _parse_main_flags(args[args.index("--") + 1:])
     elif module == "experiments.record_run":
-        _parse_script(module, args, monkeypatch)
+        _parse_script(module, args)
         inner = args[args.index("--") + 1:]
         assert inner[:1] == ["python"], f"record_run runs a python command: {inner}"
-        _check_invocation(inner[1:], monkeypatch)
+        _check_invocation(inner[1:])
     else:
-        _parse_script(module, args, monkeypatch)
+        _parse_script(module, args)
     return module
 
 
@@ -427,27 +427,27 @@ def test_every_documented_command_parses(monkeypatch):
     failures, modules = [], set()
     for doc, command, argv in invocations:
         try:
-            modules.add(_check_invocation(argv, monkeypatch))
+            modules.add(_check_invocation(argv))
         except Exception as e:  # noqa: BLE001 - report every failing command at once
             failures.append(f"{doc}: {command}\n    {type(e).__name__}: {e}")
     assert not failures, "\n".join(failures)
     # Each documented script's --help runs (asyncpp_jax.main's below, in its own process).
     for module in sorted(modules - {"pytest", "asyncpp_jax.main"}):
-        assert _parse_script(module, ["--help"], monkeypatch) is None, module
+        assert _parse_script(module, ["--help"]) is None, module
 
 
 def test_the_command_check_catches_a_bad_command(monkeypatch):
     monkeypatch.chdir(ROOT)
     with pytest.raises((flags.Error, KeyError, AttributeError), match="nam"):
-        _check_invocation(["-m", "asyncpp_jax.main", "--config.optimizer.nam=muon"], monkeypatch)
+        _check_invocation(["-m", "asyncpp_jax.main", "--config.optimizer.nam=muon"])
     with pytest.raises(flags.Error):
-        _check_invocation(["-m", "asyncpp_jax.main", "--dryrun"], monkeypatch)
+        _check_invocation(["-m", "asyncpp_jax.main", "--dryrun"])
     with pytest.raises(configs.ConfigError):
-        _check_invocation(["-m", "asyncpp_jax.main", "--config.optimizer.name=sgd"], monkeypatch)
+        _check_invocation(["-m", "asyncpp_jax.main", "--config.optimizer.name=sgd"])
     with pytest.raises(AssertionError, match="exit 2"):
-        _check_invocation(["-m", "experiments.sweep", "optimizers", "--presett=cpu"], monkeypatch)
+        _check_invocation(["-m", "experiments.sweep", "optimizers", "--presett=cpu"])
     with pytest.raises(AssertionError, match="no module"):
-        _check_invocation(["-m", "experiments.bench_everything"], monkeypatch)
+        _check_invocation(["-m", "experiments.bench_everything"])
     assert _python_invocations('gcloud ssh x --command="cd a && python -m asyncpp_jax.main --dry_run"') == [
         ["-m", "asyncpp_jax.main", "--dry_run"]]
 
