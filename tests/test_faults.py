@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -326,3 +327,310 @@ def test_processes_agree_on_a_write_failure(tmp_path):
     outs = [p.communicate(timeout=300) for p in procs]
     assert "process 0: refused: cannot write checkpoints to" in outs[0][0] and "process(es) [1]" in outs[0][0], outs[0]
     assert "process 1: refused:" in outs[1][0] and "No space left on device" in outs[1][0], outs[1]
+
+
+# ------------------------------------------------------------------------------------------------
+# Issue 31: the faults a training engineer meets.  Each case failed before the fix named beside it.
+
+def _rows(workdir) -> dict:
+    """``{step: (loss, grad_norm)}`` of a run's metrics.jsonl."""
+    rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: (r.get("loss"), r["grad_norm"]) for r in rows}
+
+
+def test_nan_in_a_state_the_loss_does_not_show_is_never_saved(trainer, tmp_path, cache_dir):
+    """Non-finite optimizer state behind a finite loss (as the 2bw engine's in-flight gradient is at
+    lr=1e4): the save at step 3 is refused, step 2 stays the last good checkpoint, and a resume from it
+    trains on.  Before: step 3 was saved with the NaN and called good."""
+    t = trainer(tmp_path)
+    inner = t.train_step
+    t.config.train.checkpoint_every = 1
+
+    def poison_state(state, batch):
+        n = int(state.step)
+        new, metrics = inner(state, batch)
+        if n == 2:  # the state after update 3 carries a NaN; its metrics are finite
+            new = new.replace(opt_state=jax.tree.map(
+                lambda x: x * jnp.nan if jnp.issubdtype(x.dtype, jnp.floating) and x.ndim else x, new.opt_state))
+        return new, metrics
+
+    t.train_step = poison_state
+    with pytest.raises(TrainingDiverged, match=r"state after step 3 holds non-finite values .*\.opt_state.*"
+                                               r"last good checkpoint is step 2"):
+        t.run()
+    t.close()
+    assert t.checkpointer.sealed_steps() == [1, 2]
+    assert json.loads((tmp_path / "status.json").read_text())["status"] == "diverged"
+    t = trainer(tmp_path)
+    assert t.run().status == "finished"
+    t.close()
+    assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(jax.device_get(t.state)) if x.dtype.kind == "f")
+
+
+@pytest.mark.slow  # compiles the 2-stage engine (~1 min on the 2-core machine)
+def test_2bw_engine_never_saves_nan_in_flight_state(cache_dir, tmp_path):
+    """The issue's case: the engine at 2 stages, lr=1e4, a checkpoint every step.  The in-flight state
+    (runner_state.bwd_buf, grad_partial) turns NaN while the logged loss (update t-1's) is finite; the
+    run stops naming those leaves, and the last good checkpoint resumes at a sane lr and trains on."""
+    c = small_train_config(cache_dir, "nan2bw", 1, steps=8, microbatches=2, eval_every=100, eval_batches=1,
+                           checkpoint_every=1)
+    c.pipeline.update(stages=2, schedule="2bw")
+    c.optimizer.lr = 1e4
+    t = Trainer(c, tmp_path)
+    with pytest.raises(TrainingDiverged, match=r"holds non-finite values .*runner_state"):
+        t.run()
+    t.close()
+    last = t.checkpointer.sealed_steps()[-1]
+    c.optimizer.lr = 1e-2
+    t = Trainer(c, tmp_path)
+    result = t.run()
+    t.close()
+    assert result.status == "finished" and result.step == 8 and last < 8
+    assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(jax.device_get(t.state)) if x.dtype.kind == "f")
+
+
+def test_one_run_per_workdir(trainer, tmp_path, caplog):
+    """A second run on a held workdir stops at once naming the holder; a lock left by a killed run is
+    taken over.  Before: both ran (metrics interleaved, or orbax hanging on its tmp directory)."""
+    from asyncpp_jax.train.workdir_lock import LOCK_FILE, WorkdirBusy
+
+    first = trainer(tmp_path)
+    holder = json.loads((tmp_path / LOCK_FILE).read_text())
+    assert holder["pid"] == os.getpid()
+    with pytest.raises(WorkdirBusy) as e:
+        trainer(tmp_path)
+    message = str(e.value)
+    assert f"pid {os.getpid()}" in message and holder["host"] in message and holder["started"] in message
+    assert "another --workdir" in message
+    first.close()
+    assert not (tmp_path / LOCK_FILE).exists()
+    # a stale lock: its file left behind by a run killed with SIGKILL (the kernel dropped its flock)
+    (tmp_path / LOCK_FILE).write_text(json.dumps({"host": "gone", "pid": 999999, "started": "yesterday"}))
+    with caplog.at_level(logging.WARNING, logger="asyncpp_jax"):
+        t = trainer(tmp_path)
+    assert "taking over" in caplog.text and "pid 999999" in caplog.text
+    t.run()
+    t.close()
+
+
+@pytest.mark.slow
+def test_cli_second_run_on_a_held_workdir_exits_at_once(cache_dir, tmp_path):
+    from asyncpp_jax.train.workdir_lock import WorkdirLock
+
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    lock = WorkdirLock(workdir)
+    lock.acquire()
+    try:
+        out = run_cli(cli_args(cache_dir, workdir))
+    finally:
+        lock.release()
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert f"is in use by another run (host " in out.stderr and f"pid {os.getpid()}" in out.stderr
+    assert not (workdir / "checkpoints").exists()
+
+
+def _kill_during_save(cache_dir, workdir, step, phase):
+    out = subprocess.run([sys.executable, str(configs.REPO_ROOT / "tests" / "kill_harness.py"), str(workdir),
+                          cache_dir, str(step), phase], cwd=configs.REPO_ROOT, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == -signal.SIGKILL, (out.stdout[-2000:], out.stderr[-3000:])
+
+
+@pytest.mark.parametrize("step, phase", [
+    (4, "begin"),
+    pytest.param(4, "writing", marks=pytest.mark.slow),
+    pytest.param(4, "commit", marks=pytest.mark.slow),
+    pytest.param(4, "seal", marks=pytest.mark.slow),
+    pytest.param(2, "begin", marks=pytest.mark.slow),
+    pytest.param(2, "writing", marks=pytest.mark.slow),
+    pytest.param(2, "commit", marks=pytest.mark.slow),
+    pytest.param(2, "seal", marks=pytest.mark.slow),
+])
+def test_a_kill_during_a_save_costs_at_most_one_interval(sealed_run, trainer, cache_dir, tmp_path, step, phase):
+    """SIGKILL at each phase of the save of step 4 (or of the first save, step 2), with sealing slow
+    (a large checkpoint): the resume starts from the previous save (or afresh), and every loss and the
+    final parameters equal the uninterrupted run's.  Before: the previous step's seal ran on a worker
+    thread while step 4's write began, the kill left it unsealed, and no checkpoint was intact."""
+    workdir = tmp_path / "run"
+    _kill_during_save(cache_dir, workdir, step, phase)
+    t = trainer(workdir)
+    result = t.run()
+    t.close()
+    assert result.status == "finished" and result.step == 4
+    assert _rows(workdir) == _rows(sealed_run[0])
+    for a, b in zip(jax.tree.leaves(sealed_run[1]), jax.tree.leaves(jax.device_get(t.state.params))):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_retention_deletes_only_behind_a_sealed_step(trainer, tmp_path):
+    """keep_checkpoints=1: orbax's own max_to_keep deleted the previous step as soon as the new one was
+    renamed, before its seal; now only sealed steps beyond the newest one are deleted."""
+    t = trainer(tmp_path)
+    t.checkpointer.keep = 1
+    t.run()
+    t.close()
+    assert ckpt_lib.step_dirs(tmp_path / "checkpoints").keys() == {4}
+    assert ckpt_lib.verify(tmp_path / "checkpoints" / "4") is None
+
+
+def test_manifest_without_its_file_table_is_named_not_a_traceback(damaged_copy):
+    step_dir = damaged_copy / "checkpoints" / "4"
+    (step_dir / ckpt_lib.MANIFEST).write_text(json.dumps({"step": 4, "layout": {}}))
+    assert "unreadable or lacks its table of files" in ckpt_lib.verify(step_dir)  # before: KeyError 'files'
+    assert ckpt_lib.Checkpointer(damaged_copy / "checkpoints", keep=5).select_intact()[0] == 2
+
+
+_CONFIG_FILES = {
+    "syntax.py": ("def get_config(:\n", "has a syntax error at line 1"),
+    "raises.py": ("def get_config():\n    raise ValueError('boom')\n", "get_config() raised ValueError: boom"),
+    "empty.py": ("x = 1\n", "defines no get_config() function"),
+    "number.py": ("def get_config():\n    return 5\n", "returned a int, not an ml_collections.ConfigDict"),
+}
+
+
+def test_config_mistakes_are_one_line_errors(tmp_path):
+    """A config file that does not load, or an override naming no field: one line, exit 2 (before:
+    tracebacks from ml_collections, exit 1)."""
+    for name, (text, needle) in _CONFIG_FILES.items():
+        (tmp_path / name).write_text(text)
+    args = [f"--config={tmp_path / name}" for name in _CONFIG_FILES] + ["--config.model.dmodel=64"]
+    code = ("import json, os, sys\nfrom asyncpp_jax import main\n"  # argv empty: main checks nothing at import
+            "for a in json.loads(os.environ['ARGS']):\n"
+            "    try:\n"
+            "        main.preflight([a])\n"
+            "    except SystemExit as e:\n"
+            "        print('exit', e.code, file=sys.stderr)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=configs.REPO_ROOT, capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ, ARGS=json.dumps(args)))
+    assert "Traceback" not in out.stderr, out.stderr
+    lines = [x for x in out.stderr.splitlines() if x.startswith("error:")]
+    for (name, (_, needle)), line in zip(_CONFIG_FILES.items(), lines):
+        assert str(tmp_path / name) in line and needle in line, line
+    assert "--config.model.dmodel: no such setting; did you mean config.model.d_model?" in lines[4]
+    assert out.stderr.count("exit 2") == len(args)
+
+
+def test_cli_unknown_field_and_parent_workdir_exit_2(tmp_path):
+    out = run_cli(["--config.model.dmodel=64", f"--workdir={tmp_path}"])
+    assert out.returncode == 2 and "Traceback" not in out.stderr and "did you mean config.model.d_model" in out.stderr
+    out = run_cli(["--config.name=.."], cwd=tmp_path)  # runs/.. is the current directory itself
+    assert out.returncode == 2 and "Traceback" not in out.stderr and "config.name='..'" in out.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_workdir_that_is_the_cwd_or_a_parent_is_refused(cache_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for workdir in (".", "..", "/"):
+        with pytest.raises(configs.ConfigError, match="pass a new directory"):
+            Trainer(fault_config(cache_dir), workdir)
+    assert not list(tmp_path.iterdir())
+
+
+def test_read_only_workdir_is_an_environment_error(cache_dir, tmp_path, monkeypatch):
+    import errno
+
+    from asyncpp_jax.train.trainer import WorkdirError
+
+    def read_only(self, *a, **k):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+
+    monkeypatch.setattr(pathlib.Path, "mkdir", read_only)
+    with pytest.raises(WorkdirError, match=f"cannot create the workdir {tmp_path / 'run'}: Read-only file system"):
+        Trainer(fault_config(cache_dir), tmp_path / "run")
+
+
+def test_impossible_size_on_cpu_is_refused_before_allocation(cache_dir, tmp_path):
+    """seq_len=65536 needs terabytes for attention scores: a ConfigError naming the setting before any
+    allocation (before: RESOURCE_EXHAUSTED traceback at the first step, or a silent wait on the init)."""
+    from asyncpp_jax.train import host_memory
+
+    c = fault_config(cache_dir)
+    c.data.seq_len = 65536
+    with pytest.raises(configs.ConfigError, match=r"needs at least .* GB of host memory.*config.data.seq_len"):
+        Trainer(c, tmp_path)
+    c = configs.resolve(fault_config(cache_dir))
+    c.model.vocab_size = 200_000_000
+    with pytest.raises(configs.ConfigError, match="config.model.vocab_size"):
+        host_memory.check_fits(c, {}, 1, available=10 * 2**30)
+    host_memory.check_fits(configs.resolve(fault_config(cache_dir)), {}, 4, available=10 * 2**30)  # fits
+
+
+def test_second_ctrl_c_stops_at_once_and_never_claims_an_unsealed_save(trainer, tmp_path, default_sigint, caplog):
+    """Ctrl-C at update 3, then again while its checkpoint is written: KeyboardInterrupt at once,
+    status 'interrupted' naming step 2 as the last sealed checkpoint, and no "saved a checkpoint at
+    step 3" (before: logged before the save had landed, then a traceback)."""
+    t = trainer(tmp_path)
+    inner, wait = t.train_step, t.checkpointer.wait
+
+    def interrupt_at_3(state, batch):
+        n = int(state.step)
+        out = inner(state, batch)
+        if n == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return out
+
+    def interrupted_wait():
+        os.kill(os.getpid(), signal.SIGINT)
+        wait()
+
+    t.train_step, t.checkpointer.wait = interrupt_at_3, interrupted_wait
+    with caplog.at_level(logging.WARNING, logger="asyncpp_jax"), pytest.raises(KeyboardInterrupt):
+        t.run()
+    t.checkpointer.wait = wait
+    t.close()
+    assert "saved a checkpoint" not in caplog.text
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert status == {"status": "interrupted", "step": 3, "last_checkpoint": 2}
+
+
+def test_dead_start_is_stopped_naming_the_settings(sealed_run, tmp_path, cache_dir):
+    """init_std=1e6 saturates every layer: gradient norm exactly 0 and the loss at log(vocab) from the
+    start.  Before: trained to exit 0."""
+    from asyncpp_jax.train.trainer import DeadStart
+
+    c = fault_config(cache_dir)
+    c.model.init_std = 1e6  # the init only: the compiled steps of the sealed run apply
+    t = Trainer(c, tmp_path)
+    t.train_step, t.eval_step = sealed_run[2]
+    with pytest.raises(DeadStart, match=r"over the first 3 updates .*config.model.init_std=1000000.0.*norm_eps"):
+        t.run()
+    t.close()
+    assert json.loads((tmp_path / "status.json").read_text())["status"] == "dead_start"
+
+
+def test_stop_signal_during_the_first_compile_stops_at_once(trainer, tmp_path):
+    """SIGTERM while the first step compiles (here: a step that blocks, as a long compile does):
+    run() returns 'preempted' at once with status.json written.  Before: ignored until the compile ended."""
+    import threading
+
+    t = trainer(tmp_path)
+    release = threading.Event()
+
+    def compiling(state, batch):  # on the first-step thread; the signal goes to the main thread's handler
+        os.kill(os.getpid(), signal.SIGTERM)
+        release.wait(60)
+        raise RuntimeError("abandoned")
+
+    t.train_step = compiling
+    start = time.perf_counter()
+    result = t.run()
+    took = time.perf_counter() - start
+    release.set()
+    t.close()
+    assert result.status == "preempted" and result.step == 0 and t.compile_abandoned
+    assert took < 30
+    assert json.loads((tmp_path / "status.json").read_text())["status"] == "preempted"
+
+
+@pytest.mark.parametrize("tokenizer, needle", [("/nonexistent/tokenizer.json", "is not understood"),
+                                               ("BAD_FILE", "could not load a Hugging Face tokenizer")])
+def test_missing_or_invalid_tokenizer_is_a_setting_error(cache_dir, tmp_path, tokenizer, needle):
+    """Before: a ValueError traceback from the corpus preparation (exit 1); now a ConfigError (exit 2)."""
+    if tokenizer == "BAD_FILE":
+        tokenizer = tmp_path / "tokenizer.json"
+        tokenizer.write_text("{not json")
+    c = fault_config(cache_dir)
+    c.data.tokenizer = str(tokenizer)
+    with pytest.raises(configs.ConfigError, match=f"config.data.tokenizer.*{needle}"):
+        Trainer(c, tmp_path / "run")

@@ -9,8 +9,14 @@ Integrity (on top of orbax's atomic rename of a finished step directory):
 
 * **Sealing.** Once orbax has finalized step ``s``, process 0 writes ``s/MANIFEST``: the size and
   SHA-256 of every file in the step directory, plus the state's layout (each leaf's path, shape
-  and dtype).  Hashing runs on a worker thread, so training does not wait for it.  A checkpoint
-  without a manifest (the process died between orbax's rename and the seal) counts as unsealed.
+  and dtype).  Hashing runs on a worker thread, so training does not wait for it; but the next
+  save does not start before every earlier step is sealed, so at any moment the newest sealed
+  checkpoint is at most one save behind.  A checkpoint without a manifest (the process died
+  between orbax's rename and the seal) counts as unsealed: never reported as saved, and set aside
+  on resume (also when it is the only one: the run then starts afresh, which is all it had lost).
+* **Retention.** Old steps are deleted by this class, not by orbax (whose ``max_to_keep`` deletes
+  the previous step as soon as the new one is renamed, before it is sealed): only sealed steps
+  beyond the newest ``keep`` are removed, before the next save starts and when the run ends.
 * **Verification.** Before a restore, each step, newest first, is checked against its manifest; a
   missing, truncated or altered file, or a missing manifest, disqualifies it.  The newest intact
   step is restored; the disqualified newer ones are moved to ``<workdir>/checkpoints_unusable/`` so
@@ -97,17 +103,30 @@ def write_manifest(step_dir: pathlib.Path, step: int, layout: dict) -> None:
 
 
 def read_manifest(step_dir: pathlib.Path) -> dict | None:
+    """The manifest if it is readable and well formed (a ``files`` table of sizes and hashes)."""
     try:
-        return json.loads((step_dir / MANIFEST).read_text())
+        manifest = json.loads((step_dir / MANIFEST).read_text())
     except (OSError, ValueError):
         return None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not (isinstance(files, dict) and all(isinstance(v, dict) and {"bytes", "sha256"} <= set(v)
+                                            for v in files.values())):
+        return None
+    return manifest
+
+
+def is_unsealed(step_dir: pathlib.Path) -> bool:
+    """No manifest at all: the write was cut off before its seal (not damaged afterwards)."""
+    return not (step_dir / MANIFEST).exists()
 
 
 def verify(step_dir: pathlib.Path) -> str | None:
     """Why the checkpoint in ``step_dir`` cannot be trusted, or None if every byte checks out."""
     manifest = read_manifest(step_dir)
     if manifest is None:
-        return f"no readable {MANIFEST} (the write was cut off before it was sealed, or it was damaged)"
+        if is_unsealed(step_dir):
+            return f"no readable {MANIFEST}: the write was cut off before it was sealed"
+        return f"its {MANIFEST} is unreadable or lacks its table of files (damaged after the write)"
     for name, want in manifest["files"].items():
         path = step_dir / name
         if not path.is_file():
@@ -183,9 +202,11 @@ def _bytes_written_here(state) -> int:
 # ----------------------------------------------------------------------------------------------
 class Checkpointer:
     def __init__(self, directory: str | pathlib.Path, keep: int, async_save: bool = True):
+        # max_to_keep=None: retention is ours (_delete_old), so a step is deleted only once a newer one is sealed.
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True, enable_async_checkpointing=async_save
+            max_to_keep=None, create=True, enable_async_checkpointing=async_save
         )
+        self.keep = keep
         self.directory = pathlib.Path(directory).absolute()
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data"))
         self._sealer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-seal")
@@ -218,6 +239,10 @@ class Checkpointer:
 
     def save(self, step: int, state, data_iterator, force: bool = False) -> bool:
         self._finish_pending()  # orbax's save would wait for it anyway; this names its step if it failed
+        # Every earlier step sealed before this one's files appear: a kill during this save then costs
+        # only the work since the previous save.
+        self._wait_for_seals()
+        self._delete_old()
         self.check_writable(_bytes_written_here(state))
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state),
@@ -273,15 +298,29 @@ class Checkpointer:
                 e = f.exception()
                 raise self._error(f"sealing a checkpoint in {self.directory} failed: {type(e).__name__}: {e}")
 
+    def _wait_for_seals(self) -> None:
+        concurrent.futures.wait(self._seals)
+        self._raise_failed_seals()
+
+    def _delete_old(self) -> None:
+        """Delete the steps beyond the newest ``keep`` (called when every step on disk is sealed)."""
+        steps = sorted(self.manager.all_steps())
+        for step in steps[:max(len(steps) - self.keep, 0)]:
+            try:
+                self.manager.delete(step)
+            except Exception as e:  # noqa: BLE001 - a leftover old step costs disk, not correctness
+                log.warning("could not delete the old checkpoint %s: %s", self.directory / str(step), e)
+
     def wait(self) -> None:
-        """Let in-flight saves land and seal them."""
+        """Let in-flight saves land and seal them; then drop the steps beyond ``keep``."""
         self._finish_pending()
         try:
             self.manager.wait_until_finished()
         except Exception as e:
             raise self._error(f"writing a checkpoint to {self.directory} failed: {type(e).__name__}: {e}") from e
-        concurrent.futures.wait(self._seals)
-        self._raise_failed_seals()
+        self.poll()  # a save orbax finished during the wait is sealed too
+        self._wait_for_seals()
+        self._delete_old()
 
     def close(self) -> None:
         try:
@@ -298,7 +337,9 @@ class Checkpointer:
     def select_intact(self) -> tuple[int | None, list[tuple[int, str]]]:
         """``(newest intact step or None, [(newer step, why it is unusable), ...])``.
 
-        Process 0 verifies and broadcasts, so every process restores the same step.
+        Process 0 verifies and broadcasts, so every process restores the same step.  None with
+        rejected steps: every step was cut off before its seal (a kill during the first save), so
+        the run starts afresh; a sealed step that fails its checks with none intact is an error.
         """
         found = step_dirs(self.directory)
         chosen, rejected = None, []
@@ -309,11 +350,16 @@ class Checkpointer:
                     chosen = step
                     break
                 rejected.append((step, problem))
+        # Only cut-off writes (never reported as saved) and nothing intact: start afresh.
+        afresh = bool(found) and chosen is None and all(is_unsealed(found[s]) for s, _ in rejected)
         if jax.process_count() > 1:
-            chosen = int(multihost_utils.broadcast_one_to_all(np.int64(-1 if chosen is None else chosen)))
-            chosen = None if chosen < 0 else chosen
+            code = -2 if afresh else (-1 if chosen is None else chosen)
+            code = int(multihost_utils.broadcast_one_to_all(np.int64(code)))
+            chosen, afresh = (None if code < 0 else code), code == -2
             rejected = [(s, "rejected by process 0's checksum check") for s in sorted(found, reverse=True)
                         if chosen is None or s > chosen]
+        if afresh:
+            return None, rejected
         if found and chosen is None:
             lines = "\n  ".join(f"step {s} ({self.directory / str(s)}): {why}" for s, why in rejected)
             raise self._error(

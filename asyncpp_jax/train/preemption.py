@@ -70,6 +70,11 @@ class Preemption:
             self._flag.__enter__()
         return self
 
+    def interruptible(self) -> bool:
+        """Whether this process's own signal handlers set the flag (one process, main thread): then a
+        long step (the first one's compile) can be watched from here and abandoned on a stop signal."""
+        return self._flag is not None and bool(self._flag._previous)
+
     def reached(self, step: int) -> bool:
         if self._flag is None:
             return bool(self._manager.reached_preemption(step))

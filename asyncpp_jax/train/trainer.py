@@ -6,7 +6,13 @@ Guarantees (each is tested):
   cleanly; a second signal stops at once; with several processes, SIGTERM to any one stops every
   process at the same saved step (``train.preemption``);
 - a non-finite loss stops the run with :class:`TrainingDiverged` before anything is saved, so the
-  last good checkpoint is what remains;
+  last good checkpoint is what remains; before each save the whole state (parameters, optimizer
+  state, the engine's in-flight ``runner_state``) is checked to be finite (one reduced flag on
+  device), so no checkpoint holds a NaN that the logged loss did not show (2bw logs update t-1's loss);
+- a dead start (gradient norm exactly 0, or the loss pinned at log(vocab), over the first
+  updates of a fresh run) stops with :class:`DeadStart` naming the likely settings;
+- one run per workdir: ``run.lock`` is held for the whole run (train/workdir_lock.py);
+- a stop signal during the first step's compilation stops at once (status written, nothing to save);
 - an exception waits for in-flight checkpoint writes, so no saved work is lost;
 - checkpoints are verified before a restore (the newest intact one is used) and a checkpoint that
   cannot be written stops the run at once with :class:`CheckpointError` (see checkpoint.py);
@@ -15,6 +21,7 @@ Guarantees (each is tested):
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
@@ -25,22 +32,26 @@ import pathlib
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from asyncpp_jax import configs
-from asyncpp_jax.data import load_corpus, make_eval_batches, make_train_iterator, prepare_corpus_for
+from asyncpp_jax.data import CorpusError, load_corpus, make_eval_batches, make_train_iterator, prepare_corpus_for
 from asyncpp_jax.models import count_params, dense
 from asyncpp_jax.models.flops import flops_per_token
 from asyncpp_jax.optim import describe_routing
 from asyncpp_jax.train import dry_run, fit, preemption, profile
 from asyncpp_jax.train import runner as runner_lib
 from asyncpp_jax.train import step as step_lib
+from asyncpp_jax.train import host_memory
 from asyncpp_jax.train.batch_layout import batch_layout
 from asyncpp_jax.train_state import from_host
 from asyncpp_jax.train.checkpoint import CheckpointError, Checkpointer
 from asyncpp_jax.train.metrics import MetricWriter
 from asyncpp_jax.train.resume import check_resume
+from asyncpp_jax.train.workdir_lock import WorkdirBusy, WorkdirLock  # noqa: F401 - WorkdirBusy re-exported
 
 log = logging.getLogger("asyncpp_jax")
 
@@ -48,8 +59,19 @@ log = logging.getLogger("asyncpp_jax")
 EARLY_STEPS = 2  # updates after which a non-finite loss can be the learning rate's doing
 
 
+DEAD_START_UPDATES = 3  # updates of a fresh run (that apply a gradient) over which a dead start is judged
+
+
 class TrainingDiverged(RuntimeError):
     """The loss or gradient norm became NaN/inf; nothing after the last good checkpoint was saved."""
+
+
+class DeadStart(TrainingDiverged):
+    """The model cannot learn from its start (zero gradient, or uniform predictions): a setting's doing."""
+
+
+class WorkdirError(RuntimeError):
+    """The workdir cannot be created or written (the environment's doing, not a setting's)."""
 
 
 @dataclasses.dataclass
@@ -98,15 +120,37 @@ def _fit(config, devices):
 class Trainer:
     def __init__(self, config, workdir: str | pathlib.Path, devices=None):
         configs.validate(config)
-        devices = list(devices if devices is not None else jax.devices())
-        config = self.config = _fit(config, devices)
         configs.check_workdir(workdir)
         self.workdir = pathlib.Path(workdir)
-        self.workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.workdir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise WorkdirError(f"cannot create the workdir {self.workdir}: {e.strerror or e}; pass a --workdir on "
+                               "a writable file system.") from e
+        self._lock = WorkdirLock(self.workdir)
+        try:
+            self._lock.acquire()
+        except OSError as e:
+            raise WorkdirError(f"cannot write {self._lock.path}: {e.strerror or e}; pass a --workdir on a "
+                               "writable file system.") from e
+        try:
+            self._setup(config, devices)
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def _setup(self, config, devices):
+        devices = list(devices if devices is not None else jax.devices())
+        config = self.config = _fit(config, devices)
         c = config
 
         d = c.data
-        corpus_dir = prepare_corpus_for(d, log=log.info)
+        try:
+            corpus_dir = prepare_corpus_for(d, log=log.info)
+        except ValueError as e:  # the tokenizer's errors name their setting and the fix: a setting's mistake
+            if isinstance(e, CorpusError) or "config." not in str(e):
+                raise
+            raise configs.ConfigError(str(e)) from e
         self.corpus = load_corpus(corpus_dir, verify=d.verify_checksums)
         configs.check_against_tokenizer(c, self.corpus.vocab_size)
 
@@ -117,6 +161,8 @@ class Trainer:
         # Rows of every global batch this process loads: those of the data replicas its devices hold.
         self.batch_layout = batch_layout(self.mesh, c.train.global_batch_size, c.train.microbatches)
         self.flops_per_token = flops_per_token(c.model, c.data.seq_len)
+        if all(d.platform == "cpu" for d in devices):  # before anything is allocated
+            host_memory.check_fits(c, r.abstract_state(jax.random.key(c.seed)), len(r.mesh.devices.flat))
         if r.pipelined:
             log.info("pipeline engine, %s schedule:\n%s", c.pipeline.schedule, r.tick_table().render())
         self.eval_step = r.eval_step()
@@ -129,6 +175,9 @@ class Trainer:
         changed = check_resume(self.workdir, c, r.abstract_state(jax.random.key(c.seed)))
         self.checkpointer = Checkpointer(self.workdir / "checkpoints", c.train.keep_checkpoints,
                                          c.train.async_checkpoint)
+        self._all_finite = None  # the jitted finiteness flag, built at the first save
+        self._early: list[tuple[float, float]] = []  # (loss, grad norm) of the first updates: dead start
+        self.compile_abandoned = False  # a stop signal came while the first step compiled
         self._write_config(changed)
 
     # ------------------------------------------------------------------------------------------
@@ -172,8 +221,12 @@ class Trainer:
             for s, why in rejected:
                 log.warning("checkpoint %s is unusable: %s", self.checkpointer.directory / str(s), why)
             where = self.checkpointer.set_aside([s for s, _ in rejected])
-            log.warning("resuming from step %d instead of step %d: %d step(s) will be redone; the unusable "
-                        "checkpoint(s) were moved to %s", step, newest, newest - step, where)
+            if step is None:
+                log.warning("starting afresh instead of at step %d: no checkpoint had been sealed, so none was "
+                            "reported as saved; the unsealed checkpoint(s) were moved to %s", newest, where)
+            else:
+                log.warning("resuming from step %d instead of step %d: %d step(s) will be redone; the unusable "
+                            "checkpoint(s) were moved to %s", step, newest, newest - step, where)
         return step
 
     def evaluate(self, params) -> dict:
@@ -185,7 +238,10 @@ class Trainer:
         return {"val_loss": loss, "val_loss_per_byte": loss / self.corpus.bytes_per_token("val")}
 
     def close(self) -> None:
-        self.checkpointer.close()
+        try:
+            self.checkpointer.close()
+        finally:
+            self._lock.release()
 
     def _write_status(self, status: str, step: int, **extra) -> None:
         """status.json, replaced atomically; every figure in it belongs to ``step``."""
@@ -223,6 +279,11 @@ class Trainer:
             self.checkpointer.check_writable()  # an unwritable directory stops the run now, not at the first save
             state = self._loop(state, iterator, stop_at, p, writer, bar)
             self.checkpointer.wait()  # in-flight async saves land and are sealed
+            if p.status == "preempted" and p.step > p.start:  # only now is the checkpoint sealed
+                log.warning("stopped: saved a checkpoint at step %d; rerun the same command to resume", p.step)
+        except DeadStart:
+            self._write_status("dead_start", p.step, last_checkpoint=self._last_sealed())
+            raise
         except TrainingDiverged:
             self._write_status("diverged", p.step, last_checkpoint=self._last_sealed())
             raise
@@ -230,8 +291,11 @@ class Trainer:
             self._settle_checkpoints()
             self._write_status("checkpoint_failed", p.step, error=str(e), last_checkpoint=self._last_sealed())
             raise
+        except KeyboardInterrupt:  # a second Ctrl-C: stop at once, without waiting for in-flight saves
+            self._write_status("interrupted", p.step, last_checkpoint=self._last_sealed())
+            raise
         except BaseException:
-            self._settle_checkpoints()  # in-flight saves land, also on a crash or a second Ctrl-C
+            self._settle_checkpoints()  # in-flight saves land, also on a crash
             raise
         finally:
             bar.close()
@@ -257,7 +321,17 @@ class Trainer:
                 batch = self.batch_layout.assemble(next(iterator))
                 if profiler.before_step(p.step, self.train_step, state, batch):
                     last_t = time.perf_counter()  # the trace's start is not the step's time
-                state, metrics = self.train_step(state, batch)
+                if p.step == p.start and stop.interruptible():
+                    out = self._first_step(state, batch, stop)
+                    if out is None:  # stopped while the first step compiled: nothing changed, nothing to save
+                        p.status = "preempted"
+                        self.compile_abandoned = True
+                        log.warning("stopped during the first step's compilation at step %d; nothing to save "
+                                    "(the state is that of step %d); rerun the same command to resume", p.step, p.step)
+                        break
+                    state, metrics = out
+                else:
+                    state, metrics = self.train_step(state, batch)
                 metrics = jax.device_get(metrics)  # one small sync per step: guards every update
                 p.step += 1
                 last_t = self._add_speed(metrics, last_t)
@@ -267,18 +341,73 @@ class Trainer:
                 if not (math.isfinite(metrics.get("loss", 0.0)) and math.isfinite(metrics["grad_norm"])):
                     self._settle_checkpoints()  # the message names the last checkpoint that landed
                     raise TrainingDiverged(self._divergence_message(metrics, p.step, p.start))
+                self._check_dead_start(metrics, p)
                 self._record(state, metrics, p, writer, bar)
                 self.checkpointer.poll()
                 stop_now = stop.reached(p.step)  # every process, every step
                 stopping = p.step < c.train.steps and (stop_now or p.step == stop_at)
                 if stopping or p.step % c.train.checkpoint_every == 0 or p.step == c.train.steps:
+                    self._check_finite(state, p)
                     self.checkpointer.save(p.step, state, iterator)
                 if stopping:
                     p.status = "preempted" if stop_now else "paused"
-                    if stop_now:
-                        log.warning("stopped: saved a checkpoint at step %d; rerun the same command to resume", p.step)
                     break
         return state
+
+    def _first_step(self, state, batch, stop):
+        """The first update on a worker thread (it compiles the step), while this thread watches for a
+        stop signal; None if one came before it finished (the compile is abandoned: exit soon)."""
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="first-step")
+        future = pool.submit(self.train_step, state, batch)
+        pool.shutdown(wait=False)
+        while True:
+            try:
+                return future.result(timeout=0.2)
+            except concurrent.futures.TimeoutError:
+                if stop.reached(0):
+                    return None
+
+    def _check_finite(self, state, p: "_Progress") -> None:
+        """Raise :class:`TrainingDiverged` if any float in ``state`` is NaN/inf (parameters, optimizer state,
+        the engine's in-flight buffers): one flag per leaf, reduced on device, one small transfer."""
+        paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(state)[0])
+        floats = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.inexact)]
+        if self._all_finite is None:
+            self._all_finite = jax.jit(lambda xs: jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]),
+                                       out_shardings=NamedSharding(self.mesh, PartitionSpec()))
+        ok = np.asarray(jax.device_get(self._all_finite([leaves[i] for i in floats])))
+        if ok.all():
+            return
+        bad = [jax.tree_util.keystr(paths[i]) for i, good in zip(floats, ok) if not good]
+        self._settle_checkpoints()
+        shown = ", ".join(bad[:6]) + (f" and {len(bad) - 6} more" if len(bad) > 6 else "")
+        raise TrainingDiverged(
+            f"the state after step {p.step} holds non-finite values ({len(bad)} leaves: {shown}) although the "
+            "logged loss and grad norm were finite (under 2bw they belong to the previous batch); stopped "
+            f"without saving. {self._last_good_text()} Lower config.optimizer.lr, raise warmup_steps, or set "
+            "config.optimizer.grad_clip.")
+
+    def _check_dead_start(self, metrics: dict, p: "_Progress") -> None:
+        """Over the first updates of a fresh run that apply a gradient: a gradient norm of exactly 0 at
+        each, or a cross-entropy equal to log(vocab) at each (uniform predictions), is a dead model."""
+        if p.start != 0 or "loss" not in metrics or len(self._early) >= DEAD_START_UPDATES:
+            return
+        self._early.append((float(metrics.get("ce", metrics["loss"])), float(metrics["grad_norm"])))
+        if len(self._early) < DEAD_START_UPDATES:
+            return
+        uniform = math.log(self.config.model.vocab_size)
+        zero_grad = all(g == 0.0 for _, g in self._early)
+        pinned = all(abs(ce - uniform) <= 1e-6 * uniform for ce, _ in self._early)
+        if not (zero_grad or pinned):
+            return
+        m = self.config.model
+        what = ("the gradient norm is exactly 0" if zero_grad else
+                f"the loss is pinned at log(vocab_size) = {uniform:.6f} (uniform predictions)")
+        raise DeadStart(
+            f"dead start: over the first {DEAD_START_UPDATES} updates {what}, so the model cannot learn "
+            f"(stopped at step {p.step}). Likely settings: config.model.init_std={m.init_std} (0.02 is usual; a "
+            f"huge one saturates every layer), config.model.norm_eps={m.norm_eps} (1e-5 is usual; a huge one "
+            "zeroes every normalized activation), or the data. Fix the setting and start a new --workdir.")
 
     def _record(self, state, metrics: dict, p: "_Progress", writer: MetricWriter, bar) -> None:
         c, step = self.config, p.step
@@ -314,9 +443,7 @@ class Trainer:
         """Where the run stands and the likely cause.  The loss of update 1 is that of the initial
         weights, and update 2 follows one warmup-sized step: non-finite there is the initialization
         or a setting, not the learning rate."""
-        latest = self._last_sealed()
-        saved = (f"The last good checkpoint is step {latest} in {self.checkpointer.directory}." if latest is not None
-                 else "No checkpoint had been saved yet.")
+        saved = self._last_good_text()
         if start == 0 and step <= EARLY_STEPS:
             hint = (f"It happened within the first {EARLY_STEPS} updates of a fresh run, so the likely cause is the "
                     "initialization or a setting (config.model.init_std, norm_eps, z_loss, the data), not the "
@@ -325,6 +452,11 @@ class Trainer:
             hint = "Lower config.optimizer.lr, raise warmup_steps, or set config.optimizer.grad_clip."
         return (f"non-finite loss ({metrics.get('loss')}) or grad norm ({metrics['grad_norm']}) at step {step}; "
                 f"stopped without saving. {saved} {hint}")
+
+    def _last_good_text(self) -> str:
+        latest = self._last_sealed()
+        return (f"The last good checkpoint is step {latest} in {self.checkpointer.directory}." if latest is not None
+                else "No checkpoint had been saved yet.")
 
     def _last_sealed(self) -> int | None:
         steps = self.checkpointer.sealed_steps()

@@ -1,0 +1,104 @@
+"""One run per workdir: ``<workdir>/run.lock``, held for the whole run.
+
+The lock is an exclusive ``flock`` on the file, taken without waiting, by process 0 of a job (the
+workdir is on the file system every process shares).  The kernel drops it when its holder exits,
+however it exits (SIGKILL included), so a lock file left by a killed run is stale by construction:
+the next run takes the lock at once, logs whose run it takes over, and rewrites the file with
+its own host, pid and start time.  A second run while the first one lives fails the lock at once
+and stops with a message naming the holder (read from the file).
+
+The file is removed when the run ends.  A remover and a newcomer race only on the path: the
+newcomer checks after locking that the path still names the inode it locked, and retries if not.
+On a multi-host job process 0 decides and tells the others (one small broadcast), so every
+process stops together.
+"""
+
+from __future__ import annotations
+
+import datetime
+import fcntl
+import json
+import logging
+import os
+import pathlib
+import socket
+
+import jax
+import numpy as np
+
+log = logging.getLogger("asyncpp_jax")
+
+LOCK_FILE = "run.lock"
+
+
+class WorkdirBusy(RuntimeError):
+    """Another live run holds the workdir."""
+
+
+def _holder_text(path: pathlib.Path) -> str:
+    try:
+        info = json.loads(path.read_text())
+        return f"host {info['host']}, pid {info['pid']}, started {info['started']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "a run that has not yet written its host and pid"
+
+
+class WorkdirLock:
+    def __init__(self, workdir: pathlib.Path):
+        self.path = pathlib.Path(workdir) / LOCK_FILE
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock or raise :class:`WorkdirBusy` (on every process of a job)."""
+        problem = self._acquire_here() if jax.process_index() == 0 else None
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            busy = int(multihost_utils.broadcast_one_to_all(np.int32(problem is not None)))
+            if busy and problem is None:
+                problem = f"{self.path.parent} is in use by another run (process 0 names it)."
+        if problem is not None:
+            raise WorkdirBusy(problem)
+
+    def _acquire_here(self) -> str | None:
+        for _ in range(10):  # retried only if the holder removed the file between our open and lock
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                return (f"the workdir {self.path.parent} is in use by another run ({_holder_text(self.path)}); "
+                        f"wait for it to end or stop it, or pass another --workdir. (The lock is {self.path}; it "
+                        "is released when that process exits, however it exits.)")
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:
+                os.close(fd)
+                continue
+            previous = os.read(fd, 4096).decode(errors="replace").strip()
+            if previous:
+                log.warning("taking over %s, left by a run that ended without releasing it (%s)",
+                            self.path, _holder_text(self.path))
+            info = {"host": socket.gethostname(), "pid": os.getpid(),
+                    "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(info).encode(), 0)
+            os.fsync(fd)
+            self._fd = fd
+            return None
+        return f"could not lock {self.path}: the file kept being replaced"
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        try:
+            self.path.unlink()  # while still locked: a newcomer that opened it re-checks the inode
+        except OSError:
+            pass
+        os.close(fd)
+
+    def __del__(self):
+        self.release()
