@@ -453,6 +453,30 @@ def analyse_ladder(name: str, rows: list[dict], out: pathlib.Path, claims: dict,
     return lines + report_ladder.analyse(rows, picks, out, claims)
 
 
+def _sync_arm(arms, variant: str) -> str | None:
+    """``PREFIX/sync``, else ``OPT/sync``: the arm a delayed variant's gap is taken against
+    (as :func:`experiments.studies.tuned.sync_of`)."""
+    prefix = variant.rpartition("/")[0]
+    return next((s for s in (f"{prefix}/sync", f"{variant.split('/')[0]}/sync") if s in arms), None)
+
+
+def _ef_shares(arms, prefixes, claims) -> list[str]:
+    """EF's share of each optimizer's gap where the study ran ``OPT/ef`` (the optimizers study at
+    cpu_regime), with the paper's Table 2 beside it and its claim."""
+    body = []
+    for p in prefixes:
+        f = stats.recovered(arms, f"{p}/ef", f"{p}/2bw", f"{p}/sync")
+        if f is None:
+            continue
+        body.append((p, est(stats.gap(arms, f"{p}/ef", f"{p}/sync")), f.pct(), paper.ef_share(p), se_kind(f)))
+        claim(claims, f"Error feedback recovers a large part of the gap ({p})", stats.verdict(f, LARGE_PART, at_least=True),
+              f"EF's fraction f: reproduced if f - 2 SE >= {LARGE_PART:.0%}, not reproduced if f + 2 SE < {LARGE_PART:.0%}",
+              f"`optimizers`: f = {f.pct()} ({se_kind(f)})", f"{paper.ef_share(p)} (Table 2)")
+    if not body:
+        return []
+    return md_table(["optimizer", "EF gap 2bw+EF - sync", "EF recovers", "the paper", "standard errors"], body) + [""]
+
+
 def analyse(name: str, rows: list[dict], out: pathlib.Path, claims: dict) -> list[str]:
     table = by_variant(rows)
     arms = stats.arms_of(rows)
@@ -465,11 +489,14 @@ def analyse(name: str, rows: list[dict], out: pathlib.Path, claims: dict) -> lis
     lines.append(f"![curves]({plot_curves(rows, out / f'{name}_curves.png', name)})")
     lines.append("")
 
+    lines += report_ladder.at_sync_table(rows, lambda v: _sync_arm(arms, v))
     if name in ("optimizers", "sensitivity"):
         prefixes = sorted({v.rsplit("/", 1)[0] for v in arms})
         gaps = {p: stats.gap(arms, f"{p}/2bw", f"{p}/sync") for p in prefixes}
         lines += md_table(["setting", "delay gap 2bw - sync", "standard error"],
                         [(p, est(g), se_kind(g)) for p, g in gaps.items()]) + [""]
+        if name == "optimizers":
+            lines += _ef_shares(arms, prefixes, claims)
         if name == "optimizers" and gaps.get("adamw") and gaps.get("muon"):
             d = stats.contrast(arms, {"adamw/2bw": 1.0, "adamw/sync": -1.0,
                                       "muon/2bw": -FAR_LARGER, "muon/sync": FAR_LARGER})
@@ -574,6 +601,9 @@ def report(paths, out: pathlib.Path) -> pathlib.Path:
     for name in sorted(studies):
         if name in ("ladder_tune", "ladder"):
             body += analyse_ladder(name, studies[name], out, claims, ladder_picks)
+        elif name.endswith("_tune"):
+            body += [f"## Study `{name}`", "", f"{len(studies[name])} runs, seeds "
+                     f"{sorted({r['seed'] for r in studies[name]})}.", ""] + report_ladder.grid_table(studies[name], name)
         else:
             body += analyse(name, studies[name], out, claims)
     digest = hashlib.sha256(data.encode()).hexdigest()[:16]

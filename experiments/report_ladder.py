@@ -24,6 +24,7 @@ from experiments.report_format import claim, est, md_table, plot_xy, se_kind
 
 VARIANT = re.compile(r"^u=(?P<updates>\d+)/(?P<opt>\w+)/lr=(?P<lr>[^/]+)/(?P<arm>\w+)$")
 ARMS = ("sync", "2bw", "ef")
+AT_SYNC = "@sync_lr"  # experiments.studies.tuned.AT_SYNC: a delayed variant run at its sync arm's pick
 
 
 def _names(rows) -> dict[tuple[int, str, str, float], str]:
@@ -36,10 +37,11 @@ def _names(rows) -> dict[tuple[int, str, str, float], str]:
     return out
 
 
-def grid_table(rows) -> list[str]:
-    """Final val per learning rate for each rung, optimizer and arm (``ladder_tune``), picks in bold."""
-    means = tuning.arm_means(rows, "ladder_tune")
-    picks = tuning.pick_arm_lrs(rows, "ladder_tune")
+def grid_table(rows, study: str = "ladder_tune") -> list[str]:
+    """Final val per learning rate for each setting and arm of a tuning study (``ladder_tune``,
+    ``STUDY_tune``), picks in bold."""
+    means = tuning.arm_means(rows, study)
+    picks = tuning.pick_arm_lrs(rows, study)
     body = []
     for (prefix, arm), by_lr in sorted(means.items(), key=lambda kv: (_rung_key(kv[0][0]), ARMS.index(kv[0][1])
                                                                       if kv[0][1] in ARMS else 9)):
@@ -48,19 +50,38 @@ def grid_table(rows) -> list[str]:
             text = "diverged" if m is None else f"{m:.3f}"
             cells.append(f"**{lr:g}: {text}**" if picks.get(prefix, {}).get(arm) == lr else f"{lr:g}: {text}")
         body.append((prefix, arm, ", ".join(cells)))
-    edges = tuning.on_grid_edge(rows, "ladder_tune")
+    edges = tuning.on_grid_edge(rows, study)
     lines = ["### Each arm's learning-rate grid", "",
              "Final validation loss (nats/byte, mean over the tuning seeds) at each learning rate; the pick "
              "(lowest, no seed diverged) in bold.", ""]
-    lines += md_table(["rung / optimizer", "arm", "lr: final val"], body) + [""]
+    lines += md_table(["setting", "arm", "lr: final val"], body) + [""]
     if edges:
         lines += [f"Picked on the grid's edge (the optimum may lie beyond it): {', '.join(edges)}.", ""]
     return lines
 
 
 def _rung_key(prefix: str) -> tuple:
-    m = re.match(r"u=(\d+)/(\w+)", prefix)
+    m = re.match(r"u=(\d+)/(\w+)$", prefix)
     return (int(m[1]), m[2]) if m else (0, prefix)
+
+
+def at_sync_table(rows, sync_of) -> list[str]:
+    """The gap of each delayed variant run at its sync arm's pick (``VARIANT@sync_lr``) beside the
+    gap at its own pick (best against best); ``sync_of(variant)`` names its synchronous arm."""
+    arms = stats.arms_of(rows)
+    body = []
+    for v in sorted(arms):
+        if not v.endswith(AT_SYNC):
+            continue
+        own, sync = v[: -len(AT_SYNC)], sync_of(v[: -len(AT_SYNC)])
+        if sync is None:
+            continue
+        g_own, g_sync = stats.gap(arms, own, sync), stats.gap(arms, v, sync)
+        body.append((own, est(g_own), est(g_sync), se_kind(g_sync)))
+    if not body:
+        return []
+    return ["Each delayed arm at its own pick (best vs best) and at its synchronous arm's pick:", ""] + \
+        md_table(["variant", "gap, best vs best", "gap at sync's lr", "standard errors"], body) + [""]
 
 
 def gaps(rows, picks: dict) -> dict[tuple[int, str], dict]:

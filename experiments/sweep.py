@@ -3,7 +3,9 @@
     python -m experiments.sweep optimizers --preset=cpu [--out runs/studies] [--jobs 1] [--list]
 
 Studies: ``optimizers``, ``momentum``, ``mitigations``, ``schemes``, ``sensitivity``, ``lr``, ``lr_gap``,
-``lion``, ``ef_causes``; presets ``cpu``, ``gpu``, ``paper`` (``experiments/studies/common.py``).
+``lion``, ``ef_causes``, ``ladder_tune``, ``ladder``, and ``STUDY_tune`` for the first four
+(every arm tuned on one grid, :mod:`experiments.studies.tuned`); presets ``cpu``, ``cpu_regime``,
+``gpu``, ``paper`` (``experiments/studies/common.py``).
 
 A study (``experiments/studies/<name>.py``, ``study(preset) -> Study``) is named variants (each a
 dict of ``--config`` overrides) x a cartesian grid of overrides x seeds.  Each run is the real CLI,
@@ -407,15 +409,28 @@ def collect_done(study: Study, out: pathlib.Path) -> tuple[pathlib.Path, int, in
     return results, len(runs), len(expand(study))
 
 
+TUNABLE = ("optimizers", "momentum", "mitigations", "schemes")  # each also runs as STUDY_tune (studies/tuned.py)
+
+
 def study_names() -> list[str]:
-    """The study modules in ``experiments/studies`` (every module but the shared ``common``)."""
-    return sorted(p.stem for p in (REPO_ROOT / "experiments" / "studies").glob("*.py")
-                  if p.stem not in ("__init__", "common"))
+    """The study modules in ``experiments/studies`` (every module but the shared helpers), and the
+    ``STUDY_tune`` step of each study tuned per arm."""
+    modules = [p.stem for p in (REPO_ROOT / "experiments" / "studies").glob("*.py")
+               if p.stem not in ("__init__", "common", "tuned")]
+    return sorted(modules + [f"{name}_tune" for name in TUNABLE])
 
 
 def load_study(name: str, preset: str) -> Study:
     if name not in study_names():
         raise ValueError(f"no study {name!r}; choose one of {', '.join(study_names())}")
+    if name.endswith("_tune") and name[: -len("_tune")] in TUNABLE:
+        from experiments.studies import tuned
+
+        if preset not in tuned.TUNED_PRESETS:
+            raise ValueError(f"{name} tunes every arm at the {', '.join(tuned.TUNED_PRESETS)} preset; the {preset} "
+                             f"preset runs {name[: -len('_tune')]} at its own learning rates")
+        module = importlib.import_module(f"experiments.studies.{name[: -len('_tune')]}")
+        return tuned.tune_study(module.base_study(preset), preset)
     return importlib.import_module(f"experiments.studies.{name}").study(preset)
 
 

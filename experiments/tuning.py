@@ -71,7 +71,7 @@ def pick_lrs(rows) -> dict[str, float]:
     return picks
 
 
-ARM_VARIANT = re.compile(r"^(?P<prefix>.+)/lr=(?P<lr>[^/]+)/(?P<arm>\w+)$")
+ARM_VARIANT = re.compile(r"^(?P<prefix>.+)/lr=(?P<lr>[^/]+)/(?P<arm>[^/]+)$")
 
 
 def parse_arm(variant: str) -> tuple[str, float, str] | None:
@@ -152,10 +152,12 @@ def main(argv=None):
     if not picks:
         raise SystemExit(f"error: no lr-study rows in {', '.join(a.results)}; run `python -m experiments.sweep lr`")
     print("{" + ", ".join(f'"{k}": {v!r}' for k, v in sorted(picks.items())) + "}")
-    for study in ("ladder_tune",):
+    for study in sorted({r.get("study") for r in rows if str(r.get("study", "")).endswith("_tune")}):
         arm_picks = pick_arm_lrs(rows, study)
         if arm_picks:
-            print(f"{study}: {json.dumps(arm_picks)}")  # common.TUNED_LADDER
+            if study != "ladder_tune":  # common.TUNED_ARMS[preset][STUDY] is {variant: lr}
+                arm_picks = {f"{p}/{arm}": v for p, arms in arm_picks.items() for arm, v in arms.items()}
+            print(f"{study}: {json.dumps(arm_picks)}")  # common.TUNED_LADDER, common.TUNED_ARMS
             edges = on_grid_edge(rows, study)
             if edges:
                 print(f"{study}: picked on the grid's edge (extend the grid): {', '.join(edges)}")

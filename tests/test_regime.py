@@ -184,3 +184,73 @@ def test_stats_contrast_slope_matches_a_paired_regression():
     c.update({f"s{u}": -(x - 1.0) / 2.0 for u, x in zip((1, 2, 4), xs)})
     est = stats.contrast(arms, c)
     assert est.paired and est.value == pytest.approx((0.25 - 1.0) / 2.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The headline studies at cpu_regime: tuned per arm (experiments/studies/tuned.py)
+
+
+def test_headline_studies_tune_every_arm_on_one_grid_then_measure_the_picks():
+    from experiments.studies import optimizers, tuned
+
+    base = optimizers.base_study("cpu_regime")
+    assert {"adamw/ef", "muon/ef", "soap/ef"} <= set(base.variants) and "lion/ef" not in base.variants
+    tune = sweep.load_study("optimizers_tune", "cpu_regime")
+    assert tune.name == "optimizers_tune" and tune.seeds == lr_study.TUNE_SEEDS
+    assert len(tune.variants) == len(base.variants) * 5
+    assert tune.variants["adamw/lr=0.0011/2bw"] == {**base.variants["adamw/2bw"], "optimizer.lr": 0.0011}
+    with pytest.raises(ValueError, match="cpu_regime"):
+        sweep.load_study("optimizers_tune", "cpu")
+    with pytest.raises(ValueError, match="optimizers_tune"):
+        sweep.load_study("optimizers", "cpu_regime")  # no picks yet: the error names the step to run
+
+    picks = {v: lr_study.grid(o["optimizer.name"], "cpu_regime")[2] for v, o in base.variants.items()}
+    picks["adamw/2bw"] = 0.00061  # a delayed arm whose own pick (on its grid) differs from its sync arm's
+    measured = tuned.measured_study(base, picks)
+    assert measured.seeds == (0, 1, 2)
+    assert measured.variants["adamw/2bw"]["optimizer.lr"] == 0.00061
+    assert measured.variants["adamw/2bw@sync_lr"]["optimizer.lr"] == 0.0011
+    assert "muon/2bw@sync_lr" not in measured.variants  # same pick: one run serves both ways
+    assert len(measured.variants) == len(base.variants) + 1
+    # the measured runs at seed 0 are the tuning runs (the sweep copies them by config)
+    tune_sigs = {sweep.run_signature(tune, r) for r in sweep.expand(tune)}
+    seed0 = [r for r in sweep.expand(measured) if r.seed == 0]
+    assert all(sweep.run_signature(measured, r) in tune_sigs for r in seed0)
+
+
+def test_sync_of_names_the_arm_each_gap_is_taken_against():
+    from experiments.studies import momentum, schemes, tuned
+
+    s = schemes.base_study("cpu_regime")
+    assert tuned.sync_of(s, "adamw/pipedream/P=4") == "adamw/sync" and tuned.sync_of(s, "adamw/sync") is None
+    m = momentum.base_study("cpu_regime")
+    assert tuned.sync_of(m, "muon/beta=0.8/2bw") == "muon/beta=0.8/sync"
+    assert tuning.parse_arm("adamw/pipedream/lr=0.001/P=4") == ("adamw/pipedream", 0.001, "P=4")
+
+
+def test_report_gives_the_gap_at_syncs_lr_and_efs_share_beside_the_paper(tmp_path):
+    rows = []
+    for seed, noise in enumerate((0.0, 0.01, -0.01)):
+        for variant, val in (("adamw/sync", 2.0), ("adamw/2bw", 2.3), ("adamw/2bw@sync_lr", 2.4), ("adamw/ef", 2.06),
+                             ("muon/sync", 1.8), ("muon/2bw", 1.9), ("muon/ef", 1.84)):
+            rows.append(_row("optimizers", variant, seed, val + noise * (not variant.endswith("/sync"))))
+    path = tmp_path / "results.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    text = report_lib.report([path], tmp_path / "rep").read_text()
+    assert "| adamw/2bw | +0.3000 ± 0.0058 | +0.4000 ± 0.0058 | paired, 3 seeds |" in text
+    assert "| Error feedback recovers a large part of the gap (adamw) | reproduced |" in text
+    assert "| adamw | +0.0600 ± 0.0058 | 80% ± 2% | 90% | paired, 3 seeds |" in text
+
+
+def test_tuned_arms_tables_equal_the_picks_of_their_committed_rows():
+    import pathlib
+
+    from experiments.studies import tuned
+
+    for preset, tables in common.TUNED_ARMS.items():
+        path = pathlib.Path(__file__).resolve().parent.parent / "experiments" / "results" / preset / "results.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+        for study in sweep.TUNABLE:
+            picks = tuned.picks_by_variant(tuning.pick_arm_lrs(rows, f"{study}_tune"))
+            if study in tables or picks:
+                assert tables.get(study) == picks, f"set common.TUNED_ARMS[{preset!r}][{study!r}] to {picks}"

@@ -99,6 +99,10 @@ TUNED_LR = {
     "cpu": {"adamw": 0.003, "muon": 0.016, "soap": 0.009, "adan": 0.0052, "lion": 0.0009, "mars": 0.003},
 }
 WD = {"lion": 1.0}
+# Per preset and study, every arm's learning rate, tuned on one grid per arm ({variant: lr}; see
+# experiments/studies/tuned.py): the picks (experiments.tuning.pick_arm_lrs) of the STUDY_tune rows
+# committed in experiments/results/<preset>/results.jsonl, which tests/test_regime.py holds it to.
+TUNED_ARMS: dict[str, dict[str, dict[str, float]]] = {"cpu_regime": {}}
 # The ladder's per-arm picks: {'u=UPDATES/OPT': {arm: lr}} from the `ladder_tune` study's rows
 # (experiments.tuning.pick_arm_lrs; tests/test_tuning.py holds the table to the committed rows).
 # Empty until that study is committed: the `ladder` study then refuses to expand.

@@ -8,10 +8,12 @@ rejects it there.
 """
 
 from experiments.studies.common import optimizer, preset
+from experiments.studies import tuned
 from experiments.sweep import Study
 
 
-def study(name: str) -> Study:
+def base_study(name: str) -> Study:
+    """The untuned variants (at ``cpu_regime`` tuned per arm by :mod:`experiments.studies.tuned`)."""
     config, base, seeds, note = preset(name, paper_model="360m")  # the paper's headline size
     steps = base.get("train.steps", 20000)
     k = max(steps // 10, 1)
@@ -28,3 +30,7 @@ def study(name: str) -> Study:
     }
     variants = {f"{opt}/{arm}": {**optimizer(opt, name), **o} for opt in ("adamw", "muon") for arm, o in arms.items()}
     return Study("mitigations", config, variants, seeds=seeds, base=base, note=note)
+
+
+def study(name: str) -> Study:
+    return tuned.finish(base_study(name), name)
