@@ -122,6 +122,36 @@ class SplitWriter:
             self._file.close()
             self._file = None
 
+    def state(self) -> dict:
+        """Everything written so far, flushed to disk: what :meth:`resume` continues from."""
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        return {"shards": [dict(s) for s in self.shards], "in_shard": self._in_shard if self._file else 0,
+                "num_docs": self.num_docs, "num_tokens": self.num_tokens, "num_bytes": self.num_bytes,
+                "doc_names": list(self.doc_names) if self.doc_names is not None else None}
+
+    def resume(self, state: dict) -> None:
+        """Continue after :meth:`state` was taken (in another process): the open shard is cut back
+        to the tokens the state counts and re-hashed, and any later shard file is removed."""
+        self.shards = [dict(s) for s in state["shards"]]
+        self.num_docs, self.num_tokens, self.num_bytes = state["num_docs"], state["num_tokens"], state["num_bytes"]
+        if self.doc_names is not None:
+            self.doc_names = list(state["doc_names"] or [])
+        keep = {s["name"] for s in self.shards}
+        for name in os.listdir(self._directory):
+            if name.startswith(f"{self._split}-") and name.endswith(".bin") and name not in keep:
+                os.remove(os.path.join(self._directory, name))
+        if state["in_shard"]:
+            open_shard = self.shards[-1]
+            path = os.path.join(self._directory, open_shard["name"])
+            self._file = open(path, "r+b")
+            self._file.truncate(state["in_shard"] * self._dtype.itemsize)
+            self._hasher = hashlib.sha256()
+            while block := self._file.read(1 << 22):
+                self._hasher.update(block)
+            self._in_shard = state["in_shard"]
+
     def finish(self) -> dict:
         if self._file is not None:
             self._close_shard()

@@ -2,39 +2,64 @@
 
 The directory's format, and how its key makes a changed input or setting prepare a new corpus
 while an unchanged one is reused, is described in :mod:`asyncpp_jax.data.corpus`.  The directory
-is built beside its final place and renamed into it, so a crash never leaves a half-written corpus
-that looks valid.  Run as a module to prepare a corpus ahead of training:
+is built beside its final place (``<out>.partial``, locked by the process building it) and renamed
+into it, so a crash never leaves a half-written corpus that looks valid.
+
+At scale (the ``paper`` preset's 10.5B tokens):
+
+* documents are encoded in groups (one batched ``encode_batch`` each) by ``workers`` processes
+  (spawned, each with its own tokenizer and one thread), at most two groups per worker in flight,
+  and written in the source's order, so the corpus does not depend on the number of workers;
+* every ``checkpoint_seconds`` the build records how many documents it has written and where each
+  split's stream stands (``progress.json``); an interrupted prepare, run again, cuts the streams
+  back to that record and continues after those documents (read again, not tokenized again);
+* a progress bar (on a terminal) counts documents, with tokens/s and, when the source's size is
+  known beforehand (files, parquet row counts), the ETA; a log line repeats them every 30 s;
+* each split's stream is cut into shards of ``shard_tokens`` that the reader streams in place
+  (:class:`asyncpp_jax.data.stream.ShardedStream`).
+
+Run as a module to prepare a corpus ahead of training:
 
     python -m asyncpp_jax.data.prepare --source=stdlib --tokenizer=byte --cache_dir=/tmp/corpora
+    python -m asyncpp_jax.data.prepare --source='hf:parquet:fineweb-edu/sample/10BT/*.parquet' \
+        --tokenizer=SmolLM2-135M/tokenizer.json --workers=32
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import concurrent.futures
 import dataclasses
+import fcntl
 import functools
 import hashlib
+import itertools
 import json
 import math
+import multiprocessing
 import os
 import re
 import shutil
 import sys
-import tempfile
 import time
 from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
+from tqdm import tqdm
 
 from asyncpp_jax.data import sources
 from asyncpp_jax.data.corpus import (FORMAT_VERSION, META_FILE, SPLITS, UNIGRAM_FILE, CorpusError, SplitWriter,
                                      default_cache_dir, load_corpus, read_meta, token_dtype)
 from asyncpp_jax.data.tokenizers import get_tokenizer
 
-# Documents are tokenized in groups so the HF tokenizer can batch in Rust while memory stays
-# bounded.
+# Documents are tokenized in groups (batched ``encode_batch``) so memory stays bounded; with several
+# worker processes each group is one task, at most ``_IN_FLIGHT_PER_WORKER`` per worker in flight.
 _ENCODE_GROUP_DOCS = 256
 _ENCODE_GROUP_BYTES = 16 << 20
+_IN_FLIGHT_PER_WORKER = 2
+PROGRESS_FILE = "progress.json"
+_PARTIAL_UNIGRAMS = "unigram_counts.partial.npy"
 
 
 def _grouped(docs: Iterable[tuple[str, str, str]]) -> Iterator[list[tuple[str, str, str]]]:
@@ -49,41 +74,184 @@ def _grouped(docs: Iterable[tuple[str, str, str]]) -> Iterator[list[tuple[str, s
         yield group
 
 
-def _write_streams(directory: str, docs: Iterable[tuple[str, str, str]], tok, shard_tokens: int,
-                   record_names: bool, log: Callable[[str], None]) -> tuple[dict, np.ndarray]:
-    """Tokenizes `(split, name, text)` documents, in order, into the split streams in `directory`.
-
-    Returns the per-split statistics for meta.json and the train unigram counts.
-    """
-    dtype = token_dtype(tok.vocab_size)
-    writers = {s: SplitWriter(directory, s, dtype, shard_tokens, tok.vocab_size, record_names,
-                               count_unigrams=(s == "train")) for s in SPLITS}
+def default_workers(tokenizer: str) -> int:
+    """Tokenizing processes: one for the byte tokenizer (cheaper than shipping text to a worker),
+    else every core this process may run on, up to 32."""
+    if tokenizer == "byte":
+        return 1
     try:
-        _tokenize_into(writers, docs, tok, log)
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, 32))
+
+
+# ----------------------------------------------------------------------------------------------
+# Encoding a group: in this process, or in a worker process that holds its own tokenizer.
+
+_WORKER_TOKENIZER = None
+
+
+def _init_worker(tokenizer: str, eos_token: str | None) -> None:
+    global _WORKER_TOKENIZER  # pylint: disable=global-statement
+    # One thread per process: the processes are the parallelism (Rust's own pool would oversubscribe).
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _WORKER_TOKENIZER = get_tokenizer(tokenizer, eos_token)
+
+
+def _encode_in_worker(texts: list[str], is_train: list[bool]):
+    return _encode(_WORKER_TOKENIZER, texts, is_train)
+
+
+def _encode(tok, texts: list[str], is_train: list[bool]):
+    """``(ids per document with eos appended, in the corpus dtype; UTF-8 bytes per document; unigram
+    counts of the train documents)``."""
+    dtype = token_dtype(tok.vocab_size)
+    ids_out, nbytes, train_ids = [], [], []
+    for text, ids, train in zip(texts, tok.encode_batch(texts), is_train):
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= tok.vocab_size):
+            raise CorpusError(f"{tok!r} produced ids outside [0, {tok.vocab_size}); check config.data.tokenizer.")
+        ids = np.concatenate([ids, [tok.eos_id]]).astype(dtype)
+        ids_out.append(ids)
+        nbytes.append(len(text.encode("utf-8", errors="replace")))
+        if train:
+            train_ids.append(ids)
+    counts = np.bincount(np.concatenate(train_ids), minlength=tok.vocab_size) if train_ids else None
+    return ids_out, nbytes, counts
+
+
+def _encoded_groups(groups: Iterator[list], tok, tokenizer: str, eos_token: str | None, workers: int):
+    """``(group, encoded)`` in the groups' order, encoded here or by ``workers`` processes."""
+    args = lambda g: ([t for _, _, t in g], [s == "train" for s, _, _ in g])  # noqa: E731
+    if workers <= 1:
+        for g in groups:
+            yield g, _encode(tok, *args(g))
+        return
+    # spawn, not fork: the trainer calls this with JAX's threads running.
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
+                                                initargs=(tokenizer, eos_token)) as pool:
+        pending: collections.deque = collections.deque()
+        try:
+            for g in groups:
+                pending.append((g, pool.submit(_encode_in_worker, *args(g))))
+                while len(pending) >= workers * _IN_FLIGHT_PER_WORKER:
+                    g0, f = pending.popleft()
+                    yield g0, f.result()
+            while pending:
+                g0, f = pending.popleft()
+                yield g0, f.result()
+        finally:
+            for _, f in pending:
+                f.cancel()
+
+
+# ----------------------------------------------------------------------------------------------
+# Building a corpus: resumable, with progress.
+
+
+class _Progress:
+    """A progress bar (documents, with tokens/s) and a log line every ``every`` seconds with the
+    rate and, when the number of documents is known, the ETA."""
+
+    def __init__(self, total_docs: int | None, done_docs: int, done_tokens: int, log, bar: bool, every: float = 30.0):
+        self.total, self.log, self.every = total_docs, log, every
+        self.start_docs, self.start_tokens = done_docs, done_tokens
+        self.docs, self.tokens = done_docs, done_tokens
+        self.started = self.last_log = time.time()
+        self.bar = tqdm(total=total_docs, initial=done_docs, unit=" docs", unit_scale=True, dynamic_ncols=True,
+                        desc="tokenizing", disable=not bar or None, smoothing=0.05)
+
+    def rate(self) -> float:
+        return (self.tokens - self.start_tokens) / max(time.time() - self.started, 1e-9)
+
+    def eta(self) -> str:
+        new_docs = self.docs - self.start_docs
+        if not self.total or not new_docs:
+            return "?"
+        seconds = (self.total - self.docs) * (time.time() - self.started) / new_docs
+        return time.strftime("%H:%M:%S", time.gmtime(max(seconds, 0.0)))
+
+    def update(self, docs: int, tokens: int) -> None:
+        self.docs += docs
+        self.tokens += tokens
+        self.bar.update(docs)
+        self.bar.set_postfix_str(f"{self.tokens / 1e6:.1f}M tokens, {self.rate() / 1e6:.2f}M tokens/s", refresh=False)
+        if time.time() - self.last_log >= self.every:
+            self.last_log = time.time()
+            self.log(f"corpus: {self.docs} documents, {self.tokens} tokens, {self.rate():,.0f} tokens/s, ETA {self.eta()}")
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _save_progress(directory: str, key: str, docs_done: int, writers: dict, unigram_counts: np.ndarray) -> None:
+    """What :func:`_load_progress` resumes from; ``progress.json`` is replaced last, atomically."""
+    states = {s: w.state() for s, w in writers.items()}
+    tmp = os.path.join(directory, _PARTIAL_UNIGRAMS + ".tmp.npy")
+    np.save(tmp, unigram_counts)
+    os.replace(tmp, os.path.join(directory, _PARTIAL_UNIGRAMS))
+    tmp = os.path.join(directory, PROGRESS_FILE + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({"format_version": FORMAT_VERSION, "key": key, "docs_done": docs_done, "splits": states}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(directory, PROGRESS_FILE))
+
+
+def _load_progress(directory: str, key: str) -> tuple[dict, np.ndarray] | None:
+    try:
+        with open(os.path.join(directory, PROGRESS_FILE), encoding="utf-8") as f:
+            progress = json.load(f)
+        counts = np.load(os.path.join(directory, _PARTIAL_UNIGRAMS))
+    except (OSError, ValueError):
+        return None
+    if progress.get("format_version") != FORMAT_VERSION or progress.get("key") != key:
+        return None
+    return progress, counts
+
+
+def _write_streams(directory: str, plan: "_Plan", tok, settings: dict, log: Callable[[str], None],
+                   workers: int, bar: bool, checkpoint_seconds: float) -> tuple[dict, np.ndarray]:
+    """Tokenizes the plan's documents, in order, into the split streams in ``directory``, resuming
+    from its ``progress.json`` if an earlier attempt left one.  Returns the per-split statistics for
+    meta.json and the train unigram counts."""
+    dtype = token_dtype(tok.vocab_size)
+    record_names = plan.source_info["kind"] != "hf"
+    writers = {s: SplitWriter(directory, s, dtype, settings["shard_tokens"], tok.vocab_size, record_names,
+                              count_unigrams=False) for s in SPLITS}
+    unigram_counts, docs_done = np.zeros(tok.vocab_size, np.int64), 0
+    saved = _load_progress(directory, plan.key)
+    if saved is not None:
+        progress, unigram_counts = saved
+        docs_done = int(progress["docs_done"])
+        for s, w in writers.items():
+            w.resume(progress["splits"][s])
+        log(f"corpus: resuming after {docs_done} documents ({sum(w.num_tokens for w in writers.values())} tokens) "
+            f"from {directory}")
+    docs = itertools.islice(plan.documents(), docs_done, None)
+    meter = _Progress(plan.total_docs, docs_done, sum(w.num_tokens for w in writers.values()), log, bar)
+    last_save = time.time()
+    try:
+        for group, (ids, nbytes, counts) in _encoded_groups(_grouped(docs), tok, settings["tokenizer"],
+                                                            settings["eos_token"], workers):
+            for (split, name, _), doc_ids, n in zip(group, ids, nbytes):
+                writers[split].add(name, n, doc_ids)
+            if counts is not None:
+                unigram_counts += counts
+            docs_done += len(group)
+            meter.update(len(group), sum(len(x) for x in ids))
+            if time.time() - last_save >= checkpoint_seconds:
+                _save_progress(directory, plan.key, docs_done, writers, unigram_counts)
+                last_save = time.time()
     except BaseException:
         for writer in writers.values():
             writer.abort()
         raise
-    return {s: w.finish() for s, w in writers.items()}, writers["train"].unigram_counts
-
-
-def _tokenize_into(writers: dict, docs: Iterable[tuple[str, str, str]], tok,
-                   log: Callable[[str], None]) -> None:
-    eos = np.array([tok.eos_id], np.int32)
-    started, next_report = time.time(), 10_000
-    for group in _grouped(docs):
-        for (split, name, text), ids in zip(group, tok.encode_batch([t for _, _, t in group])):
-            if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= tok.vocab_size):
-                raise CorpusError(
-                    f"{tok!r} produced ids outside [0, {tok.vocab_size}) for {name!r}; check "
-                    "config.data.tokenizer."
-                )
-            num_bytes = len(text.encode("utf-8", errors="replace"))
-            writers[split].add(name, num_bytes, np.concatenate([ids.astype(np.int32), eos]))
-        done = sum(w.num_docs for w in writers.values())
-        if done >= next_report:
-            log(f"corpus: tokenized {done} documents ({time.time() - started:.0f}s)")
-            next_report += 10_000
+    finally:
+        meter.close()
+    log(f"corpus: tokenized {docs_done} documents at {meter.rate():,.0f} tokens/s ({workers} process(es))")
+    return {s: w.finish() for s, w in writers.items()}, unigram_counts
 
 # ----------------------------------------------------------------------------------------------
 # Prepare
@@ -96,12 +264,19 @@ def _slug(text: str) -> str:
 def prepare_corpus(source: str, tokenizer: str = "byte", cache_dir: str | None = None,
                    val_fraction: float = 0.05, split_seed: int = 0, eos_token: str | None = None,
                    hf_split: str = "train", hf_text_field: str = "text", hf_max_docs: int = 0,
-                   shard_tokens: int = 2**26, log: Callable[[str], None] = print) -> str:
+                   shard_tokens: int = 2**26, log: Callable[[str], None] = print, workers: int = 0,
+                   progress_bar: bool = True, checkpoint_seconds: float = 30.0) -> str:
     """Tokenizes `source` into `<cache_dir>/<slug>-<key>` (see :mod:`asyncpp_jax.data.corpus`); returns it.
 
-    Sources (`config.data.source`): `'stdlib'`; `'hf:<dataset>[:<config_name>]'`; or comma-separated
+    Sources (`config.data.source`): `'stdlib'`; `'hf:<dataset>[:<config_name>]'` (streamed from the
+    Hub); `'hf:<loader>:<files>'` with a `datasets` local loader (:data:`sources.LOCAL_HF_LOADERS`:
+    parquet, json lines, arrow, csv, text) and comma-separated files or globs; or comma-separated
     files, directories (every non-hidden file below) and glob patterns. If a corpus with the same
     key already exists it is returned without tokenizing anything.
+
+    `workers` tokenizing processes (0: :func:`default_workers`); the result does not depend on it.
+    The build directory `<out>.partial` records its progress every `checkpoint_seconds`, so an
+    interrupted prepare resumes where it stopped (the documents before are read, not tokenized).
     """
     sources.check_val_fraction(val_fraction)
     if shard_tokens < 1:
@@ -110,27 +285,37 @@ def prepare_corpus(source: str, tokenizer: str = "byte", cache_dir: str | None =
     cache_dir = os.path.abspath(os.path.expanduser(cache_dir or default_cache_dir()))
     plan = _plan(source, tok, val_fraction, split_seed, hf_split, hf_text_field, hf_max_docs)
     out = os.path.join(cache_dir, f"{plan.slug}-{plan.key}")
-
-    meta = read_meta(out)
-    if meta is not None and meta.get("format_version") == FORMAT_VERSION and meta.get("key") == plan.key:
+    if _complete(out, plan.key):
         log(f"corpus: using cached {out}")
         return out
-    if os.path.exists(out):
-        log(f"corpus: {out} exists but has no valid {META_FILE}; rebuilding it")
-        shutil.rmtree(out)
-    settings = {"tokenizer": tokenizer, "val_fraction": val_fraction, "split_seed": split_seed,
-                "shard_tokens": shard_tokens}
-    return _build(out, plan, tok, settings, log)
+    settings = {"tokenizer": tokenizer, "eos_token": eos_token, "val_fraction": val_fraction,
+                "split_seed": split_seed, "shard_tokens": shard_tokens}
+    workers = workers if workers > 0 else default_workers(tokenizer)
+    return _build(out, plan, tok, settings, log, workers, progress_bar, checkpoint_seconds)
+
+
+def _complete(out: str, key: str) -> bool:
+    meta = read_meta(out)
+    return meta is not None and meta.get("format_version") == FORMAT_VERSION and meta.get("key") == key
 
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-    """What to tokenize and where it is cached: ``documents()`` yields ``(split, name, text)``."""
+    """What to tokenize and where it is cached: ``documents()`` yields ``(split, name, text)``, in
+    the same order on every call; ``total_docs`` is how many, when known beforehand (else None)."""
     source: str
     slug: str
     key: str
     documents: Callable[[], Iterable[tuple[str, str, str]]]
     source_info: dict
+    total_docs: int | None = None
+
+
+def _file_stats(listing) -> list:
+    # The base directory is part of the key so two different trees with identical relative
+    # names, sizes and mtimes can never share a cached corpus.
+    stats = [os.stat(p) for p in listing.paths]
+    return [listing.base] + [[n, s.st_size, s.st_mtime_ns] for n, s in zip(listing.names, stats)]
 
 
 def _plan(source: str, tok, val_fraction: float, split_seed: int, hf_split: str, hf_text_field: str,
@@ -139,58 +324,99 @@ def _plan(source: str, tok, val_fraction: float, split_seed: int, hf_split: str,
     key_material = {"format_version": FORMAT_VERSION, "source": source,
                     "tokenizer_fingerprint": tok.fingerprint, "eos_id": tok.eos_id,
                     "val_fraction": repr(float(val_fraction)), "split_seed": int(split_seed)}
+    total = None
     if source.startswith("hf:"):
         dataset, config_name = sources.parse_hf_source(source)
-        key_material["hf"] = [dataset, config_name, hf_split, hf_text_field, int(hf_max_docs)]
-        slug = _slug(f"hf_{dataset}_{config_name or ''}")
-        documents = functools.partial(sources.hf_documents, dataset, config_name, hf_split,
-                                      hf_text_field, hf_max_docs, val_fraction, split_seed)
-        source_info = {"kind": "hf", "dataset": dataset, "config_name": config_name,
-                       "split": hf_split, "text_field": hf_text_field, "max_docs": int(hf_max_docs)}
+        listing = sources.local_hf_files(dataset, config_name)
+        if listing is not None:  # a datasets local loader over files: their contents are the input
+            key_material["hf"] = [dataset, hf_text_field, int(hf_max_docs)]
+            key_material["files"] = _file_stats(listing)
+            slug = _slug(f"hf_{dataset}_{os.path.basename(listing.base)}")
+            documents = functools.partial(sources.hf_local_documents, dataset, listing, hf_text_field,
+                                          hf_max_docs, val_fraction, split_seed)
+            source_info = {"kind": "hf", "loader": dataset, "base": listing.base, "files": len(listing.names),
+                           "text_field": hf_text_field, "max_docs": int(hf_max_docs)}
+            total = sources.count_rows(dataset, listing)
+        else:
+            key_material["hf"] = [dataset, config_name, hf_split, hf_text_field, int(hf_max_docs)]
+            slug = _slug(f"hf_{dataset}_{config_name or ''}")
+            documents = functools.partial(sources.hf_documents, dataset, config_name, hf_split,
+                                          hf_text_field, hf_max_docs, val_fraction, split_seed)
+            source_info = {"kind": "hf", "dataset": dataset, "config_name": config_name,
+                           "split": hf_split, "text_field": hf_text_field, "max_docs": int(hf_max_docs)}
+        if hf_max_docs > 0:
+            total = hf_max_docs if total is None else min(total, hf_max_docs)
     else:
         listing = sources.list_stdlib_files() if source == "stdlib" else sources.list_local_files(source)
-        stats = [os.stat(p) for p in listing.paths]
-        # The base directory is part of the key so two different trees with identical relative
-        # names, sizes and mtimes can never share a cached corpus.
-        key_material["files"] = [listing.base] + [
-            [n, s.st_size, s.st_mtime_ns] for n, s in zip(listing.names, stats)]
+        key_material["files"] = _file_stats(listing)
         slug = "stdlib" if source == "stdlib" else _slug(os.path.basename(listing.base) or "files")
         is_val = sources.assign_splits(listing.names, val_fraction, split_seed)
         documents = functools.partial(sources.local_documents, listing, is_val)
         source_info = {"kind": "stdlib" if source == "stdlib" else "files", "base": listing.base}
+        total = len(listing.names)
     slug = f"{slug}-{_slug(tok.fingerprint.split('-')[0])}"
     key = hashlib.sha256(json.dumps(key_material, sort_keys=True).encode()).hexdigest()[:16]
-    return _Plan(source, slug, key, documents, source_info)
+    return _Plan(source, slug, key, documents, source_info, total)
 
 
-def _build(out: str, plan: _Plan, tok, settings: dict, log: Callable[[str], None]) -> str:
-    """Tokenizes ``plan`` into a temporary directory beside ``out`` and renames it into place."""
-    cache_dir = os.path.dirname(out)
-    os.makedirs(cache_dir, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".tmp-{plan.slug}-{plan.key}-", dir=cache_dir)
-    os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide a shared cache from other users
+def _lock_partial(partial: str, out: str, key: str):
+    """An exclusive lock on the build directory ``partial`` (created if need be), or None when
+    ``out`` is complete by the time the lock is ours (another process built it meanwhile).  The lock
+    is the directory's own (``flock`` on its descriptor), so it goes when the directory is renamed
+    into place or removed; a process that waited then finds the corpus complete, or starts afresh."""
+    while True:
+        if _complete(out, key):
+            return None
+        os.makedirs(partial, exist_ok=True)
+        fd = os.open(partial, os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            same = os.stat(partial).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same and not _complete(out, key):
+            return fd
+        os.close(fd)
+
+
+def _build(out: str, plan: _Plan, tok, settings: dict, log: Callable[[str], None], workers: int,
+           progress_bar: bool, checkpoint_seconds: float) -> str:
+    """Tokenizes ``plan`` into ``<out>.partial`` (resuming what an interrupted build left there) and
+    renames it into place.  A build that fails before its first progress record leaves nothing."""
+    partial = out + ".partial"
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    fd = _lock_partial(partial, out, plan.key)
+    if fd is None:
+        log(f"corpus: {out} was prepared concurrently; using it")
+        return out
+    done = False
     try:
+        if os.path.exists(out):
+            log(f"corpus: {out} exists but has no valid {META_FILE}; rebuilding it")
+            shutil.rmtree(out)
         log(f"corpus: tokenizing {plan.source!r} with {settings['tokenizer']!r} into {out}")
         started = time.time()
-        splits, unigram_counts = _write_streams(tmp, plan.documents(), tok, settings["shard_tokens"],
-                                                record_names=plan.source_info["kind"] != "hf", log=log)
-        np.save(os.path.join(tmp, UNIGRAM_FILE), unigram_counts)
+        splits, unigram_counts = _write_streams(partial, plan, tok, settings, log, workers, progress_bar,
+                                                checkpoint_seconds)
+        np.save(os.path.join(partial, UNIGRAM_FILE), unigram_counts)
+        for name in (PROGRESS_FILE, _PARTIAL_UNIGRAMS):
+            if os.path.exists(os.path.join(partial, name)):
+                os.remove(os.path.join(partial, name))
         # meta.json is written last: its presence marks the directory complete.
-        with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as f:
+        with open(os.path.join(partial, META_FILE), "w", encoding="utf-8") as f:
             json.dump(_meta(plan, tok, settings, splits), f, indent=1)
-        try:
-            os.rename(tmp, out)
-        except OSError:
-            # Another process finished the same corpus first; theirs is identical by construction.
-            if read_meta(out) is None:
-                raise
-            log(f"corpus: {out} was prepared concurrently; using it")
-            return out
+        os.chmod(partial, 0o755)
+        os.rename(partial, out)
+        done = True
         log(f"corpus: wrote {out} in {time.time() - started:.1f}s: " + ", ".join(
             f"{s} {splits[s]['num_docs']} docs / {splits[s]['num_tokens']} tokens" for s in SPLITS))
     finally:
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
+        if not done:
+            if os.path.exists(os.path.join(partial, PROGRESS_FILE)):
+                log(f"corpus: interrupted; {partial} keeps the progress, run the same prepare again to resume")
+            else:
+                shutil.rmtree(partial, ignore_errors=True)
+        os.close(fd)
     return out
 
 
@@ -207,7 +433,7 @@ def _meta(plan: _Plan, tok, settings: dict, splits: dict) -> dict:
     }
 
 
-def prepare_corpus_for(data_config, log: Callable[[str], None] = print) -> str:
+def prepare_corpus_for(data_config, log: Callable[[str], None] = print, progress_bar: bool = True) -> str:
     """:func:`prepare_corpus` with the settings of a config's ``data`` section: the one call the
     trainer and the sweep runner (which prepares a study's corpus before its jobs) both make, so
     they agree on the corpus key."""
@@ -215,7 +441,7 @@ def prepare_corpus_for(data_config, log: Callable[[str], None] = print) -> str:
     return prepare_corpus(
         d.source, tokenizer=d.tokenizer, cache_dir=d.cache_dir or None, val_fraction=d.val_fraction,
         split_seed=d.split_seed, eos_token=d.eos_token or None, hf_split=d.hf_split,
-        hf_text_field=d.hf_text_field, hf_max_docs=d.hf_max_docs, log=log,
+        hf_text_field=d.hf_text_field, hf_max_docs=d.hf_max_docs, log=log, progress_bar=progress_bar,
     )
 
 # ----------------------------------------------------------------------------------------------
@@ -238,12 +464,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--hf_text_field", default="text")
     parser.add_argument("--hf_max_docs", type=int, default=0)
     parser.add_argument("--shard_tokens", type=int, default=2**26)
+    parser.add_argument("--workers", type=int, default=0,
+                        help="tokenizing processes (0: one for 'byte', else every core up to 32)")
+    parser.add_argument("--no_progress_bar", action="store_true")
     args = parser.parse_args(argv)
     try:
         path = prepare_corpus(args.source, args.tokenizer, args.cache_dir, args.val_fraction,
                               args.split_seed, args.eos_token, args.hf_split, args.hf_text_field,
                               args.hf_max_docs, args.shard_tokens,
-                              log=lambda m: print(m, file=sys.stderr))
+                              log=lambda m: print(m, file=sys.stderr), workers=args.workers,
+                              progress_bar=not args.no_progress_bar)
         corpus = load_corpus(path)
     except ValueError as e:  # CorpusError and tokenizer errors carry the fix in their message
         print(f"error: {e}", file=sys.stderr)

@@ -1,8 +1,10 @@
 """Where a corpus's documents come from, and which split each one goes to.
 
 Sources (``config.data.source``): ``'stdlib'`` (this interpreter's standard library: real, varied
-text on every machine, no download), local files / directories / glob patterns, or
-``'hf:<dataset>[:<config_name>]'`` (a Hugging Face dataset, streamed).  Each yields
+text on every machine, no download), local files / directories / glob patterns,
+``'hf:<dataset>[:<config_name>]'`` (a Hugging Face dataset, streamed), or
+``'hf:<loader>:<files>'``, local files read by a ``datasets`` loader (``hf:parquet:data/*.parquet``,
+``hf:json:docs.jsonl``, ``hf:arrow:...``; :data:`LOCAL_HF_LOADERS`).  Each yields
 ``(split, name, text)`` documents for :mod:`asyncpp_jax.data.prepare` to tokenize.
 
 Train/val are split by document (a file, or a dataset row), never inside one, so no text is shared
@@ -154,9 +156,65 @@ def local_documents(listing: FileListing, is_val: Sequence[bool]):
         yield ("val" if val else "train"), name, text
 
 
+LOCAL_HF_LOADERS = ("parquet", "json", "arrow", "csv", "text")
+
+
+def _import_datasets(source: str):
+    try:
+        import datasets  # pylint: disable=import-outside-toplevel
+    except ImportError as e:
+        raise CorpusError(
+            f"config.data.source={source!r} needs the Hugging Face `datasets` package: "
+            "pip install 'asyncpp_jax[hf]' (or pip install datasets)") from e
+    return datasets
+
+
+def local_hf_files(dataset: str, config_name: str | None) -> FileListing | None:
+    """The files of ``hf:<loader>:<files>`` (a ``datasets`` local loader, :data:`LOCAL_HF_LOADERS`),
+    or None for a Hub dataset (``hf:<org>/<name>[:<config>]``)."""
+    if dataset not in LOCAL_HF_LOADERS:
+        return None
+    if not config_name:
+        raise CorpusError(f"config.data.source='hf:{dataset}': name the files, e.g. 'hf:{dataset}:data/*.{dataset}' "
+                          f"(comma-separated files or glob patterns).")
+    return list_local_files(config_name)
+
+
+def count_rows(loader: str, listing: FileListing) -> int | None:
+    """Rows in the files when their metadata says so without reading them (parquet), else None."""
+    if loader != "parquet":
+        return None
+    try:
+        import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
+
+        return int(sum(pq.ParquetFile(p).metadata.num_rows for p in listing.paths))
+    except Exception:  # pylint: disable=broad-except  # only the progress bar's total
+        return None
+
+
+def hf_local_documents(loader: str, listing: FileListing, text_field: str, max_docs: int, val_fraction: float,
+                       split_seed: int):
+    """Rows of local files through ``datasets``' own loader for their format (streamed: no copy in
+    the Hugging Face cache), in file order, split as :func:`hf_documents` splits a Hub dataset's."""
+    source = f"hf:{loader}:{listing.base}"
+    datasets = _import_datasets(source)
+    stream = datasets.load_dataset(loader, data_files=list(listing.paths), split="train", streaming=True)
+    yield from _split_rows(stream, "train", source, text_field, max_docs, val_fraction, split_seed)
+
+
 def hf_documents(dataset: str, config_name: str | None, hf_split: str, text_field: str,
                   max_docs: int, val_fraction: float, split_seed: int):
-    """Streams `(split, name, text)` rows from a Hugging Face dataset without downloading it whole.
+    """Streams `(split, name, text)` rows from a Hugging Face dataset without downloading it whole
+    (:func:`_split_rows` says which split each row goes to)."""
+    datasets = _import_datasets(f"hf:{dataset}")
+    stream = datasets.load_dataset(dataset, config_name, split=hf_split, streaming=True)
+    yield from _split_rows(stream, hf_split, f"hf:{dataset}", text_field, max_docs, val_fraction, split_seed,
+                           hf_split_named=True)
+
+
+def _split_rows(stream, hf_split: str, source: str, text_field: str, max_docs: int, val_fraction: float,
+                split_seed: int, hf_split_named: bool = False):
+    """`(split, name, text)` for each row of ``stream``.
 
     A row goes to validation iff the hash of its TEXT falls below `val_fraction`, so exact duplicate
     rows always land in the same split (no train/val leakage through duplicates) and the choice does
@@ -164,13 +222,6 @@ def hf_documents(dataset: str, config_name: str | None, hf_split: str, text_fiel
     without a second pass, the first train row and the first val row are held back until the end:
     each is released into its own split, unless the other split would otherwise be empty.
     """
-    try:
-        import datasets  # pylint: disable=import-outside-toplevel
-    except ImportError as e:
-        raise CorpusError(
-            f"config.data.source='hf:{dataset}' needs the Hugging Face `datasets` package: "
-            "pip install datasets") from e
-    stream = datasets.load_dataset(dataset, config_name, split=hf_split, streaming=True)
     held = {"train": None, "val": None}
     emitted = {"train": 0, "val": 0}
     for index, row in enumerate(stream):
@@ -178,7 +229,7 @@ def hf_documents(dataset: str, config_name: str | None, hf_split: str, text_fiel
             break
         if text_field not in row:
             raise CorpusError(
-                f"config.data.hf_text_field={text_field!r} is not a column of {dataset}; its "
+                f"config.data.hf_text_field={text_field!r} is not a column of {source}; its "
                 f"columns are {sorted(row)}. Set config.data.hf_text_field to the one holding the "
                 "text."
             )
@@ -192,8 +243,9 @@ def hf_documents(dataset: str, config_name: str | None, hf_split: str, text_fiel
         yield doc
     total = sum(emitted.values()) + sum(d is not None for d in held.values())
     if total < 2:
+        where = f"split {hf_split!r}, " if hf_split_named else ""
         raise CorpusError(
-            f"config.data.source='hf:{dataset}' gave {total} document(s) (split {hf_split!r}, "
+            f"config.data.source='{source}' gave {total} document(s) ({where}"
             f"config.data.hf_max_docs={max_docs}); at least 2 are needed for a train and a val "
             "split."
         )

@@ -141,3 +141,29 @@ def get_tokenizer(spec: str, eos_token: str | None = None) -> Tokenizer:
         "nothing to download) or the path to an existing Hugging Face tokenizer.json file (e.g. "
         "one downloaded from the SmolLM2 model repository)."
     )
+
+
+# SmolLM2's tokenizer.json: a byte-level BPE whose first special tokens are these (id 0 is
+# <|endoftext|>, its end-of-document token), digits split one by one before the byte-level split.
+SMOLLM2_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, path: str,
+              special_tokens: Sequence[str] = SMOLLM2_SPECIAL_TOKENS) -> str:
+    """Train a tokenizer of SmolLM2's kind (byte-level BPE, single-digit pre-split, its special
+    tokens first) on ``texts`` and save it as a ``tokenizer.json`` at ``path``; returns ``path``.
+
+    For tests, benchmarks and the offline rehearsal of the ``paper`` preset: the same model type
+    and pre-tokenizer as the published SmolLM2 tokenizer, so encoding costs about the same per byte.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # pylint: disable=import-outside-toplevel
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special_tokens), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    tok.save(str(path))
+    return str(path)
