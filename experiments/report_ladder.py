@@ -21,6 +21,7 @@ import re
 
 from experiments import paper, stats, tuning
 from experiments.report_format import claim, est, md_table, plot_xy, se_kind
+from experiments.studies.ladder_tune import EXTRA_RUNGS, RUNGS
 
 VARIANT = re.compile(r"^u=(?P<updates>\d+)/(?P<opt>\w+)/lr=(?P<lr>[^/]+)/(?P<arm>\w+)$")
 ARMS = ("sync", "2bw", "ef")
@@ -112,7 +113,7 @@ def gaps(rows, picks: dict) -> dict[tuple[int, str], dict]:
 def slope(rows, found: dict, opt: str, way: str = "best") -> stats.Estimate | None:
     """Least-squares slope of ``opt``'s gap against ``log2(updates)`` over the rungs: a linear
     contrast ``sum_i c_i G_i`` with ``c_i = (x_i - mean x) / sum (x - mean x)^2``."""
-    rungs = sorted(u for (u, o), r in found.items() if o == opt and r[f"gap_{way}"] is not None)
+    rungs = sorted(u for (u, o), r in found.items() if o == opt and u in RUNGS and r[f"gap_{way}"] is not None)
     if len(rungs) < 2:
         return None
     xs = [math.log2(u) for u in rungs]
@@ -141,20 +142,25 @@ def analyse(rows, picks: dict, out: pathlib.Path, claims: dict) -> list[str]:
     body, gap_series, share_series = [], collections.defaultdict(list), collections.defaultdict(list)
     for (updates, opt), r in sorted(found.items()):
         lrs = r["lrs"]
-        body.append((updates, opt, f"{lrs.get('sync', '-')} / {lrs.get('2bw', '-')} / {lrs.get('ef', '-')}",
+        batch = {**RUNGS, **EXTRA_RUNGS}.get(updates)
+        tokens = f"{updates * batch * 128:,}" if batch else "-"
+        body.append((updates, tokens, opt, f"{lrs.get('sync', '-')} / {lrs.get('2bw', '-')} / {lrs.get('ef', '-')}",
                      f"{r['sync'].value:.3f}", est(r["gap_best"]), est(r["gap_at_sync"]),
                      paper.gap(opt), est(r["ef_share_best"], pct=True),
                      est(r["ef_share_at_sync"], pct=True), paper.ef_share(opt),
                      se_kind(r["gap_best"])))
+        if updates not in RUNGS:
+            continue  # the plots follow the same-token rungs
         if r["gap_best"] is not None:
             gap_series[opt].append((updates, r["gap_best"].value, r["gap_best"].se))
         if r["ef_share_best"] is not None:
             share_series[opt].append((updates, r["ef_share_best"].value, r["ef_share_best"].se))
-    lines += md_table(["updates", "optimizer", "lr sync / 2bw / ef", "sync val", "gap, best vs best",
+    lines += md_table(["updates", "tokens", "optimizer", "lr sync / 2bw / ef", "sync val", "gap, best vs best",
                              "gap at sync's lr", "paper's gap", "EF share, best", "EF share at sync's lr",
                              "paper's EF share", "standard errors"], body) + [""]
     lines += _ratio_rows(rows, found)
     lines += _trend(rows, found, claims)
+    lines += _more_tokens(rows, found)
     if gap_series:
         lines.append(f"![gap vs updates]({plot_xy(gap_series, out / 'ladder_gap.png', 'updates (same tokens)', 'delay gap, best vs best', 'delay gap along the ladder', logx=True)})")
         lines.append("")
@@ -181,13 +187,33 @@ def _ratio_rows(rows, found) -> list[str]:
         md_table(["updates", "G_AdamW / G_Muon", "paper"], body) + [""]
 
 
+def _more_tokens(rows, found) -> list[str]:
+    """Each extra rung (the preset's batch, more tokens) against the same-token rung of that batch:
+    the change of the gap from more updates alone, the batch held."""
+    body = []
+    for extra, batch in EXTRA_RUNGS.items():
+        base = next((u for u, b in RUNGS.items() if b == batch), None)
+        for opt in sorted({o for _, o in found}):
+            a, b = found.get((extra, opt)), found.get((base, opt))
+            if not (a and b and a["gap_best"] and b["gap_best"]):
+                continue
+            (s1, d1, _), (s0, d0, _) = a["terms"]["best"], b["terms"]["best"]
+            change = stats.contrast(stats.arms_of(rows), {d1: 1.0, s1: -1.0, d0: -1.0, s0: 1.0})
+            body.append((opt, f"{base} -> {extra}", batch, est(b["gap_best"]), est(a["gap_best"]), est(change),
+                         se_kind(change)))
+    if not body:
+        return []
+    return ["More updates at the same batch (more tokens): the gap's change, best vs best.", ""] + \
+        md_table(["optimizer", "updates", "batch", "gap before", "gap after", "change", "standard errors"], body) + [""]
+
+
 def _trend(rows, found, claims) -> list[str]:
     body = []
     for opt in sorted({o for _, o in found}):
         s = slope(rows, found, opt)
         if s is None:
             continue
-        rungs = sorted(u for (u, o) in found if o == opt)
+        rungs = sorted(u for (u, o) in found if o == opt and u in RUNGS)
         verdict = ("shrinks" if s.n >= 2 and s.value + 2 * s.se < 0 else
                    "grows" if s.n >= 2 and s.value - 2 * s.se > 0 else
                    "unknown (one seed)" if s.n < 2 else "no trend within 2 SE")

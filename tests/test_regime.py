@@ -48,7 +48,7 @@ def test_lr_grid_at_cpu_regime_is_centred_by_the_square_root_batch_rule():
 def test_ladder_tune_sweeps_every_arm_over_the_same_grid():
     study = ladder_tune.study("cpu_regime")
     runs = sweep.expand(study)
-    assert len(runs) == 3 * 3 * 5 * 3
+    assert len(runs) == 3 * 3 * 5 * 3 + 3 * 3 * 3  # the extra rung's grid is the middle three points
     by_prefix: dict = {}
     for run in runs:
         prefix, lr, arm = tuning.parse_arm(run.variant)
@@ -66,16 +66,16 @@ def test_ladder_tune_sweeps_every_arm_over_the_same_grid():
 
 
 def test_ladder_measures_each_arm_at_its_pick_and_at_syncs():
-    picks = {f"u={u}/{o}": {"sync": 1.0, "2bw": 2.0, "ef": 1.0} for u in ladder_tune.RUNGS for o in ladder_tune.OPTIMIZERS}
-    grid_lrs = {(u, o): lr_study.grid(o, "cpu_regime", b) for u, b in ladder_tune.RUNGS.items()
-                for o in ladder_tune.OPTIMIZERS}
+    rungs = {**ladder_tune.RUNGS, **ladder_tune.EXTRA_RUNGS}
+    picks = {f"u={u}/{o}": {} for u in rungs for o in ladder_tune.OPTIMIZERS}
+    grid_lrs = {(u, o): lr_study.grid(o, "cpu_regime", b) for u, b in rungs.items() for o in ladder_tune.OPTIMIZERS}
     for key in picks:
         u, o = report_ladder._rung_key(key)
         g = grid_lrs[(u, o)]
         picks[key] = {"sync": g[2], "2bw": g[1], "ef": g[2]}
     v = ladder.variants(picks)
     # per rung and optimizer: sync at its pick; 2bw at its own and sync's; ef's own pick is sync's
-    assert len(v) == 9 * 4
+    assert len(v) == 12 * 4
     assert "u=200/adamw/lr=0.0024/2bw" in v and "u=200/adamw/lr=0.0042/2bw" in v
     tune = ladder_tune.variants()
     assert all(v[name] == tune[name] for name in v)  # the same configs: seed 0 is the tuning run
@@ -90,7 +90,8 @@ def _row(study, variant, seed, final):
             "seconds": 1.0, "config": {}}
 
 
-GAP = {200: {"adamw": 0.40, "muon": 0.20}, 800: {"adamw": 0.20, "muon": 0.08}, 3200: {"adamw": 0.10, "muon": 0.02}}
+GAP = {200: {"adamw": 0.40, "muon": 0.20}, 800: {"adamw": 0.20, "muon": 0.08}, 3200: {"adamw": 0.10, "muon": 0.02},
+       6400: {"adamw": 0.07, "muon": 0.02}}  # 6400: the extra rung (twice the tokens at batch 2)
 
 
 def ladder_rows(seed_noise=(0.0, 0.004, -0.003)):
@@ -135,8 +136,9 @@ def test_ladder_report_gives_gaps_both_ways_the_trend_and_the_paper(tmp_path):
     s = report_ladder.slope(meas, found, "adamw")
     assert s.value < 0 and s.n == 3
     # the slope is the least-squares fit of the best-vs-best gap against log2(updates)
-    xs = [math.log2(u) for u in GAP]
-    ys = [found[(u, "adamw")]["gap_best"].value for u in GAP]
+    same_tokens = [u for u in GAP if u in ladder_tune.RUNGS]  # the slope is over the same-token rungs
+    xs = [math.log2(u) for u in same_tokens]
+    ys = [found[(u, "adamw")]["gap_best"].value for u in same_tokens]
     x_bar, y_bar = sum(xs) / 3, sum(ys) / 3
     fit = sum((x - x_bar) * (y - y_bar) for x, y in zip(xs, ys)) / sum((x - x_bar) ** 2 for x in xs)
     assert s.value == pytest.approx(fit, abs=1e-9)
@@ -150,6 +152,8 @@ def test_ladder_report_gives_gaps_both_ways_the_trend_and_the_paper(tmp_path):
     assert f"| {paper.gap('adamw')} |" in text and "90%" in text  # the paper's figures beside ours
     assert "**0.002: 2.000**" in text  # the sync pick in bold in the grid table
     assert (tmp_path / "rep" / "ladder_gap.png").is_file()
+    assert "| adamw | 3200 -> 6400 | 2 | +0.1503 ± 0.0020 | +0.1053 ± 0.0020 | -0.0450 ± 0.0000 |" in text
+    assert "| adamw | 200, 800, 3200 | -0.0750 ± 0.0000 | paired, 3 seeds | shrinks |" in text
 
 
 def test_ladder_report_without_its_tuning_rows_says_what_is_missing(tmp_path):

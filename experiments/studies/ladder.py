@@ -8,8 +8,9 @@ sync-tuned learning rate.  Three seeds; seed 0 of every variant is the tuning ru
 copies it from ``ladder_tune`` when both are under one ``--out``).
 
 Variants are the tuning study's names, ``u=UPDATES/OPT/lr=VALUE/ARM``: at most 5 per rung and
-optimizer (sync at its pick; 2BW and 2BW + EF at their own picks and at sync's), 45 in all, 135 runs,
-45 of them copied: about 3 CPU-hours, 1.5 hours with ``--jobs 2``.
+optimizer (sync at its pick; 2BW and 2BW + EF at their own picks and at sync's), 60 in all with the
+6,400-update rung (twice the tokens at the preset's batch), 180 runs, 60 of them copied: about 5
+CPU-hours, 2.5 hours with ``--jobs 2``.
 """
 
 from experiments.studies import ladder_tune, lr
@@ -22,7 +23,7 @@ def variants(picks: dict) -> dict:
     its own and at sync's."""
     grid = ladder_tune.variants()
     out = {}
-    for updates in ladder_tune.RUNGS:
+    for updates in {**ladder_tune.RUNGS, **ladder_tune.EXTRA_RUNGS}:
         for opt in ladder_tune.OPTIMIZERS:
             key = f"{ladder_tune.rung_name(updates)}/{opt}"
             if key not in picks:

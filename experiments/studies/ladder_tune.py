@@ -9,9 +9,13 @@ grid (``lr.grid`` at that rung's batch, 9x wide), one seed.  Each arm's best lea
 (:func:`experiments.tuning.pick_arm_lrs`) is what ``common.TUNED_LADDER`` holds and what ``ladder``
 measures at three seeds.
 
-Variants: ``u=UPDATES/OPT/lr=VALUE/ARM``.  135 runs of about 2 min on one core each (4.5 CPU-hours;
-about 2.3 hours with ``--jobs 2`` on 2 cores); the 3,200-update rung's sync arms are the ``lr``
-study's runs at ``cpu_regime`` (the sweep copies them: run ``lr`` first under the same ``--out``).
+A fourth rung keeps the preset's batch and trains on twice the tokens (6,400 updates,
+:data:`EXTRA_RUNGS`): against the 3,200-update rung it adds updates without shrinking the batch.
+
+Variants: ``u=UPDATES/OPT/lr=VALUE/ARM``.  135 runs of about 2 min on one core each and 27 of about
+4 min (6.3 CPU-hours; about 3.2 hours with ``--jobs 2`` on 2 cores); the 3,200-update rung's sync
+arms are the ``lr`` study's runs at ``cpu_regime`` (the sweep copies them: run ``lr`` first under
+the same ``--out``).
 """
 
 from experiments.studies import lr
@@ -20,6 +24,10 @@ from experiments.sweep import Study
 
 # updates -> batch (sequences of 128 tokens): the same 819,200 tokens at every rung.
 RUNGS = {200: 32, 800: 8, 3200: 2}
+# The preset's batch on twice the tokens (1,638,400): more updates without a smaller batch, which
+# separates the number of updates from the batch size.  Twice a run's cost, so its grid is the
+# batch-2 grid's middle three points (still one grid for every arm).
+EXTRA_RUNGS = {6400: 2}
 OPTIMIZERS = ("adamw", "muon", "soap")
 ARMS = ("sync", "2bw", "ef")
 
@@ -34,15 +42,23 @@ def check_preset(name: str, study: str) -> None:
                          f"preset's model at other batch sizes); run it with --preset=cpu_regime")
 
 
-def variants(rungs: dict = RUNGS, optimizers=OPTIMIZERS, arms=ARMS) -> dict:
-    out = {}  # optimizer-major, so that an interrupted study has whole ladders for the first optimizers
-    for opt in optimizers:
-        for updates, batch in rungs.items():
-            for lr_value in lr.grid(opt, "cpu_regime", batch):
-                for arm in arms:
-                    out[f"{rung_name(updates)}/{opt}/lr={lr_value:g}/{arm}"] = {
-                        **regime_rung(batch, updates), **optimizer(opt, "cpu_regime"), "optimizer.lr": lr_value,
-                        **lr.ARMS[arm]}
+def rung_grid(opt: str, updates: int, batch: int) -> list[float]:
+    grid = lr.grid(opt, "cpu_regime", batch)
+    return grid[1:-1] if updates in EXTRA_RUNGS else grid
+
+
+def variants(rungs: dict = RUNGS, optimizers=OPTIMIZERS, arms=ARMS, extra: dict = EXTRA_RUNGS) -> dict:
+    # Optimizer-major, so that an interrupted study has whole ladders for the first optimizers; the
+    # costlier extra rungs last.
+    out = {}
+    order = [(opt, u, b) for opt in optimizers for u, b in rungs.items()] + \
+        [(opt, u, b) for opt in optimizers for u, b in extra.items()]
+    for opt, updates, batch in order:
+        for lr_value in rung_grid(opt, updates, batch):
+            for arm in arms:
+                out[f"{rung_name(updates)}/{opt}/lr={lr_value:g}/{arm}"] = {
+                    **regime_rung(batch, updates), **optimizer(opt, "cpu_regime"), "optimizer.lr": lr_value,
+                    **lr.ARMS[arm]}
     return out
 
 
@@ -50,4 +66,4 @@ def study(name: str) -> Study:
     check_preset(name, "ladder_tune")
     config, base, _, note = preset(name)
     return Study("ladder_tune", config, variants(), seeds=lr.TUNE_SEEDS, base=base,
-                 note="ladder tuning: 135 runs of ~2 min on one core (4.5 CPU-hours)")
+                 note="ladder tuning: 135 runs of ~2 min and 27 of ~4 min on one core (6.3 CPU-hours)")
