@@ -6,11 +6,14 @@
         python -m asyncpp_jax.main --config=configs/moe10b.py --dry_run
     python -m experiments.render_docs      # then the docs' tables show the new record
 
+    python -m experiments.record_run --kind ci --out experiments/results/bench/ci.jsonl -- bash .ci/run
+
 The command runs as it is (its output passes through) and is timed end to end. A training run's
 figures come from its workdir (``--workdir``, else ``runs/<config.name>``): ``status.json`` (status,
 step, validation loss, the corpus's unigram baselines) and ``metrics.jsonl`` (median step time and
 tokens/s). A dry run's figures are its report (the lines from ``dry run of`` on) and its compile
-time. A run that fails is not recorded. See experiments/records.py for the record's fields.
+time. Any other command's are its wall time and, when it ran pytest, the counts of pytest's summary
+line. A run that fails is not recorded. See experiments/records.py for the record's fields.
 """
 
 from __future__ import annotations
@@ -70,6 +73,22 @@ def figures_from_dry_run(stdout: str) -> dict:
     return {"stdout": report, **({"compile_s": float(compiled.group(1))} if compiled else {})}
 
 
+def figures_from_pytest(stdout: str) -> dict:
+    """The counts and time of pytest's last summary line (``569 passed, 2 skipped, 46 deselected in 710.12s``)."""
+    lines = [line for line in stdout.splitlines() if re.search(r"\b(passed|failed|error|errors)\b.* in [\d.]+s", line)]
+    if not lines:
+        return {}
+    counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|deselected|errors?|xfailed|xpassed)",
+                                                      lines[-1])}
+    counts["errors"] = counts.pop("error", 0) + counts.get("errors", 0)
+    ran = sum(v for k, v in counts.items() if k != "deselected")
+    figures = {"tests_default": ran, "passed": counts.get("passed", 0), "failed": counts.get("failed", 0),
+               "skipped": counts.get("skipped", 0), "errors": counts["errors"],
+               "tests_all": ran + counts.get("deselected", 0), "tests_slow": counts.get("deselected", 0)}
+    seconds = re.search(r" in ([\d.]+)s", lines[-1])
+    return {**figures, "pytest_s": float(seconds.group(1))} if seconds else figures
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     own, command = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
@@ -88,8 +107,12 @@ def main(argv=None) -> int:
     if out.returncode != 0:
         print(f"record_run: the command exited {out.returncode}; nothing recorded", file=sys.stderr)
         return out.returncode
-    dry = "--dry_run" in command
-    figures = figures_from_dry_run(out.stdout) if dry else figures_from_workdir(workdir_of(command))
+    if "--dry_run" in command:
+        figures = figures_from_dry_run(out.stdout)
+    elif "asyncpp_jax.main" in command:
+        figures = figures_from_workdir(workdir_of(command))
+    else:
+        figures = figures_from_pytest(out.stdout)
     extra = {"note": a.note} if a.note else {}
     records.append(a.out, records.make(a.kind, {"wall_s": round(wall, 1), **figures},
                                        command=shlex.join(command), **extra))

@@ -131,6 +131,10 @@ def test_record_run_reads_a_runs_figures(tmp_path):
         d["compile_s"] == 11.0
     with pytest.raises(ValueError, match="no dry-run report"):
         record_run.figures_from_dry_run("Traceback ...")
+    assert record_run.figures_from_pytest("....\n569 passed, 2 skipped, 46 deselected in 710.12s (0:11:50)\n") == {
+        "tests_default": 571, "passed": 569, "failed": 0, "skipped": 2, "errors": 0, "tests_all": 617, "tests_slow": 46,
+        "pytest_s": 710.12}
+    assert record_run.figures_from_pytest("no tests ran in 0.01s") == {}
 
 
 # ---- modules and paths named in docstrings and docs ---------------------------------------------
@@ -404,8 +408,11 @@ def _check_invocation(argv: list[str]):
     elif module == "experiments.record_run":
         _parse_script(module, args)
         inner = args[args.index("--") + 1:]
-        assert inner[:1] == ["python"], f"record_run runs a python command: {inner}"
-        _check_invocation(inner[1:])
+        if inner[:1] == ["bash"]:
+            assert (ROOT / inner[1]).exists(), f"no script {inner[1]}"
+        else:
+            assert inner[:1] == ["python"], f"record_run runs a python or bash command: {inner}"
+            _check_invocation(inner[1:])
     else:
         _parse_script(module, args)
     return module
