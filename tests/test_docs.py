@@ -250,6 +250,16 @@ def test_docs_name_only_existing_modules_and_files(doc):
     assert not bad, "\n".join(bad)
 
 
+def test_design_maps_every_module():
+    """docs/design.md's module map ("Where each module lives") names every module of the package."""
+    text = (ROOT / "docs" / "design.md").read_text().split("Where each module lives", 1)[1]
+    modules = [p.relative_to(ROOT / "asyncpp_jax").as_posix() for p in _source_files()
+               if p.is_relative_to(ROOT / "asyncpp_jax") and p.name != "__init__.py"]
+    assert modules
+    missing = [m for m in modules if not re.search(rf"^  {re.escape(m)} ", text, re.M)]
+    assert not missing, f"add to docs/design.md's module map: {missing}"
+
+
 # ---- the pages' shape ---------------------------------------------------------------------------
 
 
