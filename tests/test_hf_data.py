@@ -147,3 +147,55 @@ def test_parquet_to_trained_model_to_hf_directory(data, tmp_path):
     hf = json.loads((out / "config.json").read_text())
     assert hf["eos_token_id"] == 0 and hf["vocab_size"] == 384
     assert json.loads((out / "tokenizer_config.json").read_text())["eos_token"] == "<|endoftext|>"
+
+
+# ------------------------------------------------------------------------------ the paper preset, rehearsed
+
+
+def test_rehearsal_is_the_paper_preset_with_its_data_offline(tmp_path):
+    """The rehearsal's command is the paper preset's 135M run (its config file, its data settings'
+    kinds: an hf: source through datasets and a tokenizer.json) with the source moved to local
+    parquet and only size settings changed; the model keeps dense135m's shape but its depth."""
+    from asyncpp_jax import configs, rehearse
+    from experiments.studies import common
+
+    config_file, paper, _, _ = common.preset("paper", "135m")
+    assert rehearse.CONFIG == config_file
+    over = rehearse.rehearsal_overrides(str(tmp_path), vocab=49152, layers=2, steps=4, batch=4, seq_len=256)
+    assert paper["data.source"].startswith("hf:") and over["data.source"].startswith("hf:parquet:")
+    assert over["data.tokenizer"].endswith("tokenizer.json") and "data.tokenizer" in paper
+    assert set(paper) - {"train.steps"} <= set(over)  # every other setting of the preset is a data setting
+    size = {"model.vocab_size", "model.n_layers", "data.seq_len", "train.global_batch_size", "train.microbatches",
+            "train.steps", "optimizer.warmup_steps", "train.eval_every", "train.eval_batches",
+            "train.checkpoint_every", "hardware", "data.cache_dir"}
+    assert set(over) - set(paper) <= size
+    full = configs.load_file(config_file)
+    c = configs.load_file(config_file)
+    for k, v in over.items():
+        section, _, field = k.rpartition(".")
+        (c[section] if section else c)[field] = v
+    configs.validate(configs.resolve(c))
+    keep = ("d_model", "n_heads", "n_kv_heads", "d_ff", "rope_theta", "tie_embeddings", "compute_dtype", "remat",
+            "vocab_size")
+    assert {k: c.model[k] for k in keep} == {k: full.model[k] for k in keep}
+    assert c.model.n_layers == 2 < full.model.n_layers
+
+
+@pytest.mark.slow  # ~1 min on 2 busy cores: parquet, a BPE, prepare, compile and 2 updates of the dense135m width
+def test_rehearsal_command_runs_the_paper_data_path(tmp_path):
+    import subprocess
+    import sys
+
+    from asyncpp_jax import configs
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "-m", "asyncpp_jax.rehearse", f"--workdir={tmp_path}", "--vocab=512",
+                          "--max_files=40", "--steps=2", "--batch=2", "--seq_len=32"],
+                         cwd=configs.REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "finished at step 2/2" in out.stdout and "nats/byte" in out.stdout
+    assert "--config=configs/dense135m.py" in out.stderr and "hf:parquet:" in out.stderr
+    (corpus_dir,) = [p for p in (tmp_path / "corpora").iterdir()]
+    corpus = load_corpus(str(corpus_dir))
+    assert corpus.meta["source_info"]["loader"] == "parquet" and corpus.vocab_size == 512
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["model"]["d_model"] == 576

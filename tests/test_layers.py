@@ -28,8 +28,8 @@ LAYERS = (
     # the trainer's entry point, and the local launcher that starts it in N processes (it reads
     # host_setup's CPU-list convention to give each process its own cores)
     # (and the exporter of a run's checkpoint as a Hugging Face model, which reads checkpoints and
-    # both runners' layouts)
-    ("entry point", ("asyncpp_jax.main", "asyncpp_jax.launch", "asyncpp_jax.export")),
+    # both runners' layouts; and the paper preset's offline rehearsal, which runs the entry point)
+    ("entry point", ("asyncpp_jax.main", "asyncpp_jax.launch", "asyncpp_jax.export", "asyncpp_jax.rehearse")),
 )
 
 # Function-level imports of the package's own modules, each with why it is not dodging a cycle.
