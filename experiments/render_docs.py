@@ -321,7 +321,54 @@ def ci(doc: pathlib.Path) -> str:
         "", f"Hardware: {rows[0]['hardware']}. " + _provenance(rows, [BENCH_LINK / "ci.jsonl"], doc)])
 
 
-RENDERERS = {f.__name__: f for f in (notebooks, glance, main_job, main_job_summary, tiny_optimizers, bench_optimizers, optimizers_study,
+# ---- the paper's regime (experiments/results/cpu_regime/results.jsonl) ----------------------------
+
+REGIME_RESULTS = REPO_ROOT / "experiments" / "results" / "cpu_regime" / "results.jsonl"
+
+
+def paper_regime(doc: pathlib.Path) -> str:
+    """Does it reproduce the paper: the updates ladder's gaps and EF shares beside the paper's Table 1
+    and 2, from the cpu_regime rows (the ladder's three seeds where measured, else the tuning seed)."""
+    from experiments import paper, report_ladder, tuning
+    from experiments.studies import ladder_tune
+
+    if not REGIME_RESULTS.is_file():
+        return "_No `cpu_regime` results are committed yet._"
+    rows = [json.loads(line) for line in REGIME_RESULTS.read_text().splitlines() if line.strip()]
+    picks = tuning.pick_arm_lrs(rows, "ladder_tune")
+    measured = [r for r in rows if r["study"] == "ladder"]
+    found = report_ladder.gaps(measured or [r for r in rows if r["study"] == "ladder_tune"], picks)
+    opts = ladder_tune.OPTIMIZERS
+    rungs = {**ladder_tune.RUNGS, **ladder_tune.EXTRA_RUNGS}
+
+    def cell(updates, opt, key, pct=False):
+        e = found.get((updates, opt), {}).get(key)
+        if e is None:
+            return "-"
+        if pct:
+            return f"{e.value:.0%}" + (f" ± {e.se:.0%}" if e.n > 1 else "")
+        return f"{e.value:+.3f}" + (f" ± {e.se:.3f}" if e.n > 1 else "")
+
+    head = ["updates x batch"] + [f"{paper_name} gap" for paper_name in ("AdamW", "Muon", "SOAP")] + \
+        ["EF share AdamW", "EF share Muon", "EF share SOAP"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for updates, batch in rungs.items():
+        lines.append(f"| {updates:,} x {batch}" + (" (2x tokens)" if updates in ladder_tune.EXTRA_RUNGS else "") + " | "
+                     + " | ".join(cell(updates, o, "gap_best") for o in opts) + " | "
+                     + " | ".join(cell(updates, o, "ef_share_best", pct=True) for o in opts) + " |")
+    lines.append("| the paper, 360M, ~10^4 updates | " + " | ".join(paper.gap(o) for o in opts) + " | "
+                 + " | ".join(paper.ef_share(o) for o in opts) + " |")
+    seeds = sorted({r["seed"] for r in (measured or rows)})
+    done = {study: sum(1 for r in rows if r["study"] == study) for study in ("lr", "ladder_tune", "ladder")}
+    note = (f"Gap = 2bw minus sync in nats/byte (the paper's in nats/token), best arm against best arm, each arm at "
+            f"its own learning rate from one grid; EF share = the fraction of the gap 2bw + EF recovers. "
+            f"{'Three seeds, paired standard errors' if measured else 'One seed (the tuning runs), no standard errors yet'}; "
+            f"seeds {seeds}. Runs committed: {done['lr']} of the `lr` study, {done['ladder_tune']} of "
+            f"`ladder_tune`'s {len(ladder_tune.variants())}, {done['ladder']} of `ladder`'s; a `-` is a rung not yet run.")
+    return "\n".join(lines + ["", f"_{note} Rows: {_link(REGIME_RESULTS, doc)}._"])
+
+
+RENDERERS = {f.__name__: f for f in (paper_regime, notebooks, glance, main_job, main_job_summary, tiny_optimizers, bench_optimizers, optimizers_study,
                                       bench_pipeline_work, bench_pipeline_processes, bench_pipeline_compile,
                                       moe10b_dry_run, fit_table, ci)}
 

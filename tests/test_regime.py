@@ -258,3 +258,21 @@ def test_tuned_arms_tables_equal_the_picks_of_their_committed_rows():
             picks = tuned.picks_by_variant(tuning.pick_arm_lrs(rows, f"{study}_tune"))
             if study in tables or picks:
                 assert tables.get(study) == picks, f"set common.TUNED_ARMS[{preset!r}][{study!r}] to {picks}"
+
+
+def test_readme_paper_section_renders_the_ladder_beside_the_paper(tmp_path, monkeypatch):
+    from experiments import render_docs
+
+    tune, meas = ladder_rows()
+    path = tmp_path / "results.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in tune) + "\n")
+    monkeypatch.setattr(render_docs, "REGIME_RESULTS", path)
+    monkeypatch.setattr(render_docs, "_link", lambda target, doc: target.name)  # the rows live outside the repo here
+    readme = render_docs.REPO_ROOT / "README.md"
+    one_seed = render_docs.paper_regime(readme)
+    assert "| 200 x 32 | +0.450 | +0.250 | - |" in one_seed
+    assert "| the paper, 360M, ~10^4 updates | +0.278 | +0.012 | +0.027 | 90% | 58%-71% | 67% |" in one_seed
+    assert "One seed (the tuning runs)" in one_seed
+    path.write_text("\n".join(json.dumps(r) for r in tune + meas) + "\n")
+    three = render_docs.paper_regime(readme)
+    assert "| 3,200 x 2 | +0.150 ± 0.002 | +0.030 ± 0.002 | - |" in three and "Three seeds" in three
