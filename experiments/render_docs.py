@@ -368,7 +368,21 @@ def paper_regime(doc: pathlib.Path) -> str:
     return "\n".join(lines + ["", f"_{note} Rows: {_link(REGIME_RESULTS, doc)}._"])
 
 
-RENDERERS = {f.__name__: f for f in (paper_regime, notebooks, glance, main_job, main_job_summary, tiny_optimizers, bench_optimizers, optimizers_study,
+def bench_small_updates(doc: pathlib.Path) -> str:
+    """Where a cpu_regime update's time goes: per call vs K updates in one call, and the model's FLOP
+    rate against the core's matmul rate (the latest record)."""
+    rec = records.load("bench_small_updates")[-1]
+    lines = ["| optimizer | ms per update, one per call | ms per update, " + f"{rec['scan']} per call"
+             + " | ratio | tokens/s | model GFLOP/s | of the core's matmul rate |", "|---|---|---|---|---|---|---|"]
+    for opt, f in rec["figures"].items():
+        lines.append(f"| {opt} | {f['ms_per_update']:.1f} | {f['ms_per_update_scan']:.1f} | {f['per_call_over_scan']:.2f} | "
+                     f"{f['tokens_per_sec']:,} | {f['model_gflops_per_sec']:.1f} | "
+                     f"{f['fraction_of_matmul_rate']:.0%} of {f['matmul_gflops_per_sec']:.0f} GFLOP/s |")
+    return "\n".join(lines + ["", f"Hardware: {rec['hardware']}. "
+                              + _provenance([rec], [BENCH_LINK / "bench_small_updates.jsonl"], doc)])
+
+
+RENDERERS = {f.__name__: f for f in (paper_regime, bench_small_updates, notebooks, glance, main_job, main_job_summary, tiny_optimizers, bench_optimizers, optimizers_study,
                                       bench_pipeline_work, bench_pipeline_processes, bench_pipeline_compile,
                                       moe10b_dry_run, fit_table, ci)}
 
