@@ -1,0 +1,70 @@
+"""Every train and eval step lowers for the hardware it targets, on this CPU machine.
+
+``jax.export`` lowers a jitted function for other platforms without their devices
+(``platforms=('cuda', 'tpu')``), so an op without a GPU or TPU lowering (a CPU-only custom call, a
+collective the partitioner cannot place) fails here, in CI, instead of on a lent accelerator.  The
+abstract state and batch carry the real shardings, so the pipeline engine's ``shard_map`` over the
+fake-device mesh lowers as a real mesh would.  Lowering only: nothing is compiled or run.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from asyncpp_jax import configs
+from asyncpp_jax.train import runner as runner_lib
+from asyncpp_jax.train import step as step_lib
+
+TARGETS = ("cuda", "tpu")
+
+
+def _config(optimizer="adamw", mode="2bw", stages=1, schedule="sync", moe=False, dtype="float32", mitigation="none"):
+    c = configs.load_file("configs/tiny.py")
+    c.model.update(d_model=32, n_layers=4, n_heads=2, n_kv_heads=1, d_ff=64, compute_dtype=dtype)
+    if moe:
+        c.model.moe.update(num_experts=4, top_k=2, expert_d_ff=32)
+    c.data.seq_len = 16
+    c.train.update(global_batch_size=8, microbatches=4 if stages > 1 else 1)
+    c.optimizer.name = optimizer
+    if stages > 1:
+        c.pipeline.update(stages=stages, schedule=schedule)
+        c.mesh.data = 2
+    else:
+        c.staleness.update(mode=mode, mitigation=mitigation)
+    return configs.resolve(c)
+
+
+CASES = {
+    **{f"simulate-{opt}-2bw": dict(optimizer=opt) for opt in ("adamw", "muon", "soap", "adan", "lion", "mars")},
+    "simulate-adamw-ef-bf16": dict(mitigation="ef", dtype="bfloat16"),
+    "simulate-muon-pipedream": dict(optimizer="muon", mode="pipedream"),
+    "engine-sync": dict(stages=2, schedule="sync"),
+    "engine-2bw": dict(stages=2, schedule="2bw"),
+    "engine-2bw-moe-bf16": dict(stages=2, schedule="2bw", moe=True, dtype="bfloat16"),
+}
+
+
+@pytest.mark.needs_devices(4)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_train_and_eval_steps_lower_for_gpu_and_tpu(case):
+    c = _config(**CASES[case])
+    if c.staleness.mode == "pipedream":
+        c.staleness.pipedream_stages = 2
+    r = runner_lib.build(c, jax.devices())
+    state = r.abstract_state(jax.random.key(0))
+    rows = c.train.global_batch_size // c.train.microbatches
+    batch = jax.ShapeDtypeStruct((c.train.microbatches, rows, c.data.seq_len + 1), np.int32,
+                                 sharding=r.batch_sharding())
+    train = jax.export.export(r.train_step, platforms=TARGETS)(state, batch)
+    assert train.platforms == TARGETS and train.nr_devices == r.mesh.devices.size
+    eval_rows = rows * r.eval_group()
+    eval_batch = jax.ShapeDtypeStruct((eval_rows, c.data.seq_len + 1), np.int32,
+                                      sharding=step_lib.eval_sharding(r.mesh))
+    ev = jax.export.export(r.eval_step(), platforms=TARGETS)(state.params, eval_batch)
+    assert ev.platforms == TARGETS
+    # The CPU's own custom calls (LAPACK, say) have no GPU/TPU lowering: none may appear.
+    for exported in (train, ev):
+        text = exported.mlir_module()
+        assert "lapack" not in text.lower() and "ducc" not in text.lower(), case
