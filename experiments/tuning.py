@@ -22,6 +22,7 @@ import math
 import pathlib
 import re
 
+from experiments import sweep
 from experiments.studies import lion as lion_study
 
 VARIANT = re.compile(r"^(?P<opt>\w+)/lr=(?P<lr>[^/]+)/(?P<arm>\w+)$")
@@ -112,6 +113,21 @@ def pick_arm_lrs(rows, study: str) -> dict[str, dict[str, float]]:
     return {k: dict(v) for k, v in sorted(picks.items())}
 
 
+def complete_picks(rows, study: str, variants) -> dict[str, dict[str, float]]:
+    """:func:`pick_arm_lrs` restricted to the settings (prefixes) every arm of which has run its whole
+    grid, as ``variants`` (the tuning study's variant names) lay it out: a study still running, or
+    stopped half way, picks nothing from a partial grid."""
+    grids: dict = {}
+    for name in variants:
+        parsed = parse_arm(name)
+        if parsed:
+            grids.setdefault(parsed[0], {}).setdefault(parsed[2], set()).add(parsed[1])
+    means = arm_means(rows, study)
+    picks = pick_arm_lrs(rows, study)
+    return {prefix: arms for prefix, arms in picks.items()
+            if prefix in grids and all(set(means.get((prefix, arm), {})) >= lrs for arm, lrs in grids[prefix].items())}
+
+
 def on_grid_edge(rows, study: str) -> list[str]:
     """``prefix/arm`` whose pick is the lowest or highest learning rate it was run at: its grid
     did not bracket the optimum, so the pick is a bound, not a tuned value."""
@@ -153,7 +169,10 @@ def main(argv=None):
         raise SystemExit(f"error: no lr-study rows in {', '.join(a.results)}; run `python -m experiments.sweep lr`")
     print("{" + ", ".join(f'"{k}": {v!r}' for k, v in sorted(picks.items())) + "}")
     for study in sorted({r.get("study") for r in rows if str(r.get("study", "")).endswith("_tune")}):
-        arm_picks = pick_arm_lrs(rows, study)
+        arm_picks = complete_picks(rows, study, sweep.load_study(study, "cpu_regime").variants)
+        partial = sorted(set(pick_arm_lrs(rows, study)) - set(arm_picks))
+        if partial:
+            print(f"{study}: grids not yet complete, no pick: {', '.join(partial)}")
         if arm_picks:
             if study != "ladder_tune":  # common.TUNED_ARMS[preset][STUDY] is {variant: lr}
                 arm_picks = {f"{p}/{arm}": v for p, arms in arm_picks.items() for arm, v in arms.items()}

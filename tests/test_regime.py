@@ -113,6 +113,15 @@ def ladder_rows(seed_noise=(0.0, 0.004, -0.003)):
     return tune, meas
 
 
+def test_complete_picks_ignore_a_grid_still_running():
+    tune, _ = ladder_rows()
+    variants = [r["variant"] for r in tune]
+    assert tuning.complete_picks(tune, "ladder_tune", variants) == tuning.pick_arm_lrs(tune, "ladder_tune")
+    partial = [r for r in tune if r["variant"] != "u=200/adamw/lr=0.004/ef"]
+    assert "u=200/adamw" not in tuning.complete_picks(partial, "ladder_tune", variants)
+    assert "u=200/muon" in tuning.complete_picks(partial, "ladder_tune", variants)
+
+
 def test_pick_arm_lrs_tunes_every_arm_and_never_a_diverged_lr():
     tune, _ = ladder_rows()
     picks = tuning.pick_arm_lrs(tune, "ladder_tune")
@@ -171,11 +180,10 @@ def test_tuned_ladder_table_equals_the_picks_of_its_committed_rows():
     if not path.is_file():
         pytest.skip("experiments/results/cpu_regime/results.jsonl is not committed yet")
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    picks = tuning.pick_arm_lrs(rows, "ladder_tune")
-    if not picks:
+    if not tuning.pick_arm_lrs(rows, "ladder_tune"):
         assert common.TUNED_LADDER == {}, "TUNED_LADDER is set but no ladder_tune rows are committed"
         pytest.skip("no ladder_tune rows committed yet")
-    complete = {k: v for k, v in picks.items() if set(v) == {"sync", "2bw", "ef"}}
+    complete = tuning.complete_picks(rows, "ladder_tune", ladder_tune.variants())  # a whole grid per arm
     assert common.TUNED_LADDER == complete, f"set common.TUNED_LADDER to {complete}"
 
 
@@ -255,7 +263,8 @@ def test_tuned_arms_tables_equal_the_picks_of_their_committed_rows():
         path = pathlib.Path(__file__).resolve().parent.parent / "experiments" / "results" / preset / "results.jsonl"
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
         for study in sweep.TUNABLE:
-            picks = tuned.picks_by_variant(tuning.pick_arm_lrs(rows, f"{study}_tune"))
+            variants = sweep.load_study(f"{study}_tune", preset).variants
+            picks = tuned.picks_by_variant(tuning.complete_picks(rows, f"{study}_tune", variants))
             if study in tables or picks:
                 assert tables.get(study) == picks, f"set common.TUNED_ARMS[{preset!r}][{study!r}] to {picks}"
 
