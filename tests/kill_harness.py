@@ -1,7 +1,7 @@
 """A run that SIGKILLs itself at one phase of one checkpoint save (used by tests/test_faults.py).
 
-``python tests/kill_harness.py WORKDIR CACHE_DIR STEP PHASE``: the fault battery's 4-step run
-(checkpoints at 2 and 4), with sealing slowed (as for a large checkpoint, so a seal handed to the
+``python tests/kill_harness.py WORKDIR CACHE_DIR STEP PHASE [KEEP]``: the fault battery's 4-step run
+(checkpoints at 2 and 4, ``keep_checkpoints=KEEP``, default 5), with sealing slowed (as for a large checkpoint, so a seal handed to the
 worker thread is still running when the next save begins), killed at ``PHASE`` of the save of ``STEP``:
 
 * ``begin``: as orbax's save is called (its tmp directory about to appear);
@@ -27,7 +27,7 @@ def die():
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def main(workdir, cache_dir, step, phase):
+def main(workdir, cache_dir, step, phase, keep="5"):
     step = int(step)
     real_sha = ckpt_lib._sha256
 
@@ -57,7 +57,7 @@ def main(workdir, cache_dir, step, phase):
         return real_write_manifest(step_dir, s, layout)
 
     ckpt_lib.write_manifest = write_manifest
-    t = Trainer(fault_config(cache_dir), workdir)
+    t = Trainer(fault_config(cache_dir, keep_checkpoints=int(keep)), workdir)
     manager_save = t.checkpointer.manager.save
 
     def save(s, *args, **kwargs):

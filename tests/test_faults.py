@@ -430,10 +430,10 @@ def test_cli_second_run_on_a_held_workdir_exits_at_once(cache_dir, tmp_path):
     assert not (workdir / "checkpoints").exists()
 
 
-def _kill_during_save(cache_dir, workdir, step, phase):
+def _kill_during_save(cache_dir, workdir, step, phase, keep=5):
     out = subprocess.run([sys.executable, str(configs.REPO_ROOT / "tests" / "kill_harness.py"), str(workdir),
-                          cache_dir, str(step), phase], cwd=configs.REPO_ROOT, capture_output=True, text=True,
-                         timeout=600)
+                          cache_dir, str(step), phase, str(keep)], cwd=configs.REPO_ROOT, capture_output=True,
+                         text=True, timeout=600)
     assert out.returncode == -signal.SIGKILL, (out.stdout[-2000:], out.stderr[-3000:])
 
 
@@ -463,15 +463,26 @@ def test_a_kill_during_a_save_costs_at_most_one_interval(sealed_run, trainer, ca
         np.testing.assert_array_equal(a, b)
 
 
-def test_retention_deletes_only_behind_a_sealed_step(trainer, tmp_path):
-    """keep_checkpoints=1: orbax's own max_to_keep deleted the previous step as soon as the new one was
-    renamed, before its seal; now only sealed steps beyond the newest one are deleted."""
+def test_retention_keeps_the_newest_sealed_steps(trainer, tmp_path):
     t = trainer(tmp_path)
     t.checkpointer.keep = 1
     t.run()
     t.close()
     assert ckpt_lib.step_dirs(tmp_path / "checkpoints").keys() == {4}
     assert ckpt_lib.verify(tmp_path / "checkpoints" / "4") is None
+
+
+@pytest.mark.slow
+def test_a_kill_before_the_seal_with_keep_1_resumes_from_the_previous_step(sealed_run, trainer, cache_dir, tmp_path):
+    """keep_checkpoints=1: orbax's own max_to_keep deleted step 2 as soon as step 4 was renamed into place,
+    before 4 was sealed, so a kill there left nothing; now step 2 goes only once step 4 is sealed."""
+    workdir = tmp_path / "run"
+    _kill_during_save(cache_dir, workdir, 4, "commit", keep=1)
+    assert ckpt_lib.verify(workdir / "checkpoints" / "2") is None
+    t = trainer(workdir)
+    t.run()
+    t.close()
+    assert _rows(workdir) == _rows(sealed_run[0])
 
 
 def test_manifest_without_its_file_table_is_named_not_a_traceback(damaged_copy):
