@@ -96,10 +96,12 @@ def sync_table(n_stages: int, microbatches: int) -> TickTable:
     return TickTable("sync", P, M, fwd, bwd)
 
 
-def async_table(n_stages: int, microbatches: int) -> TickTable:
-    """One steady-state ``2bw`` window of ``M`` ticks (no flush); see the module docstring."""
+def async_table(n_stages: int, microbatches: int, check: bool = True) -> TickTable:
+    """One steady-state ``2bw`` window of ``M`` ticks (no flush); see the module docstring.
+    ``check=False`` builds the window below ``min_microbatches_2bw`` too, for
+    asyncpp_jax.pipeline.programs to show which rule it breaks there."""
     P, M = n_stages, microbatches
-    if M < min_microbatches_2bw(P):
+    if check and M < min_microbatches_2bw(P):
         raise ValueError(
             f"config.train.microbatches={M} is too few for the 2bw schedule with config.pipeline.stages={P}: "
             f"a one-step delay needs microbatches >= 2*(stages-1) = {min_microbatches_2bw(P)}, else a batch's "

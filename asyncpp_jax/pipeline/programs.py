@@ -1,0 +1,603 @@
+"""Pipeline schedules as programs: one list of actions per device, validated before anything compiles.
+
+A schedule is data.  ``Program.actions[d]`` is the ordered list of what device ``d`` runs in one
+step; an :class:`Action` names its kind (``F`` forward, ``B`` full backward, or its two halves
+``I`` input gradient and ``W`` weight gradient), the microbatch, the model chunk on that device
+(interleaved schedules hold ``v`` chunks per device: virtual stage ``chunk * P + device``, Megatron's
+layout) and the weight version it reads.  The vocabulary follows torch.distributed.pipelining's
+``_Action`` (``F``, ``B``, ``I``, ``W``), its ``_validate_schedule`` and its lowering into
+send/recv pairs; the schedules are
+
+* ``1f1b``: textbook 1F1B with a flush (Narayanan et al. 2019, PipeDream-Flush): device ``s`` runs
+  ``P - 1 - s`` warm-up forwards, then one forward and one backward in turn, so it holds at most
+  ``P - s`` microbatches;
+* ``interleaved``: Megatron's interleaved 1F1B with ``v`` chunks per device (Narayanan et al. 2021,
+  "Efficient Large-Scale Language Model Training on GPU Clusters"), bubble ``(P - 1)/(v M)``;
+* ``zb-h1``: zero bubble H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"): 1F1B with ``B``
+  split into ``I`` (on the critical path) and ``W`` (deferred into the cool-down bubble; device
+  ``s`` defers ``s`` of them, so every device holds at most ``P`` microbatches, 1F1B's peak);
+* ``2bw``: PipeDream-2BW (Narayanan et al. 2021, "Memory-Efficient Pipeline-Parallel DNN
+  Training"): 1F1B that never flushes; a microbatch uses its batch's weights for its forward and
+  its backward, and update ``t`` applies batch ``t - 1`` (two weight versions, one-step delay);
+* ``sync-ticks`` / ``2bw-ticks``: the engine's current lock-step tick tables
+  (asyncpp_jax.pipeline.tick_tables) read as programs (:func:`from_tick_table`).
+
+Microbatches are step-relative, as in the tick tables: ``m`` in ``[0, M)`` is this step's batch,
+``m < 0`` the previous batch's microbatch ``m + M``.  A program with ``delay = 0`` is one flushed
+step; with ``delay = 1`` it is one window of a steady state that repeats every step (the first
+step's references to a batch before the first are the fill: nothing runs there).  Versions are
+relative too: ``0`` reads ``w[t]``, ``-1`` reads ``w[t-1]``.
+
+:func:`validate` checks, naming the device, the action and the rule:
+
+* ``shape``: one list per device, known kinds, chunks in range;
+* ``version``: a microbatch reads its batch's weights in every action (one version for its F and
+  its B/I/W), and no batch older than the schedule's ``delay`` (sync: the step's weights; 2bw: one
+  step stale, two versions live);
+* ``once``: every (virtual stage, microbatch) gets one ``F`` and either one ``B`` or one ``I`` and
+  one ``W`` per step;
+* ``order``: on each device a microbatch's ``F`` precedes its ``B``/``I``, and ``I`` precedes ``W``;
+* ``dataflow``: stage ``u + 1``'s ``F`` of ``m`` waits for stage ``u``'s, stage ``u``'s ``B``/``I``
+  of ``m`` for stage ``u + 1``'s; run as a list schedule, the program must not deadlock;
+* ``channels``: lowered to send/recv pairs, each device-to-device channel receives its messages in
+  the order they were sent (what one ``ppermute`` per slot, or ordered point-to-point, needs).
+
+Derived from a program, not from formulas: :func:`stash_depth` (peak microbatches whose activations
+a device holds), :func:`simulate` (a discrete-event run of the per-device lists with point-to-point
+dependencies and the weight update as a collective at each step's end, from per-action costs),
+:func:`step_time` (a flushed step's critical path, or the steady-state period of a flushless one),
+:func:`bubble_fraction`, :func:`buffers` (peak messages in transit per channel) and
+:func:`min_microbatches` (the smallest ``M`` whose generated program validates).
+
+How the engine's executor would consume a program (not yet wired; asyncpp_jax/pipeline/engine.py
+still runs the tick tables): pad the device lists to a common length ``K`` of slots; give each slot
+an integer opcode per device (idle, F, B, I, W, each per chunk) and its microbatch; the tick scan
+runs ``K`` slots, each a single ``lax.switch`` on the device's opcode, and after each slot one
+``ppermute`` forward and one backward carry that slot's sends (the ``channels`` check guarantees the
+receiver consumes them in that order; a receive waits in a buffer whose depth is :func:`buffers`);
+the stash ring gets :func:`stash_depth` slots per chunk; the weight version of a slot is its
+action's ``version`` (where ``OneStepDelay`` reads it today), and eval is the forward-only program.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from asyncpp_jax.pipeline import tick_tables
+
+KINDS = ("F", "B", "I", "W")
+BACKWARDS = ("B", "I")  # the actions that send a gradient to the previous stage
+DEFAULT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+
+
+class ProgramError(ValueError):
+    """A program that breaks a rule; the message names the device, the action and the rule."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Action:
+    """One unit of work on a device: ``kind`` of step-relative ``microbatch`` on model ``chunk``,
+    reading weight ``version`` (0: ``w[t]``, -1: ``w[t-1]``)."""
+
+    kind: str
+    microbatch: int
+    chunk: int = 0
+    version: int = 0
+
+    def __str__(self) -> str:
+        return (f"{self.kind}{self.microbatch}" + (f"c{self.chunk}" if self.chunk else "")
+                + (f"@w[t{self.version:+d}]" if self.version else ""))
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """``actions[d]``: device ``d``'s actions in order for one step (one window when ``delay > 0``)."""
+
+    name: str
+    devices: int
+    microbatches: int
+    actions: tuple
+    chunks: int = 1
+    delay: int = 0
+
+    @property
+    def stages(self) -> int:
+        """Virtual stages: ``chunks * devices``."""
+        return self.chunks * self.devices
+
+    def stage_of(self, device: int, chunk: int) -> int:
+        return chunk * self.devices + device
+
+    def device_of(self, stage: int) -> int:
+        return stage % self.devices
+
+    def render(self) -> str:
+        return "\n".join(f"d{d}: " + " ".join(map(str, acts)) for d, acts in enumerate(self.actions))
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """An action placed in an unrolled run: global microbatch ``g = step * M + microbatch``, its
+    virtual ``stage``, its ``batch`` (the step whose batch it is) and the step window it runs in."""
+
+    kind: str
+    g: int
+    stage: int
+    batch: int
+    step: int
+    action: Action
+
+    @property
+    def key(self):
+        return (self.kind, self.stage, self.g)
+
+
+def _batch(m: int, M: int) -> int:
+    """The batch of step-relative microbatch ``m``: 0 this step's, -1 the previous one's."""
+    return m // M
+
+
+def _act(kind: str, m: int, M: int, chunk: int = 0) -> Action:
+    """An action reading its batch's weights (the rule every generator follows)."""
+    return Action(kind, m, chunk, _batch(m, M))
+
+
+# ------------------------------------------------------------------------------------- generators
+
+
+def one_f_one_b(P: int, M: int) -> Program:
+    """Textbook 1F1B with a flush: ``P - 1 - s`` warm-up forwards on device ``s``, then F/B in turn,
+    then the cool-down backwards (Narayanan et al. 2019)."""
+    lists = []
+    for s in range(P):
+        warm = min(P - 1 - s, M)
+        acts = [_act("F", m, M) for m in range(warm)]
+        for i in range(M - warm):
+            acts += [_act("F", warm + i, M), _act("B", i, M)]
+        acts += [_act("B", m, M) for m in range(M - warm, M)]
+        lists.append(tuple(acts))
+    return Program("1f1b", P, M, tuple(lists))
+
+
+def zb_h1(P: int, M: int) -> Program:
+    """ZB-H1 (Qi et al. 2024): 1F1B with each ``B`` split into ``I`` then ``W``; device ``s`` runs its
+    first ``s`` steady-state iterations without a ``W`` (as torch's ZB1P does), so the deferred
+    ``W``s fill the cool-down bubble and no device holds more than ``P`` microbatches."""
+    lists = []
+    for s in range(P):
+        warm = min(P - 1 - s, M)
+        acts, w_next = [_act("F", m, M) for m in range(warm)], 0
+        for i in range(M - warm):
+            acts += [_act("F", warm + i, M), _act("I", i, M)]
+            if i >= s:
+                acts.append(_act("W", w_next, M))
+                w_next += 1
+        for m in range(M - warm, M):
+            acts += [_act("I", m, M), _act("W", w_next, M)]
+            w_next += 1
+        acts += [_act("W", m, M) for m in range(w_next, M)]
+        lists.append(tuple(acts))
+    return Program("zb-h1", P, M, tuple(lists))
+
+
+def _interleaved_order(k: int, P: int, v: int, backward: bool) -> tuple[int, int]:
+    """Megatron's ``k``-th forward (or backward) on a device: microbatches go in groups of ``P``
+    through chunk 0, 1, ..., v-1 (backwards through v-1, ..., 0); ``(microbatch, chunk)``."""
+    group, chunk = divmod(k, P * v)
+    chunk //= P
+    return group * P + k % P, (v - 1 - chunk if backward else chunk)
+
+
+def interleaved(P: int, M: int, v: int = 2) -> Program:
+    """Megatron's interleaved 1F1B (Narayanan et al. 2021): device ``d`` holds chunks ``d, d + P, ...``,
+    runs ``2(P - 1 - d) + (v - 1) P`` warm-up forwards, then one forward and one backward in turn.
+    Needs ``M`` a multiple of ``P`` (the groups of ``P`` microbatches)."""
+    if M % P:
+        raise ProgramError(f"interleaved: microbatches={M} must be a multiple of devices={P} (Megatron's groups of P)")
+    total = M * v
+    lists = []
+    for d in range(P):
+        warm = min(2 * (P - 1 - d) + (v - 1) * P, total)
+
+        def f(k):
+            m, c = _interleaved_order(k, P, v, False)
+            return _act("F", m, M, c)
+
+        def b(k):
+            m, c = _interleaved_order(k, P, v, True)
+            return _act("B", m, M, c)
+
+        acts = [f(k) for k in range(warm)]
+        for i in range(total - warm):
+            acts += [f(warm + i), b(i)]
+        acts += [b(k) for k in range(total - warm, total)]
+        lists.append(tuple(acts))
+    return Program(f"interleaved v={v}", P, M, tuple(lists), chunks=v)
+
+
+def two_bw(P: int, M: int) -> Program:
+    """PipeDream-2BW (Narayanan et al. 2021) in steady state: 1F1B that never flushes.  Device ``s``
+    runs this step's forward ``k`` and the backward of the microbatch ``P - 1 - s`` behind it, for
+    ``k = 0 .. M - 1``; a negative microbatch is the previous batch's and reads ``w[t-1]``.  Valid
+    (two versions) when every backward is at most one batch behind: ``M >= P - 1``."""
+    lag = [P - 1 - s for s in range(P)]
+    lists = [tuple(a for k in range(M) for a in (_act("F", k, M), _act("B", k - lag[s], M))) for s in range(P)]
+    return Program("2bw", P, M, tuple(lists), delay=1)
+
+
+def from_tick_table(table) -> Program:
+    """A ``tick_tables.TickTable`` as a program: each tick's forward, then its backward, in tick order;
+    a negative microbatch reads ``w[t-1]`` (what ``OneStepDelay.run`` does)."""
+    P, M = table.n_stages, table.microbatches
+    lists = []
+    for s in range(P):
+        acts = []
+        for k in range(table.ticks):
+            f, b = int(table.forward[k, s]), int(table.backward[k, s])
+            acts += [_act("F", f, M)] * (f != tick_tables.IDLE) + [_act("B", b, M)] * (b != tick_tables.IDLE)
+        lists.append(tuple(acts))
+    return Program(f"{table.name}-ticks", P, M, tuple(lists), delay=int(table.name == "2bw"))
+
+
+def _tick_program(name: str, P: int, M: int) -> Program:
+    table = tick_tables.sync_table(P, M) if name == "sync" else tick_tables.async_table(P, M, check=False)
+    return from_tick_table(table)
+
+
+GENERATORS = {
+    "1f1b": lambda P, M, v=1: one_f_one_b(P, M),
+    "interleaved": lambda P, M, v=2: interleaved(P, M, v),
+    "zb-h1": lambda P, M, v=1: zb_h1(P, M),
+    "2bw": lambda P, M, v=1: two_bw(P, M),
+    "sync-ticks": lambda P, M, v=1: _tick_program("sync", P, M),
+    "2bw-ticks": lambda P, M, v=1: _tick_program("2bw", P, M),
+}
+
+
+def generate(name: str, P: int, M: int, v: int | None = None) -> Program:
+    """The program of schedule ``name`` (a key of ``GENERATORS``) for ``P`` devices and ``M`` microbatches."""
+    if name not in GENERATORS:
+        raise ProgramError(f"no schedule named {name!r}; known: {', '.join(GENERATORS)}")
+    return GENERATORS[name](P, M) if v is None else GENERATORS[name](P, M, v)
+
+
+# ---------------------------------------------------------------------------------------- unroll
+
+
+def unroll(program: Program, steps: int) -> list[list[Op]]:
+    """Each device's ops over ``steps`` consecutive steps of the program, in order; ops of a batch
+    before the first step (the fill of a flushless program) are dropped."""
+    M = program.microbatches
+    lists = [[] for _ in range(program.devices)]
+    for n in range(steps):
+        for d, acts in enumerate(program.actions):
+            for a in acts:
+                g = n * M + a.microbatch
+                if g >= 0:
+                    lists[d].append(Op(a.kind, g, program.stage_of(d, a.chunk), g // M, n, a))
+    return lists
+
+
+def _fail(program: Program, device: int, action, rule: str, why: str):
+    where = f"device {device}" + (f", action {action}" if action is not None else "")
+    raise ProgramError(f"{program.name} (P={program.devices}, M={program.microbatches}): {where}: rule '{rule}': {why}")
+
+
+# ------------------------------------------------------------------------------------- validator
+
+
+def _check_shape(p: Program) -> None:
+    if len(p.actions) != p.devices:
+        raise ProgramError(f"{p.name}: rule 'shape': {len(p.actions)} action lists for {p.devices} devices")
+    for d, acts in enumerate(p.actions):
+        for a in acts:
+            if a.kind not in KINDS:
+                _fail(p, d, a, "shape", f"unknown kind {a.kind!r} (known: {', '.join(KINDS)})")
+            if not 0 <= a.chunk < p.chunks:
+                _fail(p, d, a, "shape", f"chunk {a.chunk} outside [0, {p.chunks})")
+
+
+def _check_versions(p: Program) -> None:
+    """The delay rule: ``version == batch`` of the microbatch, and ``-delay <= batch <= 0``."""
+    for d, acts in enumerate(p.actions):
+        for a in acts:
+            b = _batch(a.microbatch, p.microbatches)
+            if not -p.delay <= b <= 0:
+                older = "only this step's batch (a flushed schedule)" if p.delay == 0 else \
+                    f"batches at most {p.delay} step(s) old ({p.delay + 1} weight versions)"
+                _fail(p, d, a, "version", f"microbatch {a.microbatch} is of batch t{b:+d}, but the schedule keeps {older}")
+            if a.version != b:
+                _fail(p, d, a, "version", f"microbatch {a.microbatch} is of batch t{b:+d}, so every action of it reads "
+                      f"w[t{b:+d}] (one version for its F and its backward); this one reads w[t{a.version:+d}]")
+
+
+def _check_once(p: Program) -> None:
+    """One F and either one B or one I and one W per (virtual stage, microbatch) per step."""
+    M, seen = p.microbatches, collections.Counter()
+    for d, acts in enumerate(p.actions):
+        for a in acts:
+            key = (a.kind, p.stage_of(d, a.chunk), a.microbatch % M)
+            seen[key] += 1
+            if seen[key] > 1:
+                _fail(p, d, a, "once", f"stage {key[1]} runs {a.kind} of microbatch {key[2]} twice in a step")
+    for d in range(p.devices):
+        for c in range(p.chunks):
+            u = p.stage_of(d, c)
+            for m in range(M):
+                n = {k: seen[(k, u, m)] for k in KINDS}
+                if n["F"] != 1 or not (n["B"] == 1 and n["I"] + n["W"] == 0 or n["B"] == 0 and n["I"] == n["W"] == 1):
+                    _fail(p, d, None, "once", f"stage {u} (chunk {c}), microbatch {m}: {n}; needs one F and one B, "
+                          "or one F, one I and one W")
+
+
+def _check_order(p: Program, lists: list[list[Op]]) -> None:
+    """On each device: F before B/I, I before W, for every microbatch and stage."""
+    need = {"B": "F", "I": "F", "W": "I"}
+    for d, ops in enumerate(lists):
+        done = set()
+        for op in ops:
+            if op.kind in need and (need[op.kind], op.stage, op.g) not in done:
+                _fail(p, d, op.action, "order", f"{op.kind} of microbatch {op.g} on stage {op.stage} (step {op.step}) "
+                      f"runs before its {need[op.kind]}")
+            done.add(op.key)
+
+
+def _deps(op: Op, n_stages: int) -> list[tuple]:
+    """The ops ``op`` waits for, as ``(kind, stage, g)``: the previous stage's F (for an F); the
+    same stage's F and the next stage's backward, ``B/I`` (either, for a B or I); the same stage's I
+    (for a W)."""
+    if op.kind == "F":
+        return [("F", op.stage - 1, op.g)] if op.stage > 0 else []
+    if op.kind == "W":
+        return [("I", op.stage, op.g)]
+    return [("F", op.stage, op.g)] + ([("B/I", op.stage + 1, op.g)] if op.stage + 1 < n_stages else [])
+
+
+def _ended(done: dict, kind: str, stage: int, g: int):
+    """When op ``(kind, stage, g)`` ended (``B/I``: whichever of the two ran), or None."""
+    for k in (BACKWARDS if kind == "B/I" else (kind,)):
+        if (k, stage, g) in done:
+            return done[(k, stage, g)]
+    return None
+
+
+def _check_channels(p: Program, lists: list[list[Op]], complete: bool) -> None:
+    """Lowered to sends and receives, every channel ``(kind, src, dst)`` receives in send order."""
+    sent, recv = collections.defaultdict(list), collections.defaultdict(list)
+    for d, ops in enumerate(lists):
+        for op in ops:
+            if op.kind == "F" and op.stage + 1 < p.stages:
+                sent["activation", d, p.device_of(op.stage + 1)].append((op.stage, op.g))
+            if op.kind == "F" and op.stage > 0:
+                recv["activation", p.device_of(op.stage - 1), d].append((op.stage - 1, op.g, op))
+            if op.kind in BACKWARDS and op.stage > 0:
+                sent["gradient", d, p.device_of(op.stage - 1)].append((op.stage, op.g))
+            if op.kind in BACKWARDS and op.stage + 1 < p.stages:
+                recv["gradient", p.device_of(op.stage + 1), d].append((op.stage + 1, op.g, op))
+    for ch in sorted(set(sent) | set(recv)):
+        s, r = sent[ch], recv[ch]
+        for i, (src_stage, g, op) in enumerate(r):
+            if i >= len(s) or s[i] != (src_stage, g):
+                got = f"stage {s[i][0]}'s microbatch {s[i][1]}" if i < len(s) else "nothing"
+                _fail(p, ch[2], op.action, "channels", f"the {ch[0]} channel {ch[1]}->{ch[2]}: message {i} is {got}, "
+                      f"but {op.kind} of microbatch {g} receives stage {src_stage}'s microbatch {g}")
+        if complete and len(s) > len(r):
+            _fail(p, ch[1], s[len(r)], "channels", f"the {ch[0]} channel {ch[1]}->{ch[2]}: stage {s[len(r)][0]}'s "
+                  f"microbatch {s[len(r)][1]} is sent and never received")
+
+
+def validate(program: Program) -> Program:
+    """Check every rule of the module docstring; return the program, or raise :class:`ProgramError`."""
+    _check_shape(program)
+    _check_versions(program)
+    _check_once(program)
+    steps = 1 if program.delay == 0 else program.delay + 3
+    lists = unroll(program, steps)
+    _check_order(program, lists)
+    simulate(program, steps=steps)  # raises on a deadlock (rule 'dataflow')
+    _check_channels(program, lists, complete=program.delay == 0)
+    return program
+
+
+def is_valid(program: Program) -> bool:
+    try:
+        validate(program)
+        return True
+    except ProgramError:
+        return False
+
+
+# ------------------------------------------------------------------------------------ simulation
+
+
+@dataclasses.dataclass
+class Run:
+    """A simulated run: each op's (start, end), each device's step-end update time, the ops in order."""
+
+    lists: list
+    start: dict
+    end: dict
+    update_end: dict  # (device, step) -> time the update at the end of that step's window finished
+
+
+def _cost(op: Op, costs: dict, chunks: int) -> float:
+    """An op's time: its kind's cost, split over the ``chunks`` of an interleaved device."""
+    return costs[op.kind] / chunks
+
+
+def _ready(op: Op, done: dict, p: Program, p2p: float):
+    """The earliest start allowed by ``op``'s dependencies, or None if one has not run yet."""
+    t = 0.0
+    for kind, stage, g in _deps(op, p.stages):
+        end = _ended(done, kind, stage, g)
+        if end is None:
+            return None
+        t = max(t, end + (p2p if p.device_of(stage) != p.device_of(op.stage) else 0.0))
+    return t
+
+
+def _update_ready(p: Program, n: int, last_of_batch: dict, pos) -> float | None:
+    """The update closing step ``n``'s window applies batch ``n - delay`` and reduces over every
+    device (global norm, replicated leaves): it waits for that batch's last op on every device."""
+    applied, t = n - p.delay, 0.0
+    if applied < 0:
+        return 0.0
+    for e in range(p.devices):
+        last = last_of_batch.get((e, applied))
+        if last is not None and last not in pos[e]:
+            return None
+        if last is not None:
+            t = max(t, pos[e][last])
+    return t
+
+
+def simulate(p: Program, costs: dict | None = None, steps: int = 1, p2p: float = 0.0, update: float = 0.0) -> Run:
+    """Run the per-device lists of ``steps`` steps as a list schedule: an op starts when its device is
+    free and its dependencies have ended (``p2p`` later across devices); each window ends with the
+    update (cost ``update``), a collective over the devices.  Raises rule 'dataflow' on a deadlock."""
+    costs = {**DEFAULT_COSTS, **(costs or {})}
+    lists = unroll(p, steps)
+    last_of_batch = {}
+    for d, ops in enumerate(lists):
+        for i, op in enumerate(ops):
+            last_of_batch[(d, op.batch)] = i
+    start, end, done, upd = {}, {}, {}, {}
+    pos = [dict() for _ in range(p.devices)]  # index in the list -> end time
+    nxt, free, window = [0] * p.devices, [0.0] * p.devices, [0] * p.devices
+    while True:
+        progressed = False
+        for d in range(p.devices):
+            progressed |= _advance(p, d, lists, nxt, free, window, steps, done, start, end, pos, upd,
+                                   last_of_batch, costs, p2p, update)
+        if all(nxt[d] == len(lists[d]) and window[d] == steps for d in range(p.devices)):
+            return Run(lists, start, end, upd)
+        if not progressed:
+            _deadlock(p, lists, nxt, done)
+
+
+def _advance(p, d, lists, nxt, free, window, steps, done, start, end, pos, upd, last_of_batch, costs, p2p, update):
+    """Run device ``d``'s next op (or its window's closing update) if it can start; True if it did."""
+    ops = lists[d]
+    if window[d] < steps and (nxt[d] == len(ops) or ops[nxt[d]].step > window[d]):
+        t = _update_ready(p, window[d], last_of_batch, pos)
+        if t is None:
+            return False
+        free[d] = max(free[d], t) + update
+        upd[(d, window[d])] = free[d]
+        window[d] += 1
+        return True
+    if nxt[d] == len(ops):
+        return False
+    op = ops[nxt[d]]
+    t = _ready(op, done, p, p2p)
+    if t is None:
+        return False
+    start[(d, nxt[d])] = max(free[d], t)
+    free[d] = end[(d, nxt[d])] = start[(d, nxt[d])] + _cost(op, costs, p.chunks)
+    done[op.key] = pos[d][nxt[d]] = free[d]
+    nxt[d] += 1
+    return True
+
+
+def _deadlock(p: Program, lists, nxt, done):
+    stuck = [(d, lists[d][nxt[d]]) for d in range(p.devices) if nxt[d] < len(lists[d])]
+
+    def waits(o):
+        deps = [f"{k} of {g} on stage {u}" for k, u, g in _deps(o, p.stages) if _ended(done, k, u, g) is None]
+        return ", ".join(deps) or "the step's update"
+
+    text = "; ".join(f"device {e} at {o.kind} of microbatch {o.g} on stage {o.stage} (step {o.step}) waits for "
+                     f"{waits(o)}" for e, o in stuck)
+    _fail(p, stuck[0][0], stuck[0][1].action, "dataflow", f"deadlock: {text}")
+
+
+# ------------------------------------------------------------------------------------ derived
+
+
+def stash_depth(p: Program, steps: int | None = None) -> list[float]:
+    """Peak microbatches whose activations each device holds (from its F to its last backward, ``B``
+    or ``W``), read off the list order; an interleaved device's chunks count ``1/v`` each."""
+    steps = steps or (1 if p.delay == 0 else p.delay + 3)
+    peaks = []
+    for ops in unroll(p, steps):
+        held, peak = set(), 0
+        for op in ops:
+            if op.kind == "F":
+                held.add((op.stage, op.g))
+            peak = max(peak, len(held))
+            if op.kind in ("B", "W"):
+                held.discard((op.stage, op.g))
+        peaks.append(peak / p.chunks)
+    return peaks
+
+
+def _window_end(run: Run, n: int) -> float:
+    return max(t for (d, k), t in run.update_end.items() if k == n)
+
+
+def step_time(p: Program, costs: dict | None = None, p2p: float = 0.0, update: float = 0.0) -> float:
+    """The critical path of a step: a flushed program's makespan, or a flushless one's steady-state
+    period (the time between the last two of ``delay + 5`` simulated windows' ends)."""
+    if p.delay == 0:
+        return _window_end(simulate(p, costs, 1, p2p, update), 0)
+    steps = p.delay + 5
+    run = simulate(p, costs, steps, p2p, update)
+    return _window_end(run, steps - 1) - _window_end(run, steps - 2)
+
+
+def work(p: Program, costs: dict | None = None) -> float:
+    """The busy time of one step summed over devices."""
+    costs = {**DEFAULT_COSTS, **(costs or {})}
+    return sum(costs[a.kind] / p.chunks for acts in p.actions for a in acts)
+
+
+def bubble_fraction(p: Program, costs: dict | None = None, p2p: float = 0.0) -> float:
+    """Idle share of the devices' time in a step: ``1 - work / (P * step_time)``."""
+    return 1.0 - work(p, costs) / (p.devices * step_time(p, costs, p2p))
+
+
+def buffers(p: Program, costs: dict | None = None, p2p: float = 0.0) -> dict:
+    """Peak messages in transit per channel ``(kind, src, dst)`` in a simulated run: sent when the
+    producing op ends, held until the consuming op starts."""
+    steps = 1 if p.delay == 0 else p.delay + 3
+    run = simulate(p, costs, steps, p2p)
+    events = collections.defaultdict(list)
+    ends = {ops[i].key: run.end[(d, i)] for d, ops in enumerate(run.lists) for i in range(len(ops))}
+    for d, ops in enumerate(run.lists):
+        for i, op in enumerate(ops):
+            for kind, u, g in _deps(op, p.stages):
+                src = p.device_of(u)
+                sent = _ended(ends, kind, u, g)
+                if u != op.stage and src != d and sent is not None:
+                    ch = ("activation" if op.kind == "F" else "gradient", src, d)
+                    events[ch] += [(sent, 1), (run.start[(d, i)], -1)]
+    return {ch: _peak(ev) for ch, ev in sorted(events.items())}
+
+
+def _peak(events: list) -> int:
+    level = peak = 0
+    for _, delta in sorted(events, key=lambda e: (e[0], -e[1])):  # a message lands, then is consumed
+        level += delta
+        peak = max(peak, level)
+    return peak
+
+
+def min_microbatches(name: str, P: int, v: int | None = None, limit: int | None = None) -> int | None:
+    """The smallest ``M`` for which schedule ``name``'s generator yields a valid program (None up to
+    ``limit``, default ``4 P``)."""
+    for M in range(1, (limit or 4 * P) + 1):
+        try:
+            validate(generate(name, P, M, v))
+            return M
+        except ProgramError:
+            continue
+    return None
+
+
+def table_row(name: str, P: int, M: int, v: int | None = None, costs: dict | None = None) -> dict:
+    """One schedule's figures at ``(P, M)``: critical path, bubble fraction, peak stash per device."""
+    p = validate(generate(name, P, M, v))
+    t = step_time(p, costs)
+    return {"schedule": p.name, "P": P, "M": M, "step_time": t, "ideal": work(p, costs) / P,
+            "bubble_fraction": bubble_fraction(p, costs), "stash": stash_depth(p)}
