@@ -225,8 +225,41 @@ def reuse(source: pathlib.Path, workdir: pathlib.Path) -> None:
     shutil.copy2(source / "status.json", workdir / "status.json")
 
 
+RESTORED_ROW = "restored_row.json"
+
+
+def restore(study: Study, rows, root: pathlib.Path, log=print) -> list[str]:
+    """Lay out, from results rows (a committed ``results.jsonl``), the workdir of each run of
+    ``study`` that is not done under ``root`` but has a done row there with the config the study now
+    asks for, so the sweep skips it and its row collects as it was: a study carried over to another
+    machine by its committed rows goes on where it stopped.  Returns the run ids restored."""
+    done = {(r.get("study"), r.get("run_id")): r for r in rows if r.get("status") in DONE and r.get("config")}
+    restored = []
+    for run in expand(study):
+        workdir = root / run.run_id
+        row = done.get((study.name, run.run_id))
+        if row is None or is_finished(workdir) or stale_settings(row["config"], _wanted_config(study, run)):
+            continue
+        workdir.mkdir(parents=True, exist_ok=True)
+        lines = [{"step": s, "loss": v} for s, v in row.get("train_curve") or []]
+        lines += [{"step": s, "val_loss_per_byte": v} for s, v in row.get("val_curve") or []]
+        (workdir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+        (workdir / "config.json").write_text(json.dumps(row["config"]))
+        (workdir / RESTORED_ROW).write_text(json.dumps(row) + "\n")  # collect() returns it as it was
+        status = {"status": row["status"], "step": max([s for s, _ in row.get("train_curve") or []], default=0)}
+        if row.get("final_val") is not None:
+            status["val_loss_per_byte"] = row["final_val"]
+        (workdir / "status.json").write_text(json.dumps(status))
+        restored.append(run.run_id)
+    if restored:
+        log(f"[{study.name}] {len(restored)} run(s) restored from their committed rows")
+    return restored
+
+
 def collect(study: Study, run: Run, workdir: pathlib.Path, seconds: float | None = None) -> dict:
-    """One results row from a finished run's workdir."""
+    """One results row from a finished run's workdir (a restored run's: its committed row, as it was)."""
+    if (workdir / RESTORED_ROW).exists():
+        return json.loads((workdir / RESTORED_ROW).read_text())
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     val = [(r["step"], r["val_loss_per_byte"]) for r in rows if "val_loss_per_byte" in r]
     train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
@@ -442,6 +475,9 @@ def main(argv=None):
     ap.add_argument("--out", default="runs/studies")
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--list", action="store_true", help="print the runs and exit")
+    ap.add_argument("--restore", metavar="RESULTS", default=None,
+                    help="a results.jsonl (e.g. experiments/results/cpu_regime/results.jsonl) whose done rows "
+                    "stand for their runs: they are not run again")
     ap.add_argument("--collect", action="store_true",
                     help="write results.jsonl from the runs done so far and exit (runs nothing; a study "
                     "still running elsewhere keeps going)")
@@ -458,6 +494,9 @@ def main(argv=None):
         for run in expand(study):
             print(" ".join(command(study, run, pathlib.Path(a.out) / study.name / run.run_id)[2:]))
         return
+    if a.restore:
+        rows = [json.loads(line) for line in pathlib.Path(a.restore).read_text().splitlines() if line.strip()]
+        restore(study, rows, pathlib.Path(a.out) / study.name)
     if a.collect:
         results, done, total = collect_done(study, pathlib.Path(a.out))
         print(f"{done} of {total} runs done -> {results}")

@@ -285,3 +285,33 @@ def test_readme_paper_section_renders_the_ladder_beside_the_paper(tmp_path, monk
     path.write_text("\n".join(json.dumps(r) for r in tune + meas) + "\n")
     three = render_docs.paper_regime(readme)
     assert "| 3,200 x 2 | +0.150 ± 0.002 | +0.030 ± 0.002 | - |" in three and "Three seeds" in three
+
+
+def test_a_study_carried_over_by_its_committed_rows_goes_on_where_it_stopped(tmp_path):
+    from helpers import fake_sweep_run, no_prepare
+
+    from asyncpp_jax import configs
+
+    study = sweep.Study("s", "configs/tiny.py", {"a": {}, "b": {"optimizer.lr": 0.002}}, seeds=(0, 1))
+
+    def runner(cmd, workdir, env):  # writes what the CLI leaves, with the run's real resolved config
+        inner(cmd, workdir, env)
+        run = next(r for r in sweep.expand(study) if r.run_id == workdir.name)
+        (workdir / "config.json").write_text(configs.to_json(sweep.run_config(study, run)))
+        return 0
+
+    inner = fake_sweep_run(lambda name: 1.0 if name.startswith("a") else 2.0)
+    first = sweep.execute(study, tmp_path / "one", runner=runner, log=lambda *_: None, prepare=no_prepare)
+    rows = [json.loads(line) for line in first.read_text().splitlines()]
+    committed = [r for r in rows if r["run_id"] != "b__seed=1"]  # one run never finished there
+    # Another machine: nothing under --out but the committed rows; a row whose settings went stale
+    # since is not restored (it runs again).
+    committed[0] = {**committed[0], "config": {**committed[0]["config"], "optimizer": {
+        **committed[0]["config"]["optimizer"], "lr": 0.5}}}
+    restored = sweep.restore(study, committed, tmp_path / "two" / "s", log=lambda *_: None)
+    assert restored == ["a__seed=1", "b__seed=0"]
+    inner.calls.clear()
+    again = sweep.execute(study, tmp_path / "two", runner=runner, log=lambda *_: None, prepare=no_prepare)
+    assert inner.calls == ["a__seed=0", "b__seed=1"]
+    new_rows = {r["run_id"]: r for r in map(json.loads, again.read_text().splitlines())}
+    assert new_rows["b__seed=0"] == committed[2] and new_rows["a__seed=1"] == committed[1]  # verbatim
