@@ -4,6 +4,7 @@
     python experiments/bench_pipeline.py overlap   # one core per fake device: sync / 2bw step time
     python experiments/bench_pipeline.py compile   # compile time at 2x depth and 2x microbatches
     python -m experiments.bench_pipeline processes # sync / 2bw with each stage a process on its own core
+    python experiments/bench_pipeline.py schedules # when does 2bw pay? every schedule's program, simulated
 
 Absolute times on a shared machine are noise, so every figure is a ratio of two programs timed
 side by side in alternating rounds (median of rounds).
@@ -15,6 +16,11 @@ side by side in alternating rounds (median of rounds).
   is compared with a textbook 1F1B's ceiling ``(M + P - 1)/M`` and with the critical path the
   tick table predicts from the measured per-slot costs (``Σ_ticks max_stages cost``).
 * ``compile``: the scans over layers and ticks keep the program size flat.
+* ``schedules``: for ``P`` in {4, 8} and ``M`` in {P, 2P, 4P}, each schedule's program
+  (asyncpp_jax.pipeline.programs: ``1f1b``, ``interleaved`` with v = 2, ``zb-h1``, ``2bw``) is
+  validated and simulated from per-action costs (``--costs``, default F=1, B=2, I=W=1): its critical
+  path per step, its bubble fraction and its peak stash per device; then each schedule's smallest
+  ``M`` and the tick tables' formulas beside what their programs give.  Pure Python, no JAX program.
 * ``processes``: ``overlap`` where the stages surely run at the same time.  On XLA:CPU the fake
   devices of one process do not (one device's program already uses every core the process may
   use), so this mode starts one process per stage, each pinned to its own core, forming one JAX job
@@ -38,7 +44,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-MODES = ("work", "overlap", "compile", "processes")
+MODES = ("work", "overlap", "compile", "processes", "schedules")
 
 
 def _setup_host(mode: str, devices: int) -> None:
@@ -76,11 +82,19 @@ def _args():
     ap.add_argument("--stage_layers", default="",
                     help="layers per stage, e.g. 26,6 (config.pipeline.stage_layers; work: 4 stages, overlap: 2); "
                          "default an even split")
+    ap.add_argument("--costs", default="F=1,B=2,I=1,W=1",
+                    help="schedules: per-action costs (I + W = B: the backward's two halves)")
+    ap.add_argument("--p2p", type=float, default=0.0, help="schedules: point-to-point latency, in the costs' unit")
     ap.add_argument("--record", default="", metavar="FILE.jsonl",
-                    help="work, overlap, processes, compile: append the table's figures with the command, commit, date and "
+                    help="work, overlap, processes, compile, schedules: append the table's figures with the command, commit, date and "
                          "hardware as one JSON line to this file (experiments/results/bench/bench_pipeline.jsonl "
                          "renders docs/pipeline.md's tables)")
     args = ap.parse_args()
+    try:
+        args.costs = {k.strip(): float(v) for k, v in (kv.split("=") for kv in args.costs.split(","))}
+        assert set(args.costs) <= {"F", "B", "I", "W"}
+    except (ValueError, AssertionError):
+        ap.error(f"--costs={args.costs!r} must be KIND=COST pairs of F, B, I, W, e.g. F=1,B=2,I=1,W=1")
     try:
         args.stage_layers = tuple(int(n) for n in args.stage_layers.split(",") if n.strip())
     except ValueError:
@@ -93,7 +107,71 @@ def _args():
     return args
 
 
+def _record(args, kind: str, figures: dict) -> None:
+    """Append the figures to ``--record`` (the command without the launcher's internal ``--worker``)."""
+    if args.record:
+        from experiments import records
+
+        command = records.command_line([a for a in sys.argv if a != "--worker"])
+        records.append(args.record, records.make(kind, figures, command=command))
+
+
+SCHEDULES = (("1f1b", None), ("interleaved", 2), ("zb-h1", None), ("2bw", None))
+
+
+def schedule_rows(costs: dict, p2p: float) -> list:
+    """Every schedule's program at P in {4, 8}, M in {P, 2P, 4P}: critical path, bubble, stash."""
+    from asyncpp_jax.pipeline import programs
+
+    rows = []
+    for P in (4, 8):
+        for M in (P, 2 * P, 4 * P):
+            for name, v in SCHEDULES:
+                p = programs.validate(programs.generate(name, P, M, v))
+                t = programs.step_time(p, costs, p2p)
+                rows.append({"P": P, "M": M, "schedule": p.name, "critical_path": t,
+                             "ideal": programs.work(p, costs) / P, "bubble_fraction": programs.bubble_fraction(p, costs, p2p),
+                             "stash": programs.stash_depth(p)})
+    return rows
+
+
+def formula_rows() -> list:
+    """Per P: each schedule's smallest M, and the tick tables' formulas beside their programs' figures."""
+    from asyncpp_jax.pipeline import programs
+
+    out = []
+    for P in (4, 8):
+        tick_sync = programs.generate("sync-ticks", P, 2 * P)
+        out.append({"P": P, **{f"min_M {name}": programs.min_microbatches(name, P, v) for name, v in SCHEDULES},
+                    "min_M 2bw-ticks": programs.min_microbatches("2bw-ticks", P),
+                    "formula min_microbatches_2bw": tick_tables.min_microbatches_2bw(P),
+                    "formula stash_slots": tick_tables.stash_slots(P),
+                    "stash sync-ticks": programs.stash_depth(tick_sync),
+                    "stash 2bw-ticks": programs.stash_depth(programs.generate("2bw-ticks", P, 2 * P))})
+    return out
+
+
+def schedules(args) -> None:
+    rows, mins = schedule_rows(args.costs, args.p2p), formula_rows()
+    costs = ", ".join(f"{k}={v:g}" for k, v in args.costs.items())
+    print(f"schedules as programs, simulated with per-action costs {costs}, p2p {args.p2p:g} (interleaved: each "
+          "chunk's action costs 1/v of the stage's)\n")
+    print("| P | M | schedule | critical path | / ideal | bubble fraction | peak stash per device |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['P']} | {r['M']} | {r['schedule']} | {r['critical_path']:.2f} | {r['critical_path'] / r['ideal']:.3f} "
+              f"| {r['bubble_fraction']:.3f} | {' '.join(f'{s:g}' for s in r['stash'])} |")
+    print()
+    for m in mins:
+        print(", ".join(f"{k}: {v}" for k, v in m.items()))
+    _record(args, "bench_pipeline_schedules", {"costs": args.costs, "p2p": args.p2p, "rows": rows, "formulas": mins})
+
+
 ARGS = _args() if __name__ == "__main__" else None
+if ARGS is not None and ARGS.mode == "schedules":
+    from asyncpp_jax.pipeline import tick_tables  # noqa: E402  (no fake devices, no JAX program)
+
+    sys.exit(schedules(ARGS))
 if ARGS is not None and ARGS.mode == "processes" and not ARGS.worker:
     from asyncpp_jax import launch  # no JAX import: this parent process only starts the job
 
@@ -364,15 +442,6 @@ def predicted_sync_over_2bw(P: int, M: int, c: list) -> float:
 
 
 # ------------------------------------------------------------------------------------------ modes
-
-
-def _record(args, kind: str, figures: dict) -> None:
-    """Append the figures to ``--record`` (the command without the launcher's internal ``--worker``)."""
-    if args.record:
-        from experiments import records
-
-        command = records.command_line([a for a in sys.argv if a != "--worker"])
-        records.append(args.record, records.make(kind, figures, command=command))
 
 
 def work(args) -> None:

@@ -289,6 +289,55 @@ def bench_pipeline_compile(doc: pathlib.Path) -> str:
         "", f"Command: `{rows[0]['command']}`. " + _provenance(rows, [BENCH_LINK / "bench_pipeline.jsonl"], doc)])
 
 
+def _schedule_groups(rec: dict) -> dict:
+    """``(P, M) -> {schedule: row}`` of a ``bench_pipeline_schedules`` record."""
+    groups = collections.defaultdict(dict)
+    for x in rec["figures"]["rows"]:
+        groups[(x["P"], x["M"])][x["schedule"]] = x
+    return groups
+
+
+def _two_bw_pays(groups: dict) -> str:
+    """The paragraph: when 2BW beats the best synchronous schedule, and by how much (from the rows)."""
+    gains, best_names, textbook = {}, set(), {}
+    for key, rows in groups.items():
+        sync = {n: r for n, r in rows.items() if n != "2bw"}
+        best = min(sync, key=lambda n: sync[n]["critical_path"])
+        best_names.add(best)
+        gains[key] = sync[best]["critical_path"] / rows["2bw"]["critical_path"]
+        textbook[key] = rows["1f1b"]["critical_path"] / rows["2bw"]["critical_path"]
+    hi, lo = max(gains, key=gains.get), min(gains, key=gains.get)
+    ten = [f"P = {P}, M = {M}" for (P, M), g in sorted(gains.items()) if g >= 1.10]
+    return (f"**When does 2BW pay?** Against the best synchronous schedule ({' and '.join(sorted(best_names))} in "
+            f"every cell here), 2BW's step is {gains[hi]:.3f}x shorter at P = {hi[0]}, M = {hi[1]} and "
+            f"{gains[lo]:.3f}x at P = {lo[0]}, M = {lo[1]}: the gain is the bubble that schedule still has, which "
+            f"grows with P and shrinks as 1/M. It is 10% or more only at {'; '.join(ten) or 'none of these'} (few "
+            f"microbatches per stage); at M = 4P it is {', '.join(f'{gains[(P, 4 * P)]:.3f}x at P = {P}' for P in sorted({P for P, _ in gains}))}. "
+            f"Against the textbook 1F1B the same cells read {textbook[hi]:.3f}x and {textbook[lo]:.3f}x, which is "
+            "what quoting `(M + P - 1)/M` claims. What 2BW pays for it: a one-step-stale gradient (the optimizer "
+            "study's gap) and a second weight version per stage; its stash is 1F1B's (`P - s`).")
+
+
+def bench_pipeline_schedules(doc: pathlib.Path) -> str:
+    """Every schedule's program simulated from per-action costs (the latest record at the default costs)."""
+    rec = [r for r in records.load("bench_pipeline", "bench_pipeline_schedules") if "--costs" not in r["command"]][-1]
+    f, groups = rec["figures"], _schedule_groups(rec)
+    lines = ["| P | M | schedule | critical path | / 2bw | bubble fraction | peak stash per device |",
+             "|---|---|---|---|---|---|---|"]
+    for (P, M), rows in sorted(groups.items()):
+        for name, x in rows.items():
+            lines.append(f"| {P} | {M} | {name} | {x['critical_path']:.1f} | {x['critical_path'] / rows['2bw']['critical_path']:.3f} "
+                         f"| {x['bubble_fraction']:.3f} | {' '.join(f'{s:g}' for s in x['stash'])} |")
+    mins = "; ".join(f"P = {m['P']}: " + ", ".join(f"{k.removeprefix('min_M ')} {v}" for k, v in m.items() if k.startswith("min_M"))
+                     for m in f["formulas"])
+    costs = ", ".join(f"{k} = {v:g}" for k, v in f["costs"].items())
+    lines += ["", f"Simulated from given per-action costs {costs} (an interleaved chunk's action costs 1/v of it), point-to-point latency "
+                  f"{f['p2p']:g}, the update a collective over the stages at each step's end. Smallest M whose program "
+                  f"validates: {mins}. Command: `{rec['command']}`.", "", _two_bw_pays(groups), "",
+              _provenance([rec], [BENCH_LINK / "bench_pipeline.jsonl"], doc)]
+    return "\n".join(lines)
+
+
 def moe10b_dry_run(doc: pathlib.Path) -> str:
     rows = records.load("dry_run", "dry_run")[-1:]
     f = rows[0]["figures"]
@@ -383,7 +432,7 @@ def bench_small_updates(doc: pathlib.Path) -> str:
 
 
 RENDERERS = {f.__name__: f for f in (paper_regime, bench_small_updates, notebooks, glance, main_job, main_job_summary, tiny_optimizers, bench_optimizers, optimizers_study,
-                                      bench_pipeline_work, bench_pipeline_processes, bench_pipeline_compile,
+                                      bench_pipeline_work, bench_pipeline_processes, bench_pipeline_compile, bench_pipeline_schedules,
                                       moe10b_dry_run, fit_table, ci)}
 
 
