@@ -85,6 +85,8 @@ def _args():
     ap.add_argument("--costs", default="F=1,B=2,I=1,W=1",
                     help="schedules: per-action costs (I + W = B: the backward's two halves)")
     ap.add_argument("--p2p", type=float, default=0.0, help="schedules: point-to-point latency, in the costs' unit")
+    ap.add_argument("--measure", action="store_true",
+                    help="schedules: measure F, B, I (W = B - I) of a stage of --layers/P layers on this CPU instead of --costs")
     ap.add_argument("--record", default="", metavar="FILE.jsonl",
                     help="work, overlap, processes, compile, schedules: append the table's figures with the command, commit, date and "
                          "hardware as one JSON line to this file (experiments/results/bench/bench_pipeline.jsonl "
@@ -119,12 +121,14 @@ def _record(args, kind: str, figures: dict) -> None:
 SCHEDULES = (("1f1b", None), ("interleaved", 2), ("zb-h1", None), ("2bw", None))
 
 
-def schedule_rows(costs: dict, p2p: float) -> list:
-    """Every schedule's program at P in {4, 8}, M in {P, 2P, 4P}: critical path, bubble, stash."""
+def schedule_rows(costs_of, p2p: float) -> list:
+    """Every schedule's program at P in {4, 8}, M in {P, 2P, 4P}: critical path, bubble, stash;
+    ``costs_of(P)``: the per-action costs of a stage at that P."""
     from asyncpp_jax.pipeline import programs
 
     rows = []
     for P in (4, 8):
+        costs = costs_of(P)
         for M in (P, 2 * P, 4 * P):
             for name, v in SCHEDULES:
                 p = programs.validate(programs.generate(name, P, M, v))
@@ -152,10 +156,17 @@ def formula_rows() -> list:
 
 
 def schedules(args) -> None:
-    rows, mins = schedule_rows(args.costs, args.p2p), formula_rows()
-    costs = ", ".join(f"{k}={v:g}" for k, v in args.costs.items())
-    print(f"schedules as programs, simulated with per-action costs {costs}, p2p {args.p2p:g} (interleaved: each "
-          "chunk's action costs 1/v of the stage's)\n")
+    if args.measure:
+        n = max(args.layers // 4, 1)  # measured once; a stage of L/P layers costs L/(P n) of it
+        c = measured_action_costs(args, n)
+        per_p = {P: {k: v * args.layers / (P * n) for k, v in c.items()} for P in (4, 8)}
+        unit = f"ms, measured on this CPU for a stage of {n} layers, scaled to --layers/P"
+    else:
+        per_p, unit = {P: args.costs for P in (4, 8)}, "given"
+    rows, mins = schedule_rows(per_p.__getitem__, args.p2p), formula_rows()
+    for P, c in per_p.items():
+        print(f"P={P}: per-action costs ({unit}) " + ", ".join(f"{k}={v:.3g}" for k, v in c.items()))
+    print(f"p2p {args.p2p:g} (interleaved: each chunk's action costs 1/v of the stage's)\n")
     print("| P | M | schedule | critical path | / ideal | bubble fraction | peak stash per device |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
@@ -164,11 +175,15 @@ def schedules(args) -> None:
     print()
     for m in mins:
         print(", ".join(f"{k}: {v}" for k, v in m.items()))
-    _record(args, "bench_pipeline_schedules", {"costs": args.costs, "p2p": args.p2p, "rows": rows, "formulas": mins})
+    figures = {"costs": args.costs, "p2p": args.p2p, "rows": rows, "formulas": mins}
+    if args.measure:
+        figures.update(costs={str(P): c for P, c in per_p.items()}, layers=args.layers, d_model=args.d_model,
+                       rows_per_microbatch=args.rows, seq=args.seq)
+    _record(args, "bench_pipeline_schedules", figures)
 
 
 ARGS = _args() if __name__ == "__main__" else None
-if ARGS is not None and ARGS.mode == "schedules":
+if ARGS is not None and ARGS.mode == "schedules" and not ARGS.measure:
     from asyncpp_jax.pipeline import tick_tables  # noqa: E402  (no fake devices, no JAX program)
 
     sys.exit(schedules(ARGS))
@@ -312,6 +327,25 @@ class SlotFns:
         return {"F": F, "bwd_slot": _timed(self.bwd, self.mine, self.x),
                 "last": _timed(self.last, self.mine, self.head, self.x, self.toks),
                 "embed": _timed(self.emb, self.top, self.toks)}
+
+
+def measured_action_costs(args, n: int, rounds: int = 5) -> dict:
+    """Milliseconds of a stage of ``n`` layers' actions, activations kept (no recompute): ``F`` the
+    block's forward, ``B`` its full backward (the pullback of the kept residuals), ``I`` the pullback
+    with the weights closed over (XLA computes no weight gradient), ``W = B - I``; the least of
+    ``rounds`` timings each."""
+    cfg = model_cfg(args)
+    params = dense.compute_view(cfg, engine.to_engine_layout(cfg, dense.init_params(cfg, jax.random.key(0))))
+    layers, top = stage.split_params(params)
+    mine, fns = dense.slice_layers(layers, 0, n), stage.StageFns(cfg, 1, False)
+    x = stage.lookup(cfg, top, tokens(args, 1)[0][:, :-1])
+    fwd = jax.jit(lambda lp, h: fns.block(lp, h)[0][0])
+    _, pull_b, _ = jax.vjp(fns.block, mine, x, has_aux=True)
+    _, pull_i, _ = jax.vjp(lambda h: fns.block(mine, h), x, has_aux=True)
+    pull = jax.jit(lambda f, h: f((h, jnp.float32(1.0))))
+    best = {k: min(_timed(*call) for _ in range(rounds)) * 1e3 for k, call in
+            {"F": (fwd, mine, x), "B": (pull, pull_b, x), "I": (pull, pull_i, x)}.items()}
+    return {**best, "W": max(best["B"] - best["I"], 0.0)}
 
 
 def slot_costs(args, n: int, recompute: bool) -> dict:
@@ -580,4 +614,5 @@ def compile_times(args) -> None:
 
 
 if __name__ == "__main__":
-    {"work": work, "overlap": overlap, "compile": compile_times, "processes": processes}[ARGS.mode](ARGS)
+    {"work": work, "overlap": overlap, "compile": compile_times, "processes": processes,
+     "schedules": schedules}[ARGS.mode](ARGS)

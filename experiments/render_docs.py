@@ -299,13 +299,9 @@ def _schedule_groups(rec: dict) -> dict:
 
 def _two_bw_pays(groups: dict) -> str:
     """The paragraph: when 2BW beats the best synchronous schedule, and by how much (from the rows)."""
-    gains, best_names, textbook = {}, set(), {}
-    for key, rows in groups.items():
-        sync = {n: r for n, r in rows.items() if n != "2bw"}
-        best = min(sync, key=lambda n: sync[n]["critical_path"])
-        best_names.add(best)
-        gains[key] = sync[best]["critical_path"] / rows["2bw"]["critical_path"]
-        textbook[key] = rows["1f1b"]["critical_path"] / rows["2bw"]["critical_path"]
+    found = _gains(groups)
+    gains, best_names = {k: g for k, (_, g) in found.items()}, {b for b, _ in found.values()}
+    textbook = {k: rows["1f1b"]["critical_path"] / rows["2bw"]["critical_path"] for k, rows in groups.items()}
     hi, lo = max(gains, key=gains.get), min(gains, key=gains.get)
     ten = [f"P = {P}, M = {M}" for (P, M), g in sorted(gains.items()) if g >= 1.10]
     return (f"**When does 2BW pay?** Against the best synchronous schedule ({' and '.join(sorted(best_names))} in "
@@ -318,9 +314,35 @@ def _two_bw_pays(groups: dict) -> str:
             "study's gap) and a second weight version per stage; its stash is 1F1B's (`P - s`).")
 
 
+def _gains(groups: dict) -> dict:
+    """``(P, M) -> (best synchronous schedule, its critical path / 2bw's)``."""
+    out = {}
+    for key, rows in groups.items():
+        best = min((n for n in rows if n != "2bw"), key=lambda n: rows[n]["critical_path"])
+        out[key] = best, rows[best]["critical_path"] / rows["2bw"]["critical_path"]
+    return out
+
+
+def _measured_schedules(recs: list) -> str:
+    """A sentence on the latest ``--measure`` record: the same gains from costs measured on this CPU."""
+    measured = [r for r in recs if "--measure" in r["command"]]
+    if not measured:
+        return ""
+    rec = measured[-1]
+    c = rec["figures"]["costs"]["4"]
+    gains = _gains(_schedule_groups(rec))
+    cells = ", ".join(f"{g:.3f}x at P = {P}, M = {M} ({best})" for (P, M), (best, g) in sorted(gains.items()))
+    return (f" With per-action costs measured on this CPU instead (`{rec['command']}`: a stage of "
+            f"{rec['figures']['layers'] // 4} layers at d_model {rec['figures']['d_model']}, {rec['figures']['rows_per_microbatch']} "
+            f"x {rec['figures']['seq']} tokens, F {c['F']:.1f}, B {c['B']:.1f}, I {c['I']:.1f}, W {c['W']:.1f} ms at P = 4; "
+            f"noisy on a shared machine), best synchronous / 2bw reads {cells}.")
+
+
 def bench_pipeline_schedules(doc: pathlib.Path) -> str:
-    """Every schedule's program simulated from per-action costs (the latest record at the default costs)."""
-    rec = [r for r in records.load("bench_pipeline", "bench_pipeline_schedules") if "--costs" not in r["command"]][-1]
+    """Every schedule's program simulated from per-action costs (the latest record at the default costs),
+    and the same gains from the latest record with measured costs."""
+    recs = records.load("bench_pipeline", "bench_pipeline_schedules")
+    rec = [r for r in recs if "--costs" not in r["command"] and "--measure" not in r["command"]][-1]
     f, groups = rec["figures"], _schedule_groups(rec)
     lines = ["| P | M | schedule | critical path | / 2bw | bubble fraction | peak stash per device |",
              "|---|---|---|---|---|---|---|"]
@@ -333,8 +355,9 @@ def bench_pipeline_schedules(doc: pathlib.Path) -> str:
     costs = ", ".join(f"{k} = {v:g}" for k, v in f["costs"].items())
     lines += ["", f"Simulated from given per-action costs {costs} (an interleaved chunk's action costs 1/v of it), point-to-point latency "
                   f"{f['p2p']:g}, the update a collective over the stages at each step's end. Smallest M whose program "
-                  f"validates: {mins}. Command: `{rec['command']}`.", "", _two_bw_pays(groups), "",
-              _provenance([rec], [BENCH_LINK / "bench_pipeline.jsonl"], doc)]
+                  f"validates: {mins}. Command: `{rec['command']}`.", "", _two_bw_pays(groups) + _measured_schedules(recs),
+              "", _provenance([rec, *[r for r in recs if "--measure" in r["command"]][-1:]],
+                              [BENCH_LINK / "bench_pipeline.jsonl"], doc)]
     return "\n".join(lines)
 
 
