@@ -199,3 +199,19 @@ def test_rehearsal_command_runs_the_paper_data_path(tmp_path):
     corpus = load_corpus(str(corpus_dir))
     assert corpus.meta["source_info"]["loader"] == "parquet" and corpus.vocab_size == 512
     assert json.loads((tmp_path / "run" / "config.json").read_text())["model"]["d_model"] == 576
+
+
+def test_progress_reports_tokens_per_second_and_eta(data, monkeypatch):
+    """The total comes from the parquet files' metadata (no read); the log line gives the rate and
+    the ETA from the documents left."""
+    root, texts, _ = data
+    listing = sources_lib.list_local_files(f"{root}/parquet/*.parquet")
+    assert sources_lib.count_rows("parquet", listing) == len(texts)
+    assert sources_lib.count_rows("json", listing) is None
+    calls = []
+    monkeypatch.setattr(prepare_lib.time, "time", lambda: 100.0 if not calls.append(1) and len(calls) == 1 else 110.0)
+    logs = []
+    meter = prepare_lib._Progress(len(texts), 0, 0, logs.append, bar=False, every=0.0)
+    meter.update(30, 50_000)  # 10 s for 30 of 120 documents: 5,000 tokens/s, 30 s to go
+    meter.close()
+    assert logs == ["corpus: 30 documents, 50000 tokens, 5,000 tokens/s, ETA 00:00:30"]
