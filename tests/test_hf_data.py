@@ -32,8 +32,8 @@ def stdlib_texts(n=120):
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    """Two parquet files and the same rows as JSON lines (FineWeb-Edu's layout: a ``text`` column
-    beside others), and a BPE tokenizer of vocabulary 384 trained on them."""
+    """Two parquet files and the same rows as JSON lines and as an Arrow stream (FineWeb-Edu's
+    layout: a ``text`` column beside others), and a BPE tokenizer of vocabulary 384 trained on them."""
     root = tmp_path_factory.mktemp("hfdata")
     texts = stdlib_texts()
     (root / "parquet").mkdir()
@@ -44,6 +44,9 @@ def data(tmp_path_factory):
     with open(root / "docs.jsonl", "w", encoding="utf-8") as f:
         for t in texts:
             f.write(json.dumps({"text": t, "url": "x"}) + "\n")
+    table = pa.table({"text": texts, "url": ["x"] * len(texts)})
+    with pa.OSFile(str(root / "docs.arrow"), "wb") as f, pa.ipc.new_stream(f, table.schema) as w:
+        w.write_table(table)  # the Arrow stream format datasets writes
     tok = train_bpe(texts, 384, str(root / "tokenizer.json"))
     return root, texts, tok
 
@@ -54,7 +57,7 @@ def documents(corpus, split, tok):
     return [tok.decode(d) for d in np.split(stream, ends + 1)[:-1]]
 
 
-def test_parquet_and_jsonl_prepare_the_same_corpus(data, tmp_path):
+def test_parquet_jsonl_and_arrow_prepare_the_same_corpus(data, tmp_path):
     root, texts, tok_path = data
     tok = get_tokenizer(tok_path)
     assert tok.eos_token == "<|endoftext|>" and tok.eos_id == 0 and tok.vocab_size == 384
@@ -70,10 +73,12 @@ def test_parquet_and_jsonl_prepare_the_same_corpus(data, tmp_path):
     assert all(sources_lib.unit_hash(0, t) < 0.2 for t in documents(corpus, "val", tok))
     assert all(sources_lib.unit_hash(0, t) >= 0.2 for t in documents(corpus, "train", tok))
     assert corpus.num_bytes("train") + corpus.num_bytes("val") == sum(len(t.encode()) for t in texts)
-    jsonl = load_corpus(prepare_corpus(f"hf:json:{root}/docs.jsonl", tokenizer=tok_path, cache_dir=str(tmp_path),
-                                       val_fraction=0.2, log=lambda m: None, workers=1))
-    for split in ("train", "val"):
-        assert jsonl.meta["splits"][split]["shards"] == corpus.meta["splits"][split]["shards"]
+    for loader, files in (("json", "docs.jsonl"), ("arrow", "docs.arrow")):
+        other = load_corpus(prepare_corpus(f"hf:{loader}:{root}/{files}", tokenizer=tok_path, cache_dir=str(tmp_path),
+                                           val_fraction=0.2, log=lambda m: None, workers=1))
+        assert other.path != corpus.path
+        for split in ("train", "val"):
+            assert other.meta["splits"][split]["shards"] == corpus.meta["splits"][split]["shards"]
     with pytest.raises(corpus_lib.CorpusError, match="hf_text_field"):
         prepare_corpus(f"hf:parquet:{root}/parquet/*.parquet", tokenizer=tok_path, cache_dir=str(tmp_path),
                        hf_text_field="body", log=lambda m: None, workers=1)
