@@ -59,7 +59,7 @@ _ENCODE_GROUP_DOCS = 256
 _ENCODE_GROUP_BYTES = 16 << 20
 _IN_FLIGHT_PER_WORKER = 2
 PROGRESS_FILE = "progress.json"
-_PARTIAL_UNIGRAMS = "unigram_counts.partial.npy"
+_PARTIAL_UNIGRAMS = "unigram_counts.partial"
 
 
 def _grouped(docs: Iterable[tuple[str, str, str]]) -> Iterator[list[tuple[str, str, str]]]:
@@ -186,27 +186,32 @@ class _Progress:
 
 
 def _save_progress(directory: str, key: str, docs_done: int, writers: dict, unigram_counts: np.ndarray) -> None:
-    """What :func:`_load_progress` resumes from; ``progress.json`` is replaced last, atomically."""
+    """What :func:`_load_progress` resumes from.  The unigram counts go to a file named after
+    ``docs_done`` that ``progress.json`` names, and ``progress.json`` is replaced last, atomically:
+    a kill at any point leaves a record whose parts agree."""
     states = {s: w.state() for s, w in writers.items()}
-    tmp = os.path.join(directory, _PARTIAL_UNIGRAMS + ".tmp.npy")
-    np.save(tmp, unigram_counts)
-    os.replace(tmp, os.path.join(directory, _PARTIAL_UNIGRAMS))
+    counts_name = f"{_PARTIAL_UNIGRAMS}.{docs_done}.npy"
+    np.save(os.path.join(directory, counts_name), unigram_counts)
     tmp = os.path.join(directory, PROGRESS_FILE + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"format_version": FORMAT_VERSION, "key": key, "docs_done": docs_done, "splits": states}, f)
+        json.dump({"format_version": FORMAT_VERSION, "key": key, "docs_done": docs_done, "splits": states,
+                   "unigram_counts": counts_name}, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(directory, PROGRESS_FILE))
+    for name in os.listdir(directory):
+        if name.startswith(_PARTIAL_UNIGRAMS) and name != counts_name:
+            os.remove(os.path.join(directory, name))
 
 
 def _load_progress(directory: str, key: str) -> tuple[dict, np.ndarray] | None:
     try:
         with open(os.path.join(directory, PROGRESS_FILE), encoding="utf-8") as f:
             progress = json.load(f)
-        counts = np.load(os.path.join(directory, _PARTIAL_UNIGRAMS))
-    except (OSError, ValueError):
-        return None
-    if progress.get("format_version") != FORMAT_VERSION or progress.get("key") != key:
+        if progress.get("format_version") != FORMAT_VERSION or progress.get("key") != key:
+            return None
+        counts = np.load(os.path.join(directory, progress["unigram_counts"]))
+    except (OSError, ValueError, KeyError, TypeError):
         return None
     return progress, counts
 
@@ -399,8 +404,8 @@ def _build(out: str, plan: _Plan, tok, settings: dict, log: Callable[[str], None
         splits, unigram_counts = _write_streams(partial, plan, tok, settings, log, workers, progress_bar,
                                                 checkpoint_seconds)
         np.save(os.path.join(partial, UNIGRAM_FILE), unigram_counts)
-        for name in (PROGRESS_FILE, _PARTIAL_UNIGRAMS):
-            if os.path.exists(os.path.join(partial, name)):
+        for name in os.listdir(partial):
+            if name.startswith(PROGRESS_FILE) or name.startswith(_PARTIAL_UNIGRAMS):
                 os.remove(os.path.join(partial, name))
         # meta.json is written last: its presence marks the directory complete.
         with open(os.path.join(partial, META_FILE), "w", encoding="utf-8") as f:
