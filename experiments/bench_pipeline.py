@@ -329,11 +329,11 @@ class SlotFns:
                 "embed": _timed(self.emb, self.top, self.toks)}
 
 
-def measured_action_costs(args, n: int, rounds: int = 5) -> dict:
+def measured_action_costs(args, n: int, rounds: int = 7) -> dict:
     """Milliseconds of a stage of ``n`` layers' actions, activations kept (no recompute): ``F`` the
     block's forward, ``B`` its full backward (the pullback of the kept residuals), ``I`` the pullback
-    with the weights closed over (XLA computes no weight gradient), ``W = B - I``; the least of
-    ``rounds`` timings each."""
+    with the weights closed over (XLA computes no weight gradient), ``W = B - I``; the median of
+    ``rounds`` alternating rounds."""
     cfg = model_cfg(args)
     params = dense.compute_view(cfg, engine.to_engine_layout(cfg, dense.init_params(cfg, jax.random.key(0))))
     layers, top = stage.split_params(params)
@@ -343,8 +343,12 @@ def measured_action_costs(args, n: int, rounds: int = 5) -> dict:
     _, pull_b, _ = jax.vjp(fns.block, mine, x, has_aux=True)
     _, pull_i, _ = jax.vjp(lambda h: fns.block(mine, h), x, has_aux=True)
     pull = jax.jit(lambda f, h: f((h, jnp.float32(1.0))))
-    best = {k: min(_timed(*call) for _ in range(rounds)) * 1e3 for k, call in
-            {"F": (fwd, mine, x), "B": (pull, pull_b, x), "I": (pull, pull_i, x)}.items()}
+    calls = {"F": (fwd, mine, x), "B": (pull, pull_b, x), "I": (pull, pull_i, x)}
+    times = {k: [] for k in calls}
+    for r in range(rounds):  # alternating rounds, odd ones reversed: the three see the same machine
+        for k in list(calls)[::-1 if r % 2 else 1]:
+            times[k].append(_timed(*calls[k], reps=10) * 1e3)
+    best = {k: float(np.median(v)) for k, v in times.items()}
     return {**best, "W": max(best["B"] - best["I"], 0.0)}
 
 
