@@ -126,17 +126,8 @@ def schedule_rows(costs_of, p2p: float) -> list:
     ``costs_of(P)``: the per-action costs of a stage at that P."""
     from asyncpp_jax.pipeline import programs
 
-    rows = []
-    for P in (4, 8):
-        costs = costs_of(P)
-        for M in (P, 2 * P, 4 * P):
-            for name, v in SCHEDULES:
-                p = programs.validate(programs.generate(name, P, M, v))
-                t = programs.step_time(p, costs, p2p)
-                rows.append({"P": P, "M": M, "schedule": p.name, "critical_path": t,
-                             "ideal": programs.work(p, costs) / P, "bubble_fraction": programs.bubble_fraction(p, costs, p2p),
-                             "stash": programs.stash_depth(p)})
-    return rows
+    return [programs.table_row(name, P, M, v, costs_of(P), p2p)
+            for P in (4, 8) for M in (P, 2 * P, 4 * P) for name, v in SCHEDULES]
 
 
 def formula_rows() -> list:

@@ -595,9 +595,9 @@ def min_microbatches(name: str, P: int, v: int | None = None, limit: int | None 
     return None
 
 
-def table_row(name: str, P: int, M: int, v: int | None = None, costs: dict | None = None) -> dict:
-    """One schedule's figures at ``(P, M)``: critical path, bubble fraction, peak stash per device."""
+def table_row(name: str, P: int, M: int, v: int | None = None, costs: dict | None = None, p2p: float = 0.0) -> dict:
+    """One schedule's figures at ``(P, M)``: critical path, ideal (work / P), bubble fraction, peak
+    stash per device (experiments/bench_pipeline.py's ``schedules`` table)."""
     p = validate(generate(name, P, M, v))
-    t = step_time(p, costs)
-    return {"schedule": p.name, "P": P, "M": M, "step_time": t, "ideal": work(p, costs) / P,
-            "bubble_fraction": bubble_fraction(p, costs), "stash": stash_depth(p)}
+    return {"P": P, "M": M, "schedule": p.name, "critical_path": step_time(p, costs, p2p),
+            "ideal": work(p, costs) / P, "bubble_fraction": bubble_fraction(p, costs, p2p), "stash": stash_depth(p)}
