@@ -8,7 +8,8 @@ layout) and the weight version it reads.  The vocabulary follows torch.distribut
 ``_Action`` (``F``, ``B``, ``I``, ``W``), its ``_validate_schedule`` and its lowering into
 send/recv pairs; the schedules are
 
-* ``1f1b``: textbook 1F1B with a flush (Narayanan et al. 2019, PipeDream-Flush): device ``s`` runs
+* ``1f1b``: textbook 1F1B with a flush (PipeDream-Flush, Narayanan et al. 2021; 1F1B is PipeDream's,
+  Narayanan et al. 2019): device ``s`` runs
   ``P - 1 - s`` warm-up forwards, then one forward and one backward in turn, so it holds at most
   ``P - s`` microbatches;
 * ``interleaved``: Megatron's interleaved 1F1B with ``v`` chunks per device (Narayanan et al. 2021,
@@ -148,7 +149,7 @@ def _act(kind: str, m: int, M: int, chunk: int = 0) -> Action:
 
 def one_f_one_b(P: int, M: int) -> Program:
     """Textbook 1F1B with a flush: ``P - 1 - s`` warm-up forwards on device ``s``, then F/B in turn,
-    then the cool-down backwards (Narayanan et al. 2019)."""
+    then the cool-down backwards (PipeDream-Flush, Narayanan et al. 2021)."""
     lists = []
     for s in range(P):
         warm = min(P - 1 - s, M)
