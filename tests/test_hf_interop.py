@@ -235,6 +235,7 @@ def test_tensor_shape_and_dtype_mismatches_name_the_tensor(tmp_path):
     ({"attention_bias": True}, "no biases"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "plain RoPE"),
     ({"hidden_act": "gelu"}, "SwiGLU"),
+    ({"rope_interleaved": True}, "rotate halves"),
 ])
 def test_unsupported_architectures_are_refused(tmp_path, change, says):
     m = model_cfg()
@@ -249,7 +250,8 @@ def test_model_overrides_read_smollm2_135m_config():
     hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576,
           "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
           "vocab_size": 49152, "rms_norm_eps": 1e-5, "rope_theta": 100000, "rope_scaling": None,
-          "tie_word_embeddings": True, "hidden_act": "silu", "head_dim": 64, "max_position_embeddings": 8192}
+          "tie_word_embeddings": True, "hidden_act": "silu", "head_dim": 64, "max_position_embeddings": 8192,
+          "rope_interleaved": False, "is_llama_config": True, "pretraining_tp": 1}
     c = configs.load_file("configs/dense135m.py")
     assert hf_llama.config_errors(c.model, hf, "config.json") == []
     over = hf_llama.model_overrides(hf)

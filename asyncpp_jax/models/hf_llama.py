@@ -294,6 +294,9 @@ def architecture_errors(hf: dict, where: str) -> list[str]:
     if rope_type != "default":
         errs.append(f"{where}: RoPE scaling {scaling or hf.get('rope_parameters')} (rope_type {rope_type!r}); the dense "
                     "model implements plain RoPE (rope_type 'default') only.")
+    if hf.get("rope_interleaved"):  # a nanotron key SmolLM2's config.json carries (false there)
+        errs.append(f"{where}: rope_interleaved=true; the dense model (and transformers' Llama) rotate halves, "
+                    "not interleaved pairs.")
     if int(hf.get("pretraining_tp", 1) or 1) != 1:
         errs.append(f"{where}: pretraining_tp={hf['pretraining_tp']}; only 1 is supported.")
     return errs
