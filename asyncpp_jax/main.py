@@ -136,6 +136,11 @@ def main(argv):
         configs.check_workdir(workdir)
     except configs.ConfigError as e:
         _fail(str(e))
+    from asyncpp_jax.train.workdir_lock import WorkdirLock  # no JAX import
+
+    busy = WorkdirLock(workdir).probe()  # the Trainer takes the lock; this only answers a second run at once
+    if busy:
+        _fail(busy, code=1)
     needed = configs.devices_needed(config)
     # The dry run may compile its suggestions (2x/4x data or stages) on more fake devices.
     chosen_count = host_setup.FORCE_DEVICES in os.environ.get("XLA_FLAGS", "")

@@ -22,9 +22,7 @@ import logging
 import os
 import pathlib
 import socket
-
-import jax
-import numpy as np
+import time
 
 log = logging.getLogger("asyncpp_jax")
 
@@ -43,6 +41,18 @@ def _holder_text(path: pathlib.Path) -> str:
         return "a run that has not yet written its host and pid"
 
 
+def _lock_soon(fd: int, tries: int = 5) -> bool:
+    """The exclusive lock, retried briefly: another starter's probe holds a shared one for a moment."""
+    for i in range(tries):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError:
+            if i + 1 < tries:
+                time.sleep(0.05)
+    return False
+
+
 class WorkdirLock:
     def __init__(self, workdir: pathlib.Path):
         self.path = pathlib.Path(workdir) / LOCK_FILE
@@ -50,6 +60,9 @@ class WorkdirLock:
 
     def acquire(self) -> None:
         """Take the lock or raise :class:`WorkdirBusy` (on every process of a job)."""
+        import jax  # here, so that probe() works before JAX starts
+        import numpy as np
+
         problem = self._acquire_here() if jax.process_index() == 0 else None
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
@@ -60,16 +73,32 @@ class WorkdirLock:
         if problem is not None:
             raise WorkdirBusy(problem)
 
+    def probe(self) -> str | None:
+        """Why the workdir is held by another run now, or None; takes nothing (the CLI asks before
+        JAX starts, so a second run stops in a moment rather than after its imports)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return self._busy_message()
+        finally:
+            os.close(fd)
+        return None
+
+    def _busy_message(self) -> str:
+        return (f"the workdir {self.path.parent} is in use by another run ({_holder_text(self.path)}); "
+                f"wait for it to end or stop it, or pass another --workdir. (The lock is {self.path}; it "
+                "is released when that process exits, however it exits.)")
+
     def _acquire_here(self) -> str | None:
         for _ in range(10):  # retried only if the holder removed the file between our open and lock
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
+            if not _lock_soon(fd):
                 os.close(fd)
-                return (f"the workdir {self.path.parent} is in use by another run ({_holder_text(self.path)}); "
-                        f"wait for it to end or stop it, or pass another --workdir. (The lock is {self.path}; it "
-                        "is released when that process exits, however it exits.)")
+                return self._busy_message()
             try:
                 same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
             except FileNotFoundError:
