@@ -51,7 +51,7 @@ from asyncpp_jax.train_state import from_host
 from asyncpp_jax.train.checkpoint import CheckpointError, Checkpointer
 from asyncpp_jax.train.metrics import MetricWriter
 from asyncpp_jax.train.resume import check_resume
-from asyncpp_jax.train.workdir_lock import WorkdirBusy, WorkdirLock  # noqa: F401 - WorkdirBusy re-exported
+from asyncpp_jax.train.workdir_lock import WorkdirBusy, WorkdirLock, WorkdirUnwritable  # noqa: F401 - WorkdirBusy re-exported
 
 log = logging.getLogger("asyncpp_jax")
 
@@ -130,9 +130,8 @@ class Trainer:
         self._lock = WorkdirLock(self.workdir)
         try:
             self._lock.acquire()
-        except OSError as e:
-            raise WorkdirError(f"cannot write {self._lock.path}: {e.strerror or e}; pass a --workdir on a "
-                               "writable file system.") from e
+        except WorkdirUnwritable as e:
+            raise WorkdirError(str(e)) from e
         try:
             self._setup(config, devices)
         except BaseException:

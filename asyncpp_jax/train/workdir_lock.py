@@ -33,6 +33,10 @@ class WorkdirBusy(RuntimeError):
     """Another live run holds the workdir."""
 
 
+class WorkdirUnwritable(RuntimeError):
+    """The lock file cannot be created (a read-only or otherwise unwritable workdir)."""
+
+
 def _holder_text(path: pathlib.Path) -> str:
     try:
         info = json.loads(path.read_text())
@@ -63,15 +67,24 @@ class WorkdirLock:
         import jax  # here, so that probe() works before JAX starts
         import numpy as np
 
-        problem = self._acquire_here() if jax.process_index() == 0 else None
-        if jax.process_count() > 1:
+        problem, kind = None, 0  # kind: 0 taken, 1 busy, 2 unwritable
+        if jax.process_index() == 0:
+            try:
+                problem = self._acquire_here()
+                kind = 0 if problem is None else 1
+            except OSError as e:
+                problem, kind = (f"cannot write {self.path}: {e.strerror or e}; pass a --workdir on a writable "
+                                 "file system."), 2
+        if jax.process_count() > 1:  # every process stops together (none waits on a collective alone)
             from jax.experimental import multihost_utils
 
-            busy = int(multihost_utils.broadcast_one_to_all(np.int32(problem is not None)))
-            if busy and problem is None:
-                problem = f"{self.path.parent} is in use by another run (process 0 names it)."
-        if problem is not None:
+            kind = int(multihost_utils.broadcast_one_to_all(np.int32(kind)))
+            if kind and problem is None:
+                problem = f"process 0 could not take {self.path} (see its log)."
+        if kind == 1:
             raise WorkdirBusy(problem)
+        if kind == 2:
+            raise WorkdirUnwritable(problem)
 
     def probe(self) -> str | None:
         """Why the workdir is held by another run now, or None; takes nothing (the CLI asks before
