@@ -109,13 +109,23 @@ TUNED_ARMS: dict[str, dict[str, dict[str, float]]] = {"cpu_regime": {}}
 TUNED_LADDER: dict[str, dict[str, float]] = {}
 
 
+# Optimizers whose update has a fixed size whatever the gradient's scale (Muon's orthogonalized
+# direction, Lion's sign): their learning rate follows the batch linearly, as SGD's does (Goyal et al.
+# 2017, "Accurate, Large Minibatch SGD"); Adam-type updates follow its square root (Malladi et al.
+# 2022, "On the SDEs and Scaling Rules for Adaptive Gradient Algorithms").  At cpu_regime the square
+# root put Muon's grid above its optimum (its best sync run sat on the grid's low edge).
+LINEAR_LR_SCALING = ("muon", "lion")
+
+
 def lr_centre(opt: str, batch: int | None = None) -> float:
     """The centre of ``opt``'s learning-rate grid at a ``cpu_regime`` rung of ``batch`` sequences
-    (default: the preset's): its ``cpu`` pick scaled by ``sqrt(batch / 16)``, the square-root rule
-    for adaptive optimizers (Malladi et al. 2022, "On the SDEs and Scaling Rules for Adaptive
-    Gradient Algorithms").  Only the grid's centre: each arm's learning rate is then tuned on it."""
+    (default: the preset's): its ``cpu`` pick scaled by ``batch / 16`` (:data:`LINEAR_LR_SCALING`) or
+    by its square root (the others).  Only the grid's centre: each arm's learning rate is then tuned on it."""
     batch = CPU_REGIME["train.global_batch_size"] if batch is None else batch
-    return TUNED_LR["cpu"][opt] * (batch / CPU["train.global_batch_size"]) ** 0.5
+    ratio = batch / CPU["train.global_batch_size"]
+    return TUNED_LR["cpu"][opt] * (ratio if opt in LINEAR_LR_SCALING else ratio**0.5)
+
+
 # Per preset, settings beside the learning rate that a study of their own tuned for one optimizer
 # (experiments.tuning.pick_lion over the `lion` study's rows; tests/test_tuning.py holds them to it).
 # Lion at cpu: the paper's b1 0.9 and the preset's cosine left it short of the preset's aim (see

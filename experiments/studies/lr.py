@@ -10,7 +10,8 @@ Grid: ``centre x {1/3, 1/sqrt 3, 1, sqrt 3, 3}`` (9x wide, two significant figur
 the centre is ``LR[opt]``, so Lion's grid sits 10x below the others as its default does, extended
 upward (:data:`EXTEND`) for an optimizer whose best learning rate was the grid's top point.  At
 ``cpu_regime`` (and each rung of the ``ladder`` study) the centre is the optimizer's ``cpu`` pick
-scaled by the square root of the batch ratio (:func:`experiments.studies.common.lr_centre`).  Variant names: ``OPT/lr=VALUE/ARM`` with ARM
+scaled by the batch ratio (Muon, Lion) or its square root (the others;
+:func:`experiments.studies.common.lr_centre`).  Variant names: ``OPT/lr=VALUE/ARM`` with ARM
 ``sync`` here, ``sync``, ``2bw`` or ``ef`` in ``lr_gap``.  The best synchronous learning rate per optimizer
 (:func:`experiments.tuning.pick_lrs`) is what ``common.TUNED_LR`` holds for the preset.  Every
 other setting is the optimizer's at the preset (``common.optimizer``), including those a study of
