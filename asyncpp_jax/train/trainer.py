@@ -261,6 +261,11 @@ class Trainer:
         ``until_step`` leaves the schedule untouched (it is a pause, not a shorter run): a later
         ``run()`` in the same workdir resumes and ends exactly where an uninterrupted run would.
         """
+        stop = preemption.Preemption(self.checkpointer.manager)
+        with stop:  # from here a stop signal sets a flag, also while the init compiles or a restore reads
+            return self._run(stop, until_step)
+
+    def _run(self, stop, until_step: int | None) -> Result:
         c = self.config
         stop_at = c.train.steps if until_step is None else min(until_step, c.train.steps)
         state, iterator = self.restore_or_init()
@@ -276,7 +281,7 @@ class Trainer:
                    disable=not c.train.progress_bar or jax.process_index() != 0)
         try:
             self.checkpointer.check_writable()  # an unwritable directory stops the run now, not at the first save
-            state = self._loop(state, iterator, stop_at, p, writer, bar)
+            state = self._loop(state, iterator, stop_at, p, writer, bar, stop)
             self.checkpointer.wait()  # in-flight async saves land and are sealed
             if p.status == "preempted" and p.step > p.start:  # only now is the checkpoint sealed
                 log.warning("stopped: saved a checkpoint at step %d; rerun the same command to resume", p.step)
@@ -306,11 +311,11 @@ class Trainer:
         self._write_status(p.status, p.step, **val, unigram=unigram)
         return Result(p.status, p.step, val.get("val_loss"), val.get("val_loss_per_byte"), unigram)
 
-    def _loop(self, state, iterator, stop_at: int, p: "_Progress", writer: MetricWriter, bar):
+    def _loop(self, state, iterator, stop_at: int, p: "_Progress", writer: MetricWriter, bar, stop):
         """Steps until ``stop_at``, a stop signal, or an error; ``p`` follows along (also on an error)."""
         c = self.config
         profiler = profile.StepProfiler(self.workdir, c.train.profile_start, c.train.profile_steps)
-        with preemption.Preemption(self.checkpointer.manager) as stop, contextlib.closing(profiler):
+        with contextlib.closing(profiler):
             last_t = time.perf_counter()
             # Also primes every process's preemption sync counter before the first step.
             stop_now = stop.reached(p.step) and p.step < c.train.steps
