@@ -25,18 +25,11 @@ import re
 from experiments import sweep
 from experiments.studies import lion as lion_study
 
-VARIANT = re.compile(r"^(?P<opt>\w+)/lr=(?P<lr>[^/]+)/(?P<arm>\w+)$")
-
 
 def parse(variant: str) -> tuple[str, float, str] | None:
     """``(optimizer, lr, arm)`` of an ``lr`` study variant such as ``adamw/lr=0.003/sync``; else None."""
-    m = VARIANT.match(variant)
-    if not m:
-        return None
-    try:
-        return m["opt"], float(m["lr"]), m["arm"]
-    except ValueError:
-        return None
+    parsed = parse_arm(variant)
+    return parsed if parsed and re.fullmatch(r"\w+", parsed[0]) and re.fullmatch(r"\w+", parsed[2]) else None
 
 
 def lr_of_row(row: dict) -> float | None:
@@ -44,32 +37,8 @@ def lr_of_row(row: dict) -> float | None:
     lr = (row.get("overrides") or {}).get("optimizer.lr")
     if lr is not None:
         return float(lr)
-    parsed = parse(row["variant"])
+    parsed = parse_arm(row["variant"])
     return parsed[1] if parsed else None
-
-
-def sync_means(rows) -> dict[str, dict[float, float | None]]:
-    """``{optimizer: {lr: mean final val over seeds, or None if a seed diverged}}`` (sync arms of the lr study)."""
-    runs = collections.defaultdict(list)
-    for r in rows:
-        parsed = parse(r["variant"]) if r.get("study") == "lr" else None
-        if parsed and parsed[2] == "sync":
-            runs[(parsed[0], lr_of_row(r))].append(r.get("final_val"))
-    out: dict = collections.defaultdict(dict)
-    for (opt, lr), vals in sorted(runs.items()):
-        ok = all(v is not None and math.isfinite(v) for v in vals)
-        out[opt][lr] = sum(vals) / len(vals) if ok else None
-    return dict(out)
-
-
-def pick_lrs(rows) -> dict[str, float]:
-    """Each optimizer's best synchronous learning rate (lowest mean final val over seeds)."""
-    picks = {}
-    for opt, by_lr in sync_means(rows).items():
-        finite = {lr: m for lr, m in by_lr.items() if m is not None}
-        if finite:
-            picks[opt] = min(finite, key=lambda lr: (finite[lr], lr))
-    return picks
 
 
 ARM_VARIANT = re.compile(r"^(?P<prefix>.+)/lr=(?P<lr>[^/]+)/(?P<arm>[^/]+)$")
@@ -93,7 +62,7 @@ def arm_means(rows, study: str) -> dict[tuple[str, str], dict[float, float | Non
     for r in rows:
         parsed = parse_arm(r["variant"]) if r.get("study") == study else None
         if parsed:
-            runs[(parsed[0], parsed[2], parsed[1])].append(r.get("final_val"))
+            runs[(parsed[0], parsed[2], lr_of_row(r))].append(r.get("final_val"))
     out: dict = collections.defaultdict(dict)
     for (prefix, arm, lr), vals in sorted(runs.items()):
         ok = all(v is not None and math.isfinite(v) for v in vals)
@@ -126,6 +95,18 @@ def complete_picks(rows, study: str, variants) -> dict[str, dict[str, float]]:
     picks = pick_arm_lrs(rows, study)
     return {prefix: arms for prefix, arms in picks.items()
             if prefix in grids and all(set(means.get((prefix, arm), {})) >= lrs for arm, lrs in grids[prefix].items())}
+
+
+def sync_means(rows) -> dict[str, dict[float, float | None]]:
+    """``{optimizer: {lr: mean final val over seeds, or None if a seed diverged}}`` (sync arms of the lr study)."""
+    return {prefix: by_lr for (prefix, arm), by_lr in arm_means(rows, "lr").items()
+            if arm == "sync" and parse(f"{prefix}/lr=0/{arm}")}
+
+
+def pick_lrs(rows) -> dict[str, float]:
+    """Each optimizer's best synchronous learning rate (lowest mean final val over seeds)."""
+    return {opt: arms["sync"] for opt, arms in pick_arm_lrs(rows, "lr").items()
+            if "sync" in arms and parse(f"{opt}/lr=0/sync")}
 
 
 def on_grid_edge(rows, study: str) -> list[str]:
