@@ -49,6 +49,7 @@ import json
 import os
 import pathlib
 import queue
+import re
 import shutil
 import subprocess
 import sys
@@ -475,6 +476,9 @@ def main(argv=None):
     ap.add_argument("--out", default="runs/studies")
     ap.add_argument("--jobs", type=int, default=1)
     ap.add_argument("--list", action="store_true", help="print the runs and exit")
+    ap.add_argument("--only", metavar="REGEX", default=None,
+                    help="run only the variants whose name matches (e.g. 'u=3200/(adamw|muon)/'): a part of a "
+                    "study first; the rest runs when the study is run again without it")
     ap.add_argument("--restore", metavar="RESULTS", default=None,
                     help="a results.jsonl (e.g. experiments/results/cpu_regime/results.jsonl) whose done rows "
                     "stand for their runs: they are not run again")
@@ -488,6 +492,10 @@ def main(argv=None):
         study = load_study(a.study, a.preset)
     except ValueError as e:
         ap.error(str(e))
+    if a.only:
+        study = dataclasses.replace(study, variants={k: v for k, v in study.variants.items() if re.search(a.only, k)})
+        if not study.variants:
+            ap.error(f"--only {a.only!r} matches no variant of {a.study}")
     if study.note:
         print(f"{study.name} ({a.preset}): {study.note}")
     if a.list:

@@ -316,3 +316,11 @@ def test_a_study_carried_over_by_its_committed_rows_goes_on_where_it_stopped(tmp
     assert inner.calls == ["a__seed=0", "b__seed=1"]
     new_rows = {r["run_id"]: r for r in map(json.loads, again.read_text().splitlines())}
     assert new_rows["b__seed=0"] == committed[2] and new_rows["a__seed=1"] == committed[1]  # verbatim
+
+
+def test_sweep_only_runs_the_matching_part_of_a_study(capsys):
+    sweep.main(["lr", "--preset=cpu_regime", "--only", "^muon/", "--list"])
+    runs = [line for line in capsys.readouterr().out.splitlines() if "--workdir=" in line]
+    assert len(runs) == 5 and all("/muon-lr=" in line for line in runs)
+    with pytest.raises(SystemExit):
+        sweep.main(["lr", "--preset=cpu_regime", "--only", "^nothing", "--list"])
