@@ -129,9 +129,9 @@ _NOT_COMPUTED = {("train", "progress_bar"), ("train", "profile_start"), ("train"
 
 
 # Settings added after runs were saved, with the value that means what the code did before them
-# (stage_layers: the even split, the only one there was).  Any other setting a saved config lacks
+# (stage_layers: the even split, the only one there was; init_from: a random initialisation).  Any other setting a saved config lacks
 # makes its signature differ, so that run is not reused: reuse does not guess at a default.
-_ADDED_LATER = {("pipeline", "stage_layers"): []}
+_ADDED_LATER = {("pipeline", "stage_layers"): [], ("model", "init_from"): ""}
 
 
 def signature(config: dict) -> str:

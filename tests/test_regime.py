@@ -324,3 +324,17 @@ def test_sweep_only_runs_the_matching_part_of_a_study(capsys):
     assert len(runs) == 5 and all("/muon-lr=" in line for line in runs)
     with pytest.raises(SystemExit):
         sweep.main(["lr", "--preset=cpu_regime", "--only", "^nothing", "--list"])
+
+
+def test_runs_saved_before_init_from_existed_are_still_reused():
+    from asyncpp_jax import configs
+
+    study = lr_study.study("cpu_regime")
+    run = sweep.expand(study)[0]
+    saved = json.loads(configs.to_json(sweep.run_config(study, run)))
+    assert saved["model"]["init_from"] == ""
+    older = json.loads(json.dumps(saved))
+    del older["model"]["init_from"]  # what a run saved before the setting existed holds
+    assert sweep.signature(older) == sweep.signature(saved) == sweep.run_signature(study, run)
+    saved["model"]["init_from"] = "hf:/some/dir"  # a run that did start from weights is another run
+    assert sweep.signature(saved) != sweep.signature(older)
