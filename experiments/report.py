@@ -38,6 +38,7 @@ import numpy as np
 
 from experiments import paper, report_ladder, stats, tuning
 from experiments.report_format import claim, est, md_table, plot_xy, plt_module, se_kind
+from experiments.studies import tuned
 
 # Thresholds that turn the paper's words into a test, stated in the report.
 FAR_LARGER = 2.0  # "AdamW's gap is far larger than Muon's": at least this ratio
@@ -453,13 +454,6 @@ def analyse_ladder(name: str, rows: list[dict], out: pathlib.Path, claims: dict,
     return lines + report_ladder.analyse(rows, picks, out, claims)
 
 
-def _sync_arm(arms, variant: str) -> str | None:
-    """``PREFIX/sync``, else ``OPT/sync``: the arm a delayed variant's gap is taken against
-    (as :func:`experiments.studies.tuned.sync_of`)."""
-    prefix = variant.rpartition("/")[0]
-    return next((s for s in (f"{prefix}/sync", f"{variant.split('/')[0]}/sync") if s in arms), None)
-
-
 def _ef_shares(arms, prefixes, claims) -> list[str]:
     """EF's share of each optimizer's gap where the study ran ``OPT/ef`` (the optimizers study at
     cpu_regime), with the paper's Table 2 beside it and its claim."""
@@ -489,7 +483,7 @@ def analyse(name: str, rows: list[dict], out: pathlib.Path, claims: dict) -> lis
     lines.append(f"![curves]({plot_curves(rows, out / f'{name}_curves.png', name)})")
     lines.append("")
 
-    lines += report_ladder.at_sync_table(rows, lambda v: _sync_arm(arms, v))
+    lines += report_ladder.at_sync_table(rows, lambda v: tuned.sync_of(arms, v))
     if name in ("optimizers", "sensitivity"):
         prefixes = sorted({v.rsplit("/", 1)[0] for v in arms})
         gaps = {p: stats.gap(arms, f"{p}/2bw", f"{p}/sync") for p in prefixes}

@@ -235,9 +235,10 @@ def test_sync_of_names_the_arm_each_gap_is_taken_against():
     from experiments.studies import momentum, schemes, tuned
 
     s = schemes.base_study("cpu_regime")
-    assert tuned.sync_of(s, "adamw/pipedream/P=4") == "adamw/sync" and tuned.sync_of(s, "adamw/sync") is None
+    assert tuned.sync_of(s.variants, "adamw/pipedream/P=4") == "adamw/sync"
+    assert tuned.sync_of(s.variants, "adamw/sync") is None
     m = momentum.base_study("cpu_regime")
-    assert tuned.sync_of(m, "muon/beta=0.8/2bw") == "muon/beta=0.8/sync"
+    assert tuned.sync_of(m.variants, "muon/beta=0.8/2bw") == "muon/beta=0.8/sync"
     assert tuning.parse_arm("adamw/pipedream/lr=0.001/P=4") == ("adamw/pipedream", 0.001, "P=4")
 
 

@@ -35,16 +35,14 @@ def split(variant: str) -> tuple[str, str]:
     return prefix, arm
 
 
-def sync_of(study: Study, variant: str) -> str | None:
-    """The synchronous arm a variant's delay gap is taken against: ``PREFIX/sync`` if the study has
-    it, else the optimizer's own ``OPT/sync`` (``adamw/pipedream/P=4`` -> ``adamw/sync``)."""
+def sync_of(variants, variant: str) -> str | None:
+    """The synchronous arm of ``variants`` (names) a variant's delay gap is taken against:
+    ``PREFIX/sync`` if there is one, else the optimizer's own ``OPT/sync`` (``adamw/pipedream/P=4``
+    -> ``adamw/sync``)."""
     prefix, arm = split(variant)
     if arm == "sync":
         return None
-    for candidate in (f"{prefix}/sync", f"{variant.split('/')[0]}/sync"):
-        if candidate in study.variants:
-            return candidate
-    return None
+    return next((c for c in (f"{prefix}/sync", f"{variant.split('/')[0]}/sync") if c in variants), None)
 
 
 def tune_study(study: Study, preset_name: str) -> Study:
@@ -75,7 +73,7 @@ def measured_study(study: Study, picks: dict[str, float]) -> Study:
     variants = {}
     for variant, overrides in study.variants.items():
         variants[variant] = {**overrides, "optimizer.lr": picks[variant]}
-        sync = sync_of(study, variant)
+        sync = sync_of(study.variants, variant)
         if sync is not None and picks[sync] != picks[variant]:
             variants[variant + AT_SYNC] = {**overrides, "optimizer.lr": picks[sync]}
     return dataclasses.replace(study, variants=variants, seeds=common.CPU_REGIME_SEEDS)
