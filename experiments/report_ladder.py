@@ -20,7 +20,8 @@ import pathlib
 import re
 
 from experiments import paper, stats, tuning
-from experiments.report_format import claim, est, md_table, plot_xy, se_kind
+from experiments.report_format import claim, md_table, plot_xy, se_kind
+from experiments.report_format import est as _est_with_se
 from experiments.studies.ladder_tune import EXTRA_RUNGS, RUNGS
 
 VARIANT = re.compile(r"^u=(?P<updates>\d+)/(?P<opt>\w+)/lr=(?P<lr>[^/]+)/(?P<arm>\w+)$")
@@ -36,6 +37,13 @@ def _names(rows) -> dict[tuple[int, str, str, float], str]:
         if m:
             out[(int(m["updates"]), m["opt"], m["arm"], float(m["lr"]))] = r["variant"]
     return out
+
+
+def est(e: stats.Estimate | None, pct: bool = False) -> str:
+    """An estimate with its standard error, or alone from one seed (which has none, not a zero one)."""
+    if e is not None and e.n < 2:
+        return f"{e.value:.0%}" if pct else f"{e.value:+.4f}"
+    return _est_with_se(e, pct)
 
 
 def grid_table(rows, study: str = "ladder_tune") -> list[str]:
@@ -180,7 +188,8 @@ def _ratio_rows(rows, found) -> list[str]:
             continue
         (sa, da, _), (sm, dm, _) = a["terms"]["best"], m["terms"]["best"]
         q = stats.ratio(arms, {da: 1.0, sa: -1.0}, {dm: 1.0, sm: -1.0})
-        body.append((updates, f"{q.value:.2f} ± {q.se:.2f}" if q else "-", f"{paper.gap_ratio():.0f}"))
+        text = "-" if q is None else f"{q.value:.2f}" + (f" ± {q.se:.2f}" if q.n > 1 else "")
+        body.append((updates, text, f"{paper.gap_ratio():.0f}"))
     if not body:
         return []
     return ["AdamW's gap over Muon's (best vs best, delta method):", ""] + \
@@ -217,7 +226,7 @@ def _trend(rows, found, claims) -> list[str]:
         verdict = ("shrinks" if s.n >= 2 and s.value + 2 * s.se < 0 else
                    "grows" if s.n >= 2 and s.value - 2 * s.se > 0 else
                    "unknown (one seed)" if s.n < 2 else "no trend within 2 SE")
-        body.append((opt, ", ".join(map(str, rungs)), str(s), se_kind(s), verdict))
+        body.append((opt, ", ".join(map(str, rungs)), est(s), se_kind(s), verdict))
         key = f"More, smaller updates on the same tokens shrink the delay gap ({opt})"
         if key in claims and s.n < 2:
             continue  # the ladder's seeds judge it, not the tuning seed

@@ -104,9 +104,12 @@ WD = {"lion": 1.0}
 # committed in experiments/results/<preset>/results.jsonl, which tests/test_regime.py holds it to.
 TUNED_ARMS: dict[str, dict[str, dict[str, float]]] = {"cpu_regime": {}}
 # The ladder's per-arm picks: {'u=UPDATES/OPT': {arm: lr}} from the `ladder_tune` study's rows
-# (experiments.tuning.pick_arm_lrs; tests/test_tuning.py holds the table to the committed rows).
-# Empty until that study is committed: the `ladder` study then refuses to expand.
-TUNED_LADDER: dict[str, dict[str, float]] = {}
+# (experiments.tuning.complete_picks; tests/test_regime.py holds the table to the committed rows).
+# The `ladder` study refuses to expand until every rung has its picks.
+TUNED_LADDER: dict[str, dict[str, float]] = {
+    "u=3200/adamw": {"sync": 0.0011, "2bw": 0.00061, "ef": 0.00061},
+    "u=3200/muon": {"sync": 0.0012, "2bw": 0.002, "ef": 0.002},
+}
 
 
 # Optimizers whose update has a fixed size whatever the gradient's scale (Muon's orthogonalized
