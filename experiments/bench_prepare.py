@@ -11,7 +11,10 @@ from the tokens per CPU-second measured here on the assumption that it scales li
 dedicated cores (each process works on its own documents; the parent, which reads the documents
 and writes the shards, is the first thing that would stop that, and its share is printed).
 
-    python -m experiments.bench_prepare [--workers 2] [--cores 32] [--tokenizer PATH]
+    python -m experiments.bench_prepare [--workers 2] [--cores 32] [--tokenizer PATH] [--record FILE]
+
+``--record FILE`` appends the figures as a record (``experiments/records.py``), from which
+``python -m experiments.render_docs`` renders the table in docs/interop.md.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from asyncpp_jax.data import load_corpus, prepare_corpus
 from asyncpp_jax.data import prepare as prepare_lib
 from asyncpp_jax.data.sources import list_stdlib_files
 from asyncpp_jax.data.tokenizers import get_tokenizer, train_bpe
+from experiments import records
 
 PAPER_TOKENS = 20000 * 256 * 2048  # the paper preset: 20k updates of 256 x 2048 tokens (10.5B)
 
@@ -84,18 +88,24 @@ def main():
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--tokenizer", default=None, help="a tokenizer.json instead of the trained stdlib BPE")
     parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "asyncpp_bench_prepare"))
+    parser.add_argument("--record", default=None, metavar="FILE",
+                        help="append the figures as a record, e.g. experiments/results/bench/bench_prepare.jsonl")
     args = parser.parse_args()
     tokenizer = args.tokenizer or stdlib_tokenizer(args.vocab, args.cache)
     tok = get_tokenizer(tokenizer)
     print(f"tokenizer {tokenizer}: vocabulary {tok.vocab_size}; host: {os.cpu_count()} cores, "
           f"load average {os.getloadavg()[0]:.1f} at start")
-    rows = {}
+    rows, figures = {}, {"vocab": tok.vocab_size}
     for workers in (1, args.workers):
         if workers in rows:
             continue
         seconds, tokens, nbytes, writing, parent_cpu, workers_cpu = prepare_seconds(tokenizer, workers)
         cpu = parent_cpu + workers_cpu
         rows[workers] = (tokens / seconds, tokens / cpu)
+        figures.setdefault("rows", []).append(
+            {"workers": workers, "wall_s": round(seconds, 1), "cpu_s": round(cpu, 1), "parent_cpu_s": round(parent_cpu, 1),
+             "tokens": tokens, "bytes_per_token": round(nbytes / tokens, 2), "tokens_per_s": round(tokens / seconds),
+             "tokens_per_cpu_s": round(tokens / cpu)})
         print(f"workers={workers}: {tokens:,} tokens ({nbytes / tokens:.2f} bytes/token) in {seconds:.1f} s wall, "
               f"{cpu:.1f} CPU-s (parent {parent_cpu:.1f}, workers {workers_cpu:.1f}): {tokens / seconds:,.0f} tokens/s "
               f"wall, {tokens / cpu:,.0f} tokens per CPU-second; the parent's shard writing {writing:.1f} s")
@@ -108,6 +118,11 @@ def main():
     print(f"EXTRAPOLATED (tokens per CPU-second with {args.workers} worker processes, {per_core:,.0f}, x {args.cores} "
           f"dedicated cores, assumed linear): {rate:,.0f} tokens/s, so the paper preset's {PAPER_TOKENS / 1e9:.1f}B "
           f"tokens in {hours:.1f} h on a {args.cores}-core host")
+    if args.record:
+        figures["extrapolated"] = {"cores": args.cores, "tokens_per_s": round(rate), "paper_tokens": PAPER_TOKENS,
+                                   "hours": round(hours, 2)}
+        records.append(args.record, records.make("bench_prepare", figures))
+
 
 if __name__ == "__main__":
     main()

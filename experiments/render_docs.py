@@ -454,7 +454,26 @@ def bench_small_updates(doc: pathlib.Path) -> str:
                               + _provenance([rec], [BENCH_LINK / "bench_small_updates.jsonl"], doc)])
 
 
-RENDERERS = {f.__name__: f for f in (paper_regime, bench_small_updates, notebooks, glance, main_job, main_job_summary, tiny_optimizers, bench_optimizers, optimizers_study,
+def bench_prepare(doc: pathlib.Path) -> str:
+    """The prepare step's throughput with a 49,152-token BPE and the paper preset's extrapolated time
+    (the latest record)."""
+    rec = records.load("bench_prepare")[-1]
+    f = rec["figures"]
+    lines = ["| workers | wall | CPU (parent + workers) | tokens/s (wall) | tokens per CPU-second |", "|---|---|---|---|---|"]
+    for r in f["rows"]:
+        who = "1 (the tokenizer's own threads)" if r["workers"] == 1 else f"{r['workers']} processes"
+        parent = f" ({r['parent_cpu_s']} + {r['cpu_s'] - r['parent_cpu_s']:.1f})" if r.get("parent_cpu_s") is not None and r["workers"] > 1 else ""
+        lines.append(f"| {who} | {r['wall_s']} s | {r['cpu_s']} s{parent} | {r['tokens_per_s']:,} | {r['tokens_per_cpu_s']:,} |")
+    x = f["extrapolated"]
+    best = f["rows"][-1]
+    lines += ["", f"**EXTRAPOLATED, not measured:** {best['tokens_per_cpu_s']:,} tokens per CPU-second per process x "
+              f"{x['cores']} dedicated cores = {x['tokens_per_s'] / 1e6:.1f}M tokens/s, so the `paper` preset's "
+              f"{x['paper_tokens'] / 1e9:.1f}B tokens take about {x['hours']:.1f} h on a {x['cores']}-core host.",
+              "", f"Hardware: {rec['hardware']}. " + _provenance([rec], [BENCH_LINK / "bench_prepare.jsonl"], doc)]
+    return "\n".join(lines)
+
+
+RENDERERS = {f.__name__: f for f in (paper_regime, bench_small_updates, bench_prepare, notebooks, glance, main_job, main_job_summary, tiny_optimizers, bench_optimizers, optimizers_study,
                                       bench_pipeline_work, bench_pipeline_processes, bench_pipeline_compile, bench_pipeline_schedules,
                                       moe10b_dry_run, fit_table, ci)}
 
