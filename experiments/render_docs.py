@@ -185,7 +185,8 @@ def notebooks(doc: pathlib.Path) -> str:
         rec = [r for r in rows if r["notebook"] == name][-1]
         runtime = rec["figures"]["runtime"]
         if "wall_s" in rec["figures"]:
-            runtime += f" ({rec['figures']['wall_s']:.0f} s on {rec['hardware']})"
+            # the kind of host only; the conditions of the run stay in its record
+            runtime += f" ({rec['figures']['wall_s']:.0f} s on a {rec['hardware'].split(' (')[0].split(',')[0]})"
         lines.append(f"| [`{name}`]({os.path.relpath(path, doc.parent)}) | {what} | "
                      f"{path.stat().st_size / 1000:.0f} kB | {runtime} |")
     return "\n".join(lines + ["", _provenance(rows, [BENCH_LINK / "notebooks.jsonl"], doc)])
