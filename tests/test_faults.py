@@ -6,6 +6,7 @@ One sealed 4-step run (checkpoints at steps 2 and 4) is made once; each test dam
 
 import json
 import logging
+import math
 import os
 import pathlib
 import shutil
@@ -367,11 +368,66 @@ def test_nan_in_a_state_the_loss_does_not_show_is_never_saved(trainer, tmp_path,
     assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(jax.device_get(t.state)) if x.dtype.kind == "f")
 
 
+def test_2bw_at_a_huge_lr_names_a_checkpoint_that_trains_on_at_a_sane_lr(cache_dir, tmp_path):
+    """The issue's case under the simulate runner: 2bw at lr=1e4 leaves finite weights whose gradient is
+    exactly 0 from update 3 (saturated), then a NaN at update 5.  Checkpoints 2-4 were never followed by
+    live updates: they are set aside, step 1 is named good, and a rerun at lr=1e-2 from it trains on.
+    (Before: step 4 was named good, and every resume from it died again.)"""
+    c = small_train_config(cache_dir, "huge_lr", 1, steps=8, microbatches=1, eval_every=100, eval_batches=1,
+                           checkpoint_every=1)
+    c.staleness.mode = "2bw"
+    c.optimizer.lr = 1e4
+    t = Trainer(c, tmp_path)
+    with pytest.raises(TrainingDiverged, match=r"last good checkpoint is step 1 .*Checkpoint\(s\) 2, 3, 4 were not "
+                                               r"proven .*stopped being live at update 3: grad norm exactly 0"):
+        t.run()
+    t.close()
+    assert json.loads((tmp_path / "status.json").read_text())["last_checkpoint"] == 1
+    assert t.checkpointer.sealed_steps() == [1]
+    assert sorted(p.name for p in (tmp_path / ckpt_lib.UNUSABLE_DIR).iterdir()) == ["2", "3", "4"]
+    c.optimizer.lr = 1e-2
+    t = Trainer(c, tmp_path)
+    assert t.run().status == "finished"
+    t.close()
+    rows = _rows(tmp_path)
+    assert all(rows[s][1] > 0 and math.isfinite(rows[s][0]) for s in range(2, 9))
+    assert rows[8][0] < rows[2][0] - 0.5  # it learns: more than half a nat below the loss it resumed at
+
+
+def test_a_model_that_dies_mid_run_stops_and_keeps_its_good_checkpoint(trainer, tmp_path):
+    """The gradient norm exactly 0 from update 3 on (the loss finite): the run stops at update 5 saying
+    the model died.  Retention keeps only 1 checkpoint, yet step 1, the newest good one, is kept beside
+    the newer unproven ones, and a rerun resumes from it.  (Before: trained on to exit 0, and
+    retention deleted every good checkpoint.)"""
+    t = trainer(tmp_path)
+    t.config.train.update(checkpoint_every=1, steps=6)  # the loop's bounds; the compiled step is the 4-step run's
+    t.checkpointer.keep = 1
+    inner = t.train_step
+
+    def dies_at_3(state, batch):
+        n = int(state.step)
+        new, metrics = inner(state, batch)
+        return new, (dict(metrics, grad_norm=jnp.float32(0.0)) if n >= 2 else metrics)
+
+    t.train_step = dies_at_3
+    with pytest.raises(TrainingDiverged, match=r"the model died: grad norm exactly 0 over the last 3 updates "
+                                               r"\(stopped at step 5\)\. The last good checkpoint is step 1"):
+        t.run()
+    t.close()
+    assert t.checkpointer.sealed_steps() == [1]
+    assert sorted(p.name for p in (tmp_path / ckpt_lib.UNUSABLE_DIR).iterdir()) == ["4"]  # 2, 3: retention
+    status = json.loads((tmp_path / "status.json").read_text())
+    assert (status["status"], status["step"], status["last_checkpoint"]) == ("diverged", 5, 1)
+    t = trainer(tmp_path)
+    assert t.run().status == "finished"
+    t.close()
+
+
 @pytest.mark.slow  # compiles the 2-stage engine (~1 min on the 2-core machine)
 def test_2bw_engine_never_saves_nan_in_flight_state(cache_dir, tmp_path):
     """The issue's case: the engine at 2 stages, lr=1e4, a checkpoint every step.  The in-flight state
     (runner_state.bwd_buf, grad_partial) turns NaN after update 5 while the logged loss (update t-1's) is
-    finite; the run stops naming those leaves, and every checkpoint it sealed is finite in every leaf.
+    finite; the run stops naming those leaves, and every checkpoint it keeps is finite in every leaf.
     (Before: step 5 was saved with 10 NaN leaves and named the last good checkpoint.)"""
     c = small_train_config(cache_dir, "nan2bw", 1, steps=8, microbatches=2, eval_every=100, eval_batches=1,
                            checkpoint_every=1)
@@ -389,6 +445,16 @@ def test_2bw_engine_never_saves_nan_in_flight_state(cache_dir, tmp_path):
         state, _ = checkpointer.restore(step, abstract, t._new_iterator())
         assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(jax.device_get(state)) if x.dtype.kind == "f"), step
     checkpointer.close()
+    # Finite is not enough: from update 4 the gradient is exactly 0 (saturated weights), so only step 1
+    # stays good, and resumed from it at a sane lr the run trains on.  (Before: step 5 was resumed from
+    # and died again at step 6, every time.)
+    assert sealed == [1]
+    c.optimizer.lr = 1e-2
+    t = Trainer(c, tmp_path)
+    assert t.run().status == "finished"
+    t.close()
+    rows = _rows(tmp_path)
+    assert all(rows[s][1] > 0 for s in range(2, 9)) and rows[8][0] < rows[2][0] - 0.5
 
 
 def test_one_run_per_workdir(trainer, tmp_path, caplog):

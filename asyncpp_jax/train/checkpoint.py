@@ -213,6 +213,7 @@ class Checkpointer:
         self._unsealed: dict[int, dict] = {}  # step -> layout, saved but not yet sealed
         self._seals: list[concurrent.futures.Future] = []
         self.failed = False  # a CheckpointError was raised: close() then only logs further ones
+        self.protected: int | None = None  # a step retention never deletes: the run's newest good one (train/health.py)
 
     def _error(self, message: str) -> CheckpointError:
         self.failed = True
@@ -303,9 +304,11 @@ class Checkpointer:
         self._raise_failed_seals()
 
     def _delete_old(self) -> None:
-        """Delete the steps beyond the newest ``keep`` (called when every step on disk is sealed)."""
+        """Delete the steps beyond the newest ``keep`` (called when every step on disk is sealed), except
+        ``protected``: while the newer ones are unproven, the newest good one stays beside them."""
         steps = sorted(self.manager.all_steps())
-        for step in steps[:max(len(steps) - self.keep, 0)]:
+        kept = set(steps[-self.keep:]) | {self.protected}
+        for step in (s for s in steps if s not in kept):
             try:
                 self.manager.delete(step)
             except Exception as e:  # noqa: BLE001 - a leftover old step costs disk, not correctness

@@ -10,7 +10,10 @@ Guarantees (each is tested):
   state, the engine's in-flight ``runner_state``) is checked to be finite (one reduced flag on
   device), so no checkpoint holds a NaN that the logged loss did not show (2bw logs update t-1's loss);
 - a dead start (gradient norm exactly 0, or the loss pinned at log(vocab), over the first
-  updates of a fresh run) stops with :class:`DeadStart` naming the likely settings;
+  updates of a fresh run) stops with :class:`DeadStart` naming the likely settings; a model that
+  dies later (the same signs over consecutive updates) stops with :class:`TrainingDiverged`;
+- a checkpoint the run calls good was followed by live updates (train/health.py); when a run stops
+  on a divergence, the newer, unproven checkpoints are set aside, so a rerun resumes from a good one;
 - one run per workdir: ``run.lock`` is held for the whole run (train/workdir_lock.py);
 - a stop signal during the first step's compilation stops at once (status written, nothing to save);
 - an exception waits for in-flight checkpoint writes, so no saved work is lost;
@@ -43,6 +46,7 @@ from asyncpp_jax.models import count_params, dense
 from asyncpp_jax.models.flops import flops_per_token
 from asyncpp_jax.optim import describe_routing
 from asyncpp_jax.train import dry_run, fit, preemption, profile
+from asyncpp_jax.train import health as health_lib
 from asyncpp_jax.train import runner as runner_lib
 from asyncpp_jax.train import step as step_lib
 from asyncpp_jax.train import host_memory
@@ -176,6 +180,8 @@ class Trainer:
                                          c.train.async_checkpoint)
         self._all_finite = None  # the jitted finiteness flag, built at the first save
         self._early: list[tuple[float, float]] = []  # (loss, grad norm) of the first updates: dead start
+        self.health: health_lib.Health | None = None  # set when a run starts
+        self._retired: tuple[int | None, str] | None = None  # (newest good step, what was set aside) on a divergence
         self.compile_abandoned = False  # a stop signal came while the first step compiled
         self._write_config(changed)
 
@@ -270,6 +276,7 @@ class Trainer:
         stop_at = c.train.steps if until_step is None else min(until_step, c.train.steps)
         state, iterator = self.restore_or_init()
         p = _Progress(start=int(state.step), step=int(state.step))
+        self.health = health_lib.Health(c, p.start)
         writer = MetricWriter(self.workdir, resume_step=p.start)
         if writer.dropped:
             log.info("metrics.jsonl: dropped %d row(s) logged after step %d; those steps are redone",
@@ -286,10 +293,10 @@ class Trainer:
             if p.status == "preempted" and p.step > p.start:  # only now is the checkpoint sealed
                 log.warning("stopped: saved a checkpoint at step %d; rerun the same command to resume", p.step)
         except DeadStart:
-            self._write_status("dead_start", p.step, last_checkpoint=self._last_sealed())
+            self._write_status("dead_start", p.step, last_checkpoint=self._good_checkpoint()[0])
             raise
         except TrainingDiverged:
-            self._write_status("diverged", p.step, last_checkpoint=self._last_sealed())
+            self._write_status("diverged", p.step, last_checkpoint=self._good_checkpoint()[0])
             raise
         except CheckpointError as e:
             self._settle_checkpoints()
@@ -342,16 +349,22 @@ class Trainer:
                 if profiler.after_step(p.step):
                     last_t = time.perf_counter()  # nor is writing it out the next step's
                 metrics = _without_fill_loss(metrics)
+                why_dead = self.health.observe(p.step, metrics)
                 if not (math.isfinite(metrics.get("loss", 0.0)) and math.isfinite(metrics["grad_norm"])):
-                    self._settle_checkpoints()  # the message names the last checkpoint that landed
                     raise TrainingDiverged(self._divergence_message(metrics, p.step, p.start))
                 self._check_dead_start(metrics, p)
+                if self.health.died():
+                    raise TrainingDiverged(
+                        f"the model died: {why_dead} over the last {health_lib.DEAD_UPDATES} updates (stopped at "
+                        f"step {p.step}). {self._last_good_text()} Lower config.optimizer.lr, raise warmup_steps, or "
+                        "set config.optimizer.grad_clip.")
                 self._record(state, metrics, p, writer, bar)
                 self.checkpointer.poll()
                 stop_now = stop.reached(p.step)  # every process, every step
                 stopping = p.step < c.train.steps and (stop_now or p.step == stop_at)
                 if stopping or p.step % c.train.checkpoint_every == 0 or p.step == c.train.steps:
                     self._check_finite(state, p)
+                    self.checkpointer.protected = self.health.newest_good(self.checkpointer.sealed_steps())
                     self.checkpointer.save(p.step, state, iterator)
                 if stopping:
                     p.status = "preempted" if stop_now else "paused"
@@ -383,7 +396,6 @@ class Trainer:
         if ok.all():
             return
         bad = [jax.tree_util.keystr(paths[i]) for i, good in zip(floats, ok) if not good]
-        self._settle_checkpoints()
         shown = ", ".join(bad[:6]) + (f" and {len(bad) - 6} more" if len(bad) > 6 else "")
         raise TrainingDiverged(
             f"the state after step {p.step} holds non-finite values ({len(bad)} leaves: {shown}) although the "
@@ -458,9 +470,31 @@ class Trainer:
                 f"stopped without saving. {saved} {hint}")
 
     def _last_good_text(self) -> str:
-        latest = self._last_sealed()
-        return (f"The last good checkpoint is step {latest} in {self.checkpointer.directory}." if latest is not None
-                else "No checkpoint had been saved yet.")
+        good, moved = self._good_checkpoint()
+        if good is not None:
+            return f"The last good checkpoint is step {good} in {self.checkpointer.directory}.{moved}"
+        if not moved:
+            return "No checkpoint had been saved yet."
+        return "No good checkpoint had been saved, so a rerun starts afresh." + moved
+
+    def _good_checkpoint(self) -> tuple[int | None, str]:
+        """On a divergence: ``(newest good step, a sentence on what was set aside)``.  In-flight saves
+        land first; the sealed steps newer than the newest good one were never proven live
+        (train/health.py) and are moved aside, so a rerun resumes from the good one.  Done once."""
+        if self._retired is None:
+            self._settle_checkpoints()
+            sealed = self.checkpointer.sealed_steps()
+            good = self.health.newest_good(sealed) if self.health else (max(sealed) if sealed else None)
+            unproven = [s for s in sealed if good is None or s > good]
+            moved = ""
+            if unproven:
+                first = self.health.first_dead()
+                since = f" (the model stopped being live at update {first[0]}: {first[1]})" if first else ""
+                where = self.checkpointer.set_aside(unproven)
+                moved = (f" Checkpoint(s) {', '.join(map(str, unproven))} were not proven by live updates after them{since} "
+                         f"and were moved to {where}.")
+            self._retired = (good, moved)
+        return self._retired
 
     def _last_sealed(self) -> int | None:
         steps = self.checkpointer.sealed_steps()
