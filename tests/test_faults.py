@@ -209,6 +209,17 @@ def test_nan_at_the_first_update_blames_the_setup_not_the_lr(trainer, tmp_path):
     assert "Lower config.optimizer.lr" not in message
 
 
+def sigint_after_update(train_step, update: int):
+    """``train_step`` that sends this process SIGINT (Ctrl-C) once update ``update`` is done."""
+    def step(state, batch):
+        n = int(state.step)
+        out = train_step(state, batch)
+        if n == update - 1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return out
+    return step
+
+
 @pytest.fixture
 def default_sigint():
     """Python's own SIGINT handler for the test: a shell that starts the suite in the background
@@ -221,16 +232,7 @@ def default_sigint():
 def test_sigint_stops_like_sigterm_and_status_holds_one_step(trainer, tmp_path, default_sigint):
     """Ctrl-C at update 3: a checkpoint at 3, status 'preempted' at 3 without step 2's val loss."""
     t = trainer(tmp_path)
-    inner = t.train_step
-
-    def interrupt_at_3(state, batch):
-        n = int(state.step)
-        out = inner(state, batch)
-        if n == 2:
-            os.kill(os.getpid(), signal.SIGINT)
-        return out
-
-    t.train_step = interrupt_at_3
+    t.train_step = sigint_after_update(t.train_step, 3)
     result = t.run()
     t.close()
     assert result.status == "preempted" and result.step == 3 and result.val_loss is None
@@ -642,18 +644,11 @@ def test_second_ctrl_c_stops_at_once_and_never_claims_an_unsealed_save(trainer, 
     t = trainer(tmp_path)
     inner, wait = t.train_step, t.checkpointer.wait
 
-    def interrupt_at_3(state, batch):
-        n = int(state.step)
-        out = inner(state, batch)
-        if n == 2:
-            os.kill(os.getpid(), signal.SIGINT)
-        return out
-
     def interrupted_wait():
         os.kill(os.getpid(), signal.SIGINT)
         wait()
 
-    t.train_step, t.checkpointer.wait = interrupt_at_3, interrupted_wait
+    t.train_step, t.checkpointer.wait = sigint_after_update(t.train_step, 3), interrupted_wait
     with caplog.at_level(logging.WARNING, logger="asyncpp_jax"), pytest.raises(KeyboardInterrupt):
         t.run()
     t.checkpointer.wait = wait
