@@ -708,3 +708,53 @@ def test_missing_or_invalid_tokenizer_is_a_setting_error(cache_dir, tmp_path, to
     c.data.tokenizer = str(tokenizer)
     with pytest.raises(configs.ConfigError, match=f"config.data.tokenizer.*{needle}"):
         Trainer(c, tmp_path / "run")
+
+
+def _fetch_order(t, monkeypatch, nan_at=None):
+    """Run ``t`` recording, in order, each update dispatched ("run", n) and each fetch of an update's
+    metrics to the host ("get", n); update ``nan_at`` reports a NaN loss."""
+    inner, events = t.train_step, []
+
+    def step(state, batch):
+        n = int(state.step) + 1
+        new, metrics = inner(state, batch)
+        events.append(("run", n))
+        return new, dict(metrics, probe_step=n, **({"loss": jnp.float32(np.nan)} if n == nan_at else {}))
+
+    real_get = jax.device_get
+
+    def get(x):
+        if isinstance(x, dict) and "probe_step" in x:
+            events.append(("get", x["probe_step"]))
+        return real_get(x)
+
+    t.train_step = step
+    monkeypatch.setattr(jax, "device_get", get)
+    return events
+
+
+def test_metrics_are_fetched_one_update_late(trainer, tmp_path, monkeypatch):
+    """The host fetches update n's metrics only once update n + 1 is queued, so it never stalls the
+    device between updates; at a save (here only the last step) the update's own metrics come first.
+    (Before: a device_get after every update, before the next was dispatched.)"""
+    t = trainer(tmp_path)
+    t.config.train.update(eval_every=100, checkpoint_every=100)  # the loop's bounds: one save, at step 4
+    events = _fetch_order(t, monkeypatch)
+    assert t.run().status == "finished"
+    t.close()
+    assert events == [("run", 1), ("run", 2), ("get", 1), ("run", 3), ("get", 2), ("run", 4), ("get", 3),
+                      ("get", 4)]
+
+
+def test_a_nan_seen_one_update_late_still_stops_before_the_save(trainer, tmp_path, monkeypatch):
+    """A NaN loss at update 3, fetched while update 4 runs: the run stops at step 3 and the save due
+    at step 4 never happens."""
+    t = trainer(tmp_path)
+    t.config.train.update(eval_every=100, checkpoint_every=4)
+    events = _fetch_order(t, monkeypatch, nan_at=3)
+    with pytest.raises(TrainingDiverged, match=r"non-finite loss \(nan\) .* at step 3; stopped without saving"):
+        t.run()
+    t.close()
+    assert events[-2:] == [("run", 4), ("get", 3)]
+    assert t.checkpointer.sealed_steps() == []
+    assert json.loads((tmp_path / "status.json").read_text())["step"] == 3

@@ -319,19 +319,26 @@ class Trainer:
         return Result(p.status, p.step, val.get("val_loss"), val.get("val_loss_per_byte"), unigram)
 
     def _loop(self, state, iterator, stop_at: int, p: "_Progress", writer: MetricWriter, bar, stop):
-        """Steps until ``stop_at``, a stop signal, or an error; ``p`` follows along (also on an error)."""
+        """Steps until ``stop_at``, a stop signal, or an error; ``p`` follows along (also on an error).
+
+        An update's metrics are fetched while the next update runs (one update late), so the host
+        never stalls the device's queue between updates.  Where the state itself is used (an eval, a
+        save, the end) the update's own metrics are fetched first: a divergence is always caught
+        before the state it produced is evaluated or saved.
+        """
         c = self.config
         profiler = profile.StepProfiler(self.workdir, c.train.profile_start, c.train.profile_steps)
         with contextlib.closing(profiler):
-            last_t = time.perf_counter()
+            self._last_t = time.perf_counter()
             # Also primes every process's preemption sync counter before the first step.
             stop_now = stop.reached(p.step) and p.step < c.train.steps
             if stop_now:
                 p.status = "preempted"
+            pending = None  # (step, metrics on device) of an update not yet checked
             while p.step < stop_at and not stop_now:
                 batch = self.batch_layout.assemble(next(iterator))
                 if profiler.before_step(p.step, self.train_step, state, batch):
-                    last_t = time.perf_counter()  # the trace's start is not the step's time
+                    self._last_t = time.perf_counter()  # the trace's start is not the step's time
                 if p.step == p.start and stop.interruptible():
                     out = self._first_step(state, batch, stop)
                     if out is None:  # stopped while the first step compiled: nothing changed, nothing to save
@@ -343,26 +350,20 @@ class Trainer:
                     state, metrics = out
                 else:
                     state, metrics = self.train_step(state, batch)
-                metrics = jax.device_get(metrics)  # one small sync per step: guards every update
                 p.step += 1
-                last_t = self._add_speed(metrics, last_t)
                 if profiler.after_step(p.step):
-                    last_t = time.perf_counter()  # nor is writing it out the next step's
-                metrics = _without_fill_loss(metrics)
-                why_dead = self.health.observe(p.step, metrics)
-                if not (math.isfinite(metrics.get("loss", 0.0)) and math.isfinite(metrics["grad_norm"])):
-                    raise TrainingDiverged(self._divergence_message(metrics, p.step, p.start))
-                self._check_dead_start(metrics, p)
-                if self.health.died():
-                    raise TrainingDiverged(
-                        f"the model died: {why_dead} over the last {health_lib.DEAD_UPDATES} updates (stopped at "
-                        f"step {p.step}). {self._last_good_text()} Lower config.optimizer.lr, raise warmup_steps, or "
-                        "set config.optimizer.grad_clip.")
-                self._record(state, metrics, p, writer, bar)
+                    self._last_t = time.perf_counter()  # nor is writing it out the next step's
+                if pending is not None:
+                    self._take(*pending, None, p, writer, bar)
+                pending = (p.step, metrics)
                 self.checkpointer.poll()
                 stop_now = stop.reached(p.step)  # every process, every step
                 stopping = p.step < c.train.steps and (stop_now or p.step == stop_at)
-                if stopping or p.step % c.train.checkpoint_every == 0 or p.step == c.train.steps:
+                saving = stopping or p.step % c.train.checkpoint_every == 0 or p.step == c.train.steps
+                if saving or p.step % c.train.eval_every == 0:
+                    self._take(*pending, state, p, writer, bar)
+                    pending = None
+                if saving:
                     self._check_finite(state, p)
                     self.checkpointer.protected = self.health.newest_good(self.checkpointer.sealed_steps())
                     self.checkpointer.save(p.step, state, iterator)
@@ -370,6 +371,27 @@ class Trainer:
                     p.status = "preempted" if stop_now else "paused"
                     break
         return state
+
+    def _take(self, step: int, metrics, state, p: "_Progress", writer: MetricWriter, bar) -> None:
+        """Fetch update ``step``'s metrics and act on them: stop on a divergence or a dead model, log,
+        and (``state`` given: the state after ``step``) evaluate where due."""
+        metrics = jax.device_get(metrics)  # one small transfer; the next update is already queued
+        self._last_t = self._add_speed(metrics, self._last_t)
+        metrics = _without_fill_loss(metrics)
+        why_dead = self.health.observe(step, metrics)
+        try:
+            if not (math.isfinite(metrics.get("loss", 0.0)) and math.isfinite(metrics["grad_norm"])):
+                raise TrainingDiverged(self._divergence_message(metrics, step, p.start))
+            self._check_dead_start(metrics, step, p.start)
+            if self.health.died():
+                raise TrainingDiverged(
+                    f"the model died: {why_dead} over the last {health_lib.DEAD_UPDATES} updates (stopped at "
+                    f"step {step}). {self._last_good_text()} Lower config.optimizer.lr, raise warmup_steps, or "
+                    "set config.optimizer.grad_clip.")
+        except TrainingDiverged:
+            p.step = step  # the run stands where it diverged (the next update, already run, is dropped)
+            raise
+        self._record(state, metrics, step, p, writer, bar)
 
     def _first_step(self, state, batch, stop):
         """The first update on a worker thread (it compiles the step), while this thread watches for a
@@ -403,10 +425,10 @@ class Trainer:
             f"without saving. {self._last_good_text()} Lower config.optimizer.lr, raise warmup_steps, or set "
             "config.optimizer.grad_clip.")
 
-    def _check_dead_start(self, metrics: dict, p: "_Progress") -> None:
+    def _check_dead_start(self, metrics: dict, step: int, start: int) -> None:
         """Over the first updates of a fresh run that apply a gradient: a gradient norm of exactly 0 at
         each, or a cross-entropy equal to log(vocab) at each (uniform predictions), is a dead model."""
-        if p.start != 0 or "loss" not in metrics or len(self._early) >= DEAD_START_UPDATES:
+        if start != 0 or "loss" not in metrics or len(self._early) >= DEAD_START_UPDATES:
             return
         self._early.append((float(metrics.get("ce", metrics["loss"])), float(metrics["grad_norm"])))
         if len(self._early) < DEAD_START_UPDATES:
@@ -421,13 +443,14 @@ class Trainer:
                 f"the loss is pinned at log(vocab_size) = {uniform:.6f} (uniform predictions)")
         raise DeadStart(
             f"dead start: over the first {DEAD_START_UPDATES} updates {what}, so the model cannot learn "
-            f"(stopped at step {p.step}). Likely settings: config.model.init_std={m.init_std} (0.02 is usual; a "
+            f"(stopped at step {step}). Likely settings: config.model.init_std={m.init_std} (0.02 is usual; a "
             f"huge one saturates every layer), config.model.norm_eps={m.norm_eps} (1e-5 is usual; a huge one "
             "zeroes every normalized activation), or the data. Fix the setting and start a new --workdir.")
 
-    def _record(self, state, metrics: dict, p: "_Progress", writer: MetricWriter, bar) -> None:
-        c, step = self.config, p.step
-        evaluated = step % c.train.eval_every == 0 or step == c.train.steps
+    def _record(self, state, metrics: dict, step: int, p: "_Progress", writer: MetricWriter, bar) -> None:
+        """Log update ``step``; evaluate ``state`` (the state after it) where an eval is due."""
+        c = self.config
+        evaluated = state is not None and (step % c.train.eval_every == 0 or step == c.train.steps)
         if evaluated:
             p.val, p.val_step = self.evaluate(state.params), step
             metrics.update(p.val)
