@@ -334,9 +334,10 @@ def test_in_flight_state_holds_each_tensor_once():
     for g, p in zip(jax.tree.leaves(ps.prev_params), jax.tree.leaves(got.params)):
         assert g.shape == p.shape and g.sharding.spec == p.sharding.spec
     for g, p in zip(jax.tree.leaves(ps.grad_partial), jax.tree.leaves(got.params)):
-        assert g.shape == p.shape
+        assert g.shape == (2,) + p.shape  # each data replica's own: reduced over data once, with its tail
+        assert g.sharding.spec[0] == "data"
     embed_partial = ps.grad_partial["embed"]["embedding"]
-    assert embed_partial.shape == (16, 31)  # the tied table in the head's [D, V] layout
+    assert embed_partial.shape == (2, 16, 31)  # the tied table in the head's [D, V] layout, per replica
     assert not embed_partial.sharding.is_fully_replicated  # split over stage on d
     assert got.params["embed"]["embedding"].sharding.is_fully_replicated  # both end stages read it
     mu = got.opt_state[0].mu["embed"]["embedding"]
@@ -362,3 +363,34 @@ def test_eval_on_the_pipeline_mesh_equals_simulate_and_gathers_nothing():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5)
     assert float(got[1]) == 8 * T
     assert "all-gather" not in fn.lower(sharded, glob).compile().as_text()
+
+
+def _data_reductions(jaxpr) -> list[tuple]:
+    """Shapes of the non-scalar operands reduced over ``data`` (psum, and pmean's psum) anywhere in
+    ``jaxpr``, sub-jaxprs (shard_map, scan, cond) included."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name.startswith("psum") and "data" in tuple(eqn.params.get("axes", ())):
+            out += [tuple(v.aval.shape) for v in eqn.invars if v.aval.shape]
+        for p in eqn.params.values():
+            for sub in (p if isinstance(p, (list, tuple)) else [p]):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    out += _data_reductions(inner)
+    return out
+
+
+@pytest.mark.needs_devices(4)
+def test_2bw_reduces_each_gradient_over_data_once():
+    """Under 2bw a batch's gradient is made over two steps (its head at t, its tail at t+1).  The head
+    is carried per data replica and the whole gradient is reduced over ``data`` once: one reduction
+    per parameter leaf per update.  (Before: the head was reduced at t and the tail at t+1, two per
+    leaf.)"""
+    cfg, data = model_cfg(), batches(1, 4, 8)
+    mesh = engine.make_pipeline_mesh(2, 2)
+    tx = make_opt("adamw")
+    step = engine.make_pipeline_train_step(cfg, tx, SCHED, mesh, engine_shapes(cfg), 4, "2bw")
+    state = init_pipeline(cfg, tx, mesh, 4, 8, "2bw")
+    jaxpr = jax.make_jaxpr(step)(state, jax.device_put(data[0], engine.global_batch_sharding(mesh)))
+    reduced = _data_reductions(jaxpr.jaxpr)
+    assert len(reduced) == len(jax.tree.leaves(state.params)), reduced

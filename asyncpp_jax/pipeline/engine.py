@@ -109,6 +109,32 @@ def update_specs(params, n_stages: int, expert_parallel: bool = False) -> Any:
     return jax.tree_util.tree_map_with_path(spec, params, layer_specs)
 
 
+def _local_over_data(path, expert_parallel: bool) -> bool:
+    """Whether a leaf's in-flight partial gradient is held per data replica: every leaf but an
+    expert weight under ``expert_parallel`` (never reduced over ``data``; its layout already is)."""
+    return not (expert_parallel and is_expert_weight(path))
+
+
+def partial_specs(params, n_stages: int, expert_parallel: bool = False) -> Any:
+    """Where 2bw's in-flight partial gradient lives: reduced over ``stage`` (laid out as
+    :func:`update_specs`) but not over ``data``, so a leading ``data`` axis holds each replica's
+    own.  It joins its tail at the next step and the whole gradient is reduced over ``data`` once."""
+    def spec(path, _, u):
+        return P("data", *u) if _local_over_data(path, expert_parallel) else u
+
+    return jax.tree_util.tree_map_with_path(spec, params, update_specs(params, n_stages, expert_parallel))
+
+
+def _on_data_axis(tree, expert_parallel: bool, add: bool):
+    """Inside ``shard_map``: add (or strip) the per-replica ``data`` axis of :func:`partial_specs`."""
+    def one(path, x):
+        if not _local_over_data(path, expert_parallel):
+            return x
+        return x[None] if add else x[0]
+
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
 # ------------------------------------------------------------------------------------------
 # Uneven splits: ``config.pipeline.stage_layers``.  SPMD needs one shape on every device, so the
 # stacked layer leaves are held padded to ``[P * Lmax, ...]`` (``Lmax`` the largest stage's rows):
@@ -224,17 +250,17 @@ def _check_layout(model_cfg, params_abstract, n_stages: int, stage_rows: tuple |
 class PipelineState(NamedTuple):
     """What crosses ``train_step`` calls under ``2bw`` (the ``sync`` schedule carries nothing).
 
-    Each tensor is held once: the weight version and the partial gradient are sharded like the
-    parameters (the partial gradient is reduced over ``stage`` and ``data`` at the end of each
-    step, like the gradient it will complete), and the activation state is per device because
-    every device's is different.
+    Each tensor is held once: the weight version is sharded like the parameters, the partial
+    gradient like the update (reduced over ``stage`` at the end of each step), with each data
+    replica's own (:func:`partial_specs`: it is reduced over ``data`` once, with its tail), and the
+    activation state is per device because every device's is different.
     """
 
     prev_params: Any  # w[t-1]: the weight version of the batch still draining
     stash: list  # per entry [D, P, S, ...]: stage inputs (recompute) or residuals awaiting their backward
     fwd_buf: jax.Array  # [D, P, b, T, d]: activation received from stage s-1 (compute dtype)
     bwd_buf: jax.Array  # [D, P, b, T, d]: cotangent received from stage s+1 (compute dtype)
-    grad_partial: Any  # the in-flight batch's gradient so far, reduced; sharded like the params
+    grad_partial: Any  # the in-flight batch's gradient so far: [data, ...] per replica (partial_specs)
     stats_partial: dict  # the in-flight batch's loss sums so far (``count``: its finished microbatches)
     prev_batch: jax.Array  # [M, B, T+1]: the in-flight batch's tokens (the last stage needs targets)
     prediction: Any = None  # optim.WeightPredictionState (δ, sharded like the params) with weight prediction
@@ -275,7 +301,9 @@ def init_pipeline_state(model_cfg, params, mesh, microbatches: int, global_batch
         prev_params=jax.tree.map(jnp.copy, params),
         stash=[jnp.zeros((data, n_stages, slots) + e.shape, e.dtype) for e in entry],
         fwd_buf=act, bwd_buf=act,
-        grad_partial=jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params),
+        grad_partial=jax.tree_util.tree_map_with_path(
+            lambda path, x: jnp.zeros((data,) * _local_over_data(path, expert_parallel) + x.shape, jnp.float32),
+            params),
         stats_partial={k: jnp.zeros((), jnp.float32) for k in stat_names(model_cfg)},
         prev_batch=jnp.zeros((microbatches, global_batch // microbatches, seq_len + 1), jnp.int32),
         prediction=weight_prediction.init(params) if weight_prediction is not None else None,
@@ -288,7 +316,7 @@ def pipeline_state_specs(params, pstate: PipelineState | None, expert_parallel: 
     n_stages = pstate.fwd_buf.shape[1]
     return PipelineState(
         prev_params=param_specs(params, expert_parallel), stash=[DEVICE] * len(pstate.stash), fwd_buf=DEVICE,
-        bwd_buf=DEVICE, grad_partial=update_specs(params, n_stages, expert_parallel),
+        bwd_buf=DEVICE, grad_partial=partial_specs(params, n_stages, expert_parallel),
         stats_partial={k: P() for k in pstate.stats_partial}, prev_batch=BATCH_SPEC,
         prediction=None if pstate.prediction is None else WeightPredictionState(
             count=P(), velocity=param_specs(params, expert_parallel)))
@@ -574,9 +602,10 @@ def _top_acc_specs(model_cfg, uspec) -> dict:
     return {"head": {"final_norm": uspec["final_norm"], "w": uspec["lm_head"]["kernel"]}, "embed": uspec["embed"]}
 
 
-def _reduce_accumulators(model_cfg, acc_l, acc_t, sums, n_acc, top_specs, top_axes, expert_parallel):
-    """The step's accumulators -> ``[(gradient laid out as update_specs, loss sums)]``, one per
-    batch they hold.  The replicated leaves are reduced over ``stage`` once for all batches."""
+def _reduce_accumulators(model_cfg, acc_l, acc_t, sums, n_acc, top_specs, top_axes):
+    """The step's accumulators -> ``[(this replica's gradient laid out as update_specs, loss sums)]``,
+    one per batch they hold.  The replicated leaves are reduced over ``stage`` once for all
+    batches; the reduction over ``data`` is the caller's, once per batch's whole gradient."""
     summed = jax.tree.map(_reduce_top, acc_t, top_specs, top_axes)
     out = []
     for k in range(n_acc):
@@ -585,7 +614,7 @@ def _reduce_accumulators(model_cfg, acc_l, acc_t, sums, n_acc, top_specs, top_ax
             top = {"final_norm": t["head"]["final_norm"], "embed": {"embedding": t["head"]["w"]}}
         else:
             top = {**dense.grads_from_head(model_cfg, t["head"]), "embed": t["embed"]}
-        grads = _mean_over_data(join_params(jax.tree.map(lambda a: a[k], acc_l), top), expert_parallel)
+        grads = join_params(jax.tree.map(lambda a: a[k], acc_l), top)
         out.append((grads, {n: jax.lax.pmean(jax.lax.psum(v[k], "stage"), "data") for n, v in sums.items()}))
     return out
 
@@ -597,22 +626,24 @@ def _finish(model_cfg, carry, pstate, cur, batch, prev_live, is_async, carries_s
     ``2bw`` with its head carried in as ``grad_partial``), and the in-flight state to carry."""
     stash, fwd_buf, bwd_buf, acc_l, acc_t, sums = carry
     n_acc = jax.tree.leaves(acc_l)[0].shape[0]  # OneStepDelay.accumulators: 2 under the delayed table
-    reduced = _reduce_accumulators(model_cfg, acc_l, acc_t, sums, n_acc, top_specs, top_axes, expert_parallel)
+    reduced = _reduce_accumulators(model_cfg, acc_l, acc_t, sums, n_acc, top_specs, top_axes)
     grads, totals = reduced[0]
     new = None
     if carries_state:
-        if is_async:  # batch t-1's head, reduced at the end of the previous step, joins its tail
+        if is_async:  # batch t-1's head, carried from the previous step, joins its tail before the reduction
             keep = lambda a, p: a + jnp.where(prev_live, p, jnp.zeros_like(p))  # noqa: E731
-            grads = jax.tree.map(keep, grads, pstate.grad_partial)
+            grads = jax.tree.map(keep, grads, _on_data_axis(pstate.grad_partial, expert_parallel, add=False))
             totals = jax.tree.map(keep, totals, pstate.stats_partial)
             partial, partial_sums = reduced[1]
         else:
             partial = jax.tree.map(jnp.zeros_like, grads)
             partial_sums = jax.tree.map(jnp.zeros_like, totals)
+        partial = _on_data_axis(partial, expert_parallel, add=True)
         grow = lambda x: x[None, None]  # noqa: E731
         new = PipelineState(prev_params=cur, stash=[grow(r) for r in stash], fwd_buf=grow(fwd_buf),
                             bwd_buf=grow(bwd_buf), grad_partial=partial, stats_partial=partial_sums,
                             prev_batch=batch)
+    grads = _mean_over_data(grads, expert_parallel)  # once per batch: its head and tail together
     count = totals.pop("count")  # 0 at a fill update: no batch's gradient is applied, so no loss
     stats = {k: v / count for k, v in totals.items()}
     stats["loss_microbatches"] = count
