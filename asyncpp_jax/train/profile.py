@@ -76,14 +76,17 @@ class StepProfiler:
         text = step_fn.lower(*args).compile().as_text()
         (hlo / "train_step.txt").write_text(text)
         (self.dir / _META).write_text(json.dumps({"first_update": done + 1, "updates": self.steps}))
+        jax.block_until_ready(args)  # the updates before the window have finished (metrics come one update late)
         jax.profiler.start_trace(str(self.dir), create_perfetto_trace=True)
         self.active = True
         log.info("profile: tracing updates %d-%d into %s", done + 1, done + self.steps, self.dir)
         return True
 
-    def after_step(self, done: int) -> bool:
-        """Called with ``done`` updates finished; whether the trace stopped (and was written) here."""
+    def after_step(self, done: int, *outputs) -> bool:
+        """Called with ``done`` updates dispatched (``outputs``: the last one's results); whether the
+        trace stopped (and was written) here, once the window's last update has finished."""
         if self.active and done >= self.start + self.steps:
+            jax.block_until_ready(outputs)
             self.close()
             return True
         return False

@@ -351,7 +351,7 @@ class Trainer:
                 else:
                     state, metrics = self.train_step(state, batch)
                 p.step += 1
-                if profiler.after_step(p.step):
+                if profiler.after_step(p.step, state, metrics):
                     self._last_t = time.perf_counter()  # nor is writing it out the next step's
                 if pending is not None:
                     self._take(*pending, None, p, writer, bar)
