@@ -507,7 +507,7 @@ class Trainer:
         if self._retired is None:
             self._settle_checkpoints()
             sealed = self.checkpointer.sealed_steps()
-            good = self.health.newest_good(sealed) if self.health else (max(sealed) if sealed else None)
+            good = self.health.newest_good(sealed)
             unproven = [s for s in sealed if good is None or s > good]
             moved = ""
             if unproven:
