@@ -234,9 +234,7 @@ def _trend(rows, found, claims) -> list[str]:
                        stats.verdict(stats.Estimate(-s.value, s.se, s.paired, s.n)),
                        "least-squares slope b of the gap (best vs best) against log2(updates) over the ladder's "
                        "rungs: reproduced if b + 2 SE < 0, not reproduced if b - 2 SE > 0",
-                       f"rungs {', '.join(map(str, rungs))}: b = "
-                       + (f"{s} per doubling ({se_kind(s)})" if s.n >= 2 else
-                          f"{s.value:+.4f} per doubling (one seed: no standard error yet)"),
+                       f"rungs {', '.join(map(str, rungs))}: b = {est(s)} per doubling ({se_kind(s)})",
                        "a smaller batch shrinks the gap (reported, no figure)")
     if not body:
         return []
