@@ -40,7 +40,7 @@ Reference behaviours reproduced here:
   ``precondition_1d``. In this project routing sends such leaves to AdamW anyway.
 
 On XLA:CPU the ``eigh`` and the QR avoid jaxlib 0.10.2's batched-LAPACK deadlock
-(:mod:`asyncpp_jax.optim.linalg`: Householder QR from matmuls, host ``eigh``); the refresh factors all
+(:mod:`asyncpp_jax.optim.linalg`: both run LAPACK on the host); the refresh factors all
 leaves' matrices of one shape in a single QR call.
 
 Not reproduced: ``merge_dims``, ``precondition_1d``, ``normalize_grads`` (all off by default in the
@@ -142,8 +142,8 @@ def _power_iteration(gg: jax.Array, q: jax.Array) -> tuple[jax.Array, jax.Array]
 def _grouped_qr(mats: list[jax.Array]) -> list[jax.Array]:
     """``qr_q`` of each matrix batch, with all batches of one matrix shape and dtype in a single call.
 
-    One call per shape instead of one per leaf and side: fewer, larger batched matmuls, and on CPU
-    (where ``qr_q`` unrolls its Householder blocks) a fraction of the compile time.
+    One call per shape instead of one per leaf and side: fewer, larger library calls, and on CPU
+    (where ``qr_q`` is a host callback) one host round trip per shape.
     """
     groups: dict = {}
     for i, x in enumerate(mats):
