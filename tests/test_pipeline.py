@@ -16,6 +16,7 @@ from asyncpp_jax.configs import base_config
 from asyncpp_jax.models import dense
 from asyncpp_jax.optim import DelaySchedule, WeightPrediction, delay, error_feedback, muon
 from asyncpp_jax.pipeline import engine, make_mesh, tick_tables
+from asyncpp_jax.pipeline.census import Census, census
 from asyncpp_jax import train_state as state_lib
 from helpers import run_simulate_runner
 from asyncpp_jax.train import step as step_lib
@@ -394,3 +395,25 @@ def test_2bw_reduces_each_gradient_over_data_once():
     jaxpr = jax.make_jaxpr(step)(state, jax.device_put(data[0], engine.global_batch_sharding(mesh)))
     reduced = _data_reductions(jaxpr.jaxpr)
     assert len(reduced) == len(jax.tree.leaves(state.params)), reduced
+
+
+@pytest.mark.needs_devices(2)
+@pytest.mark.parametrize("schedule", ["sync", "2bw"])
+def test_each_slot_is_one_conditional(schedule):
+    """XLA:GPU reads each conditional's predicate on the host: a tick runs three, its forward slot,
+    its backward slot and the last stage's fused slot, each one ``lax.switch`` that also picks the
+    weight version under 2bw; the eval step runs one per tick.  (Before: 5 per tick under sync, 10
+    under 2bw, 3 in eval.)"""
+    cfg, data = model_cfg(), batches(1, 4, 8)
+    mesh = engine.make_pipeline_mesh(1, 2)
+    tx = make_opt("adamw")
+    abstract = engine_shapes(cfg)
+    step = engine.make_pipeline_train_step(cfg, tx, SCHED, mesh, abstract, 4, schedule)
+    state = init_pipeline(cfg, tx, mesh, 4, 8, schedule)
+    batch = jax.device_put(data[0], engine.global_batch_sharding(mesh))
+    table = (tick_tables.async_table if schedule == "2bw" else tick_tables.sync_table)(2, 4)
+    assert census(jax.make_jaxpr(step)(state, batch)) == Census(3 * table.ticks, 0)
+    evaluate = engine.make_pipeline_eval_step(cfg, mesh, abstract, microbatch_rows=2)
+    rows = jax.device_put(data[0].reshape(8, -1), NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+    # 8 rows in microbatches of 2 through 2 stages: 4 + 2 - 1 ticks
+    assert census(jax.make_jaxpr(evaluate)(state.params, rows)) == Census(5, 0)

@@ -50,7 +50,7 @@ dependencies and the weight update as a collective at each step's end, from per-
 :func:`bubble_fraction`, :func:`buffers` (peak messages in transit per channel) and
 :func:`min_microbatches` (the smallest ``M`` whose generated program validates).
 
-How the engine's executor would consume a program (not yet wired; asyncpp_jax/pipeline/engine.py
+How the engine's executor would consume a program (not yet wired; asyncpp_jax/pipeline/executor.py
 still runs the tick tables): pad the device lists to a common length ``K`` of slots; give each slot
 an integer opcode per device (idle, F, B, I, W, each per chunk) and its microbatch; the tick scan
 runs ``K`` slots, each a single ``lax.switch`` on the device's opcode, and after each slot one
@@ -229,7 +229,7 @@ def two_bw(P: int, M: int) -> Program:
 
 def from_tick_table(table) -> Program:
     """A ``tick_tables.TickTable`` as a program: each tick's forward, then its backward, in tick order;
-    a negative microbatch reads ``w[t-1]`` (what ``OneStepDelay.run`` does)."""
+    a negative microbatch reads ``w[t-1]`` (what ``OneStepDelay.branch`` picks)."""
     P, M = table.n_stages, table.microbatches
     lists = []
     for s in range(P):

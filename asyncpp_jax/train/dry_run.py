@@ -26,7 +26,8 @@ from asyncpp_jax import configs
 from asyncpp_jax.models import count_params
 from asyncpp_jax.models.flops import active_matmul_params, flops_per_token
 from asyncpp_jax.models.moe import with_expert_parallel
-from asyncpp_jax.pipeline import engine, tick_tables
+from asyncpp_jax.pipeline import tick_tables
+from asyncpp_jax.pipeline import state as pipeline_state
 from asyncpp_jax.train import fit
 from asyncpp_jax.train import runner as runner_lib
 from asyncpp_jax.train import step as step_lib
@@ -74,7 +75,7 @@ def _stash_bytes(runner) -> dict:
     b = c.train.global_batch_size // c.train.microbatches // runner.data_size
     model = with_expert_parallel(c.model, "data", runner.data_size) if c.mesh.expert_parallel else c.model
     for recompute in (True, False):
-        entry = engine._ring_shapes(model, runner.mesh, runner.shapes, b, c.data.seq_len, recompute,
+        entry = pipeline_state.ring_shapes(model, runner.mesh, runner.shapes, b, c.data.seq_len, recompute,
                                     c.mesh.expert_parallel, runner.stage_rows)
         slots = tick_tables.stash_slots(c.pipeline.stages, first_stage_stashes=not recompute)
         out["recompute" if recompute else "keep_residuals"] = slots * sum(

@@ -35,7 +35,7 @@ import jax
 log = logging.getLogger(__name__)
 
 # (named scope in the op_name, what it is), first match wins; set by `jax.named_scope` in
-# pipeline/engine.py (pp_*) and the runners (optimizer_update, sim_grad).  Anything else is "other".
+# pipeline/executor.py (pp_*) and the runners (optimizer_update, sim_grad).  Anything else is "other".
 PARTS = (
     ("pp_fwd", "engine: forward slots (stages 0..P-2)"),
     ("pp_bwd", "engine: backward slots (stages 0..P-2)"),

@@ -1,0 +1,83 @@
+"""The pipeline's eval step: forward only, each stage with its own layers."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from asyncpp_jax.models import dense
+from asyncpp_jax.models.moe import with_expert_parallel
+from asyncpp_jax.pipeline.collectives import vary
+from asyncpp_jax.pipeline.layout import check_layout, param_specs
+from asyncpp_jax.pipeline.stage import head_of, lookup, split_params
+
+
+def make_pipeline_eval_step(model_cfg, mesh, params_abstract, microbatch_rows: int, expert_parallel: bool = False,
+                            stage_rows: tuple | None = None):
+    """Jitted ``eval_step(params, batch[B, T+1]) -> (sum of token losses, token count)`` on the
+    pipeline mesh: forward only, each stage with its own layers (the model is never gathered).
+
+    Each data replica's rows are cut into microbatches of ``microbatch_rows`` (the training
+    microbatch, so activations match what training holds) and streamed through the stages: stage
+    ``s`` runs microbatch ``j`` at tick ``j + s``; stage 0 embeds, stage ``P-1`` applies the head
+    and sums the token losses.  Idle slots compute nothing, nor do padded layer rows
+    (``stage_rows``, :func:`stage_split`).
+    """
+    n_stages = mesh.shape["stage"]
+    check_layout(model_cfg, params_abstract, n_stages, stage_rows)
+    if expert_parallel:
+        model_cfg = with_expert_parallel(model_cfg, "data", mesh.shape["data"])
+    fwd_perm = [(i, i + 1) for i in range(n_stages - 1)]
+    act_dtype = dense.dtype_of(model_cfg.compute_dtype)
+
+    def local(params, batch):
+        s = jax.lax.axis_index("stage")
+        is_first, is_last = s == 0, s == n_stages - 1
+        live = None if stage_rows is None else jnp.asarray(stage_rows, jnp.int32)[s]
+        layers, top = split_params(vary(dense.compute_view(model_cfg, params)))
+        head = head_of(model_cfg, top)
+        rows, width = batch.shape
+        b = min(microbatch_rows, rows)
+        mbs = batch.reshape(rows // b, b, width)
+        n_mb = mbs.shape[0]
+
+        def tick(carry, k):
+            buf, total, count = carry
+            j = k - s
+            tokens = mbs[jnp.clip(j, 0, n_mb - 1)]
+
+            def block(buf):
+                # Stage 0's input is the lookup (a select, not a nested conditional: each costs
+                # XLA:GPU a host read of its predicate), the others' the received activation.
+                x = jnp.where(is_first, lookup(model_cfg, top, tokens[:, :-1]).astype(act_dtype), buf)
+                return dense.apply_layers(model_cfg, layers, x, live).astype(act_dtype)
+
+            def middle(buf):
+                zero = vary(jnp.zeros((), jnp.float32))
+                return block(buf), zero, zero
+
+            def last(buf):
+                h = block(buf)
+                logits = dense.logits_from_head(model_cfg, head, h)
+                lse = jax.nn.logsumexp(logits, axis=-1)
+                tgt = jnp.take_along_axis(logits, tokens[:, 1:, None], axis=-1)[..., 0]
+                return jnp.zeros_like(h), vary(jnp.sum(lse - tgt)), vary(jnp.float32(tgt.size))
+
+            def idle(buf):
+                zero = vary(jnp.zeros((), jnp.float32))
+                return jnp.zeros_like(buf), zero, zero
+
+            # One conditional per tick: idle, a stage's block, or the last stage's block and loss.
+            case = jnp.where((j >= 0) & (j < n_mb), 1 + is_last.astype(jnp.int32), 0)
+            h_out, loss, n = jax.lax.switch(case, [idle, middle, last], buf)
+            return (jax.lax.ppermute(h_out, "stage", fwd_perm), total + loss, count + n), None
+
+        zero = vary(jnp.zeros((), jnp.float32))
+        buf = vary(jnp.zeros((b, width - 1, model_cfg.d_model), act_dtype))
+        (_, total, count), _ = jax.lax.scan(tick, (buf, zero, zero), jnp.arange(n_mb + n_stages - 1))
+        return jax.lax.psum(total, ("data", "stage")), jax.lax.psum(count, ("data", "stage"))
+
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(param_specs(params_abstract, expert_parallel), P("data")),
+                       out_specs=(P(), P()))
+    return jax.jit(fn)

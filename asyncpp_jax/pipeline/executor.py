@@ -1,0 +1,317 @@
+"""The tick loop of one pipeline step: each device runs its stage's forward and backward slots
+as the tick table says, accumulates the gradients of the batches in flight, and reduces them at
+the end of the step (:func:`make_grads_fn`).
+
+Per tick (:mod:`asyncpp_jax.pipeline.tick_tables` says which microbatch), each stage runs a
+forward slot and a backward slot, each one ``lax.switch`` on whether the tick table gives it work
+and at which weight version (:meth:`~asyncpp_jax.pipeline.tick_tables.OneStepDelay.branch`): an
+idle slot computes nothing (and so cannot let a NaN through).  Activations go to
+``s+1`` and input cotangents to ``s-1`` with ``lax.ppermute`` once per tick.  With
+``recompute`` the backward slot recomputes the stage's block from its stashed input; without,
+the forward slot stashes the block's autodiff residuals.  The last stage's forward and backward
+of a microbatch share a tick and run as one fused ``vjp``.  Activations, cotangents and the stash
+are in ``compute_dtype``, as in the simulate runner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from asyncpp_jax.models import dense
+from asyncpp_jax.pipeline import tick_tables
+from asyncpp_jax.pipeline.collectives import mean_over_data, reduce_top, vary
+from asyncpp_jax.pipeline.layout import on_data_axis, param_specs, update_specs
+from asyncpp_jax.pipeline.stage import ResidualTemplate, StageFns, head_of, join_params, residual_shapes, split_params, stat_names
+from asyncpp_jax.pipeline.state import PipelineState, pipeline_state_specs
+from asyncpp_jax.pipeline.tick_tables import OneStepDelay
+from asyncpp_jax.train_state import BATCH_SPEC
+
+
+def _add_at(acc, i, tree, axes=None):
+    """``acc[i] += tree`` leaf by leaf, ``i`` indexing each leaf's accumulator axis: the leading one
+    (``axes=None``), or per leaf as ``axes`` says (:func:`_acc_axis`)."""
+    if axes is None:
+        return jax.tree.map(lambda a, g: a.at[i].add(g.astype(a.dtype)), acc, tree)
+    return jax.tree.map(lambda a, g, ax: a.at[(slice(None),) * ax + (i,)].add(g.astype(a.dtype)), acc, tree, axes)
+
+
+def _acc_axis(spec, ndim: int) -> int:
+    """Where a replicated leaf's accumulator axis (one entry per batch in flight) sits in its
+    stacked accumulator: right after the axis its update splits over ``stage``
+    (:func:`update_specs`), so that each device's share of all the accumulators is one contiguous
+    slab and one reduce-scatter serves them all (with the axis in front, XLA:CPU copies each
+    vocabulary-sized accumulator out of the stack before reducing it); in front when the leaf is
+    not split, or split along its last axis (a microbatch's add would then be strided)."""
+    spec = tuple(spec)
+    if "stage" in spec and spec.index("stage") + 1 < ndim:
+        return spec.index("stage") + 1
+    return 0
+
+
+def _lookup_transpose_add(acc, tokens, ct, i, axis: int, tied: bool):
+    """``acc[i] += (d lookup / d table)^T ct``: each cotangent row added to its token's row of an
+    untied ``[V, D]`` table, or column of a tied table held as the head's ``[D, V]``; ``b x T``
+    entries, not a dense table per call.  ``axis``: the accumulator axis (:func:`_acc_axis`).  (Numpy's
+    rule places the advanced ``[b, T]`` axes first when the indices are apart, in place when adjacent.)"""
+    ct = ct.astype(acc.dtype)
+    if not tied:  # [V, D] table: acc [n, V, D] or [V, n, D]; both index to [b, T, D]
+        return acc.at[(i, tokens) if axis == 0 else (tokens, i)].add(ct)
+    if axis == 0:  # acc [n, D, V]: indexes to [b, T, D]
+        return acc.at[i, :, tokens].add(ct)
+    return acc.at[:, i, tokens].add(jnp.moveaxis(ct, -1, 0))  # acc [D, n, V]: indexes to [D, b, T]
+
+
+def _scoped(name: str):
+    """Run the function under ``jax.named_scope(name)``: the parts of a step that
+    ``asyncpp_jax.train.profile`` times separately (their names are its ``PARTS``)."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            with jax.named_scope(name):
+                return fn(*args, **kwargs)
+        return inner
+    return wrap
+
+
+@dataclasses.dataclass
+class _Device:
+    """One device's view of a step inside the ``shard_map``: its stage, both weight versions (in
+    ``compute_dtype``, the head as ``[D, V]``), the two batches, and the slot computations of one
+    tick of the table.  Each method is one slot kind; :meth:`tick` runs the two slots of a tick."""
+
+    fns: StageFns
+    delay: OneStepDelay
+    stage: Any  # this device's stage index (traced)
+    n_stages: int
+    cur: tuple  # (layers, top, head) of w[t] (or the predicted point)
+    prev: tuple  # the same for w[t-1]
+    batch: jax.Array
+    prev_batch: jax.Array
+    step: Any
+    slots: int  # stash ring slots
+    act_dtype: Any
+    top_axes: Any  # the replicated leaves' accumulator axes (:func:`_acc_axis`), a tree like their accumulators
+    template: ResidualTemplate = dataclasses.field(default_factory=ResidualTemplate)
+
+    @property
+    def tied(self) -> bool:
+        return self.fns.cfg.tie_embeddings
+
+    @property
+    def is_first(self):
+        return self.stage == 0
+
+    @property
+    def is_last(self):
+        return self.stage == self.n_stages - 1
+
+    def tokens_of(self, j):
+        m = jnp.mod(j, self.fns.microbatches)
+        return jnp.where(j < 0, self.prev_batch[m], self.batch[m])
+
+    def slot(self, j):
+        return jnp.mod(self.step * self.fns.microbatches + j, self.slots)
+
+    def dispatch(self, j, on, slot, idle, *operands):
+        """One conditional for a slot: ``idle(*operands)``, or ``slot(w, *operands)`` at the weights
+        ``w = (layers, top, head)`` of microbatch ``j``'s version (:meth:`OneStepDelay.branch`)."""
+        branches = [idle] + [functools.partial(slot, w) for w in self.delay.versions(self.cur, self.prev)]
+        return jax.lax.switch(self.delay.branch(j, on), branches, *operands)
+
+    def embedded(self, w, tokens, other):
+        """Stage 0's input: the tokens' embedding; another stage's: ``other``.  Every stage looks up
+        its microbatch's ``b x T`` rows and a select keeps stage 0's, not a nested conditional
+        (each conditional costs XLA:GPU a host read of its predicate)."""
+        return jnp.where(self.is_first, self.fns.embed(w[1], tokens).astype(self.act_dtype), other)
+
+    @_scoped("pp_fwd")
+    def forward(self, j, w, fwd_buf, stash, sums):
+        """Stages ``0..P-2``: the block on the embedded tokens or the received activation; the
+        backward's entry into the stash ring."""
+        x = self.embedded(w, self.tokens_of(j), fwd_buf)
+        h, entry, stats = self.fns.forward(w[0], x, self.template)
+        stash = [ring.at[self.slot(j)].set(e.astype(ring.dtype)) for ring, e in zip(stash, entry)]
+        return stash, _add_at(sums, self.delay.accumulator(j), stats), h.astype(self.act_dtype)
+
+    @_scoped("pp_bwd")
+    def backward(self, j, w, bwd_buf, stash, acc_l):
+        """Stages ``0..P-2``: the block's vjp from the stash entry; on stage 0 the input
+        cotangent goes into the embedding's gradient (the lookup's transpose, in :meth:`tick`)."""
+        tokens, i = self.tokens_of(j), self.delay.accumulator(j)
+        entry = [ring[self.slot(j)] for ring in stash]
+        x_again = lambda: self.embedded(w, tokens, entry[0])  # noqa: E731
+        g_l, g_x = self.fns.backward(w[0], entry, x_again, bwd_buf, self.template)
+        return _add_at(acc_l, i, g_l), g_x.astype(self.act_dtype)
+
+    @_scoped("pp_last")
+    def last(self, j, w, fwd_buf, acc_l, acc_t, sums):
+        """Stage ``P-1``: block, final norm, head and loss of microbatch ``j`` as one fused vjp."""
+        i, tokens = self.delay.accumulator(j), self.tokens_of(j)
+        g_l, g_h, g_x, stats = self.fns.last(w[0], w[2], fwd_buf, tokens)
+        acc_t = {**acc_t, "head": _add_at(acc_t["head"], i, g_h, self.top_axes["head"])}
+        return _add_at(acc_l, i, g_l), acc_t, _add_at(sums, i, stats), g_x.astype(self.act_dtype)
+
+    @_scoped("pp_embed_grad")
+    def lookup_transpose_add(self, acc_t, tokens, ct, i):
+        """Stage 0's embedding gradient, added to accumulator ``i`` (of a tied table: in the head's
+        ``[D, V]`` accumulator, which the last stage also adds to)."""
+        if self.tied:
+            w = _lookup_transpose_add(acc_t["head"]["w"], tokens, ct, i, self.top_axes["head"]["w"], True)
+            return {**acc_t, "head": {**acc_t["head"], "w": w}}
+        table = _lookup_transpose_add(acc_t["embed"]["embedding"], tokens, ct, i,
+                                      self.top_axes["embed"]["embedding"], False)
+        return {**acc_t, "embed": {"embedding": table}}
+
+    @_scoped("pp_tick")
+    def tick(self, carry, row):
+        """One tick: a forward slot and a backward slot (the fused last slot on stage ``P-1``), each
+        one conditional (:meth:`dispatch`: idle slots compute nothing), then the activation to
+        ``s+1`` and the cotangent to ``s-1``."""
+        stash, fwd_buf, bwd_buf, acc_l, acc_t, sums = carry
+        jf, jb = row[0], row[1]
+        stash, sums, h_out = self.dispatch(
+            jf, ~self.is_last, lambda w, st, su: self.forward(jf, w, fwd_buf, st, su),
+            lambda st, su: (st, su, jnp.zeros_like(fwd_buf)), stash, sums)
+        # Two conditionals, not one with a branch per slot kind: a buffer that a branch passes
+        # through unchanged is copied by XLA at the branch's end, so each takes only what its slot
+        # writes (the head's vocabulary-sized accumulator goes through the last stage's alone).
+        acc_l, g_x = self.dispatch(jb, ~self.is_last, lambda w, al: self.backward(jb, w, bwd_buf, stash, al),
+                                   lambda al: (al, jnp.zeros_like(bwd_buf)), acc_l)
+        acc_l, acc_t, sums, g_x = self.dispatch(jb, self.is_last,
+                                                lambda w, al, at, su, _: self.last(jb, w, fwd_buf, al, at, su),
+                                                lambda *a: a, acc_l, acc_t, sums, g_x)
+        # Stage 0's input cotangent into the embedding's gradient rows, outside the conds (every
+        # stage scatters, the others zeros: b x T rows): updated inside a cond branch, XLA copies
+        # the whole vocabulary-sized accumulator at every backward slot.
+        ct = jnp.where(self.is_first, g_x, jnp.zeros_like(g_x)).astype(jnp.float32)
+        acc_t = self.lookup_transpose_add(acc_t, self.tokens_of(jb)[:, :-1], ct, self.delay.accumulator(jb))
+        with jax.named_scope("pp_send"):
+            fwd_buf = jax.lax.ppermute(h_out, "stage", [(i, i + 1) for i in range(self.n_stages - 1)])
+            bwd_buf = jax.lax.ppermute(g_x, "stage", [(i + 1, i) for i in range(self.n_stages - 1)])
+        return (stash, fwd_buf, bwd_buf, acc_l, acc_t, sums), None
+
+
+@_scoped("pp_versions")
+def _versions(model_cfg, params):
+    """(layers, top, head) of a weight version in ``compute_dtype``, device-varying; the head
+    ``[D, V]`` (:func:`stage.head_of`: a tied table is held in that layout, so nothing is
+    transposed)."""
+    layers, top = split_params(vary(dense.compute_view(model_cfg, params)))
+    return layers, top, head_of(model_cfg, top)
+
+
+def make_grads_fn(model_cfg, mesh, table: tick_tables.TickTable, is_async: bool, carries_state: bool,
+                   params_abstract, expert_parallel: bool = False, recompute: bool = True,
+                   stage_rows: tuple | None = None):
+    """``shard_map``-ped ``(cur, prev, batch, pstate, prev_live, step) -> (grads, stats, pstate)``."""
+    n_stages, M = table.n_stages, table.microbatches
+    fns = StageFns(model_cfg, M, recompute, stage_rows)
+    S = tick_tables.stash_slots(n_stages, first_stage_stashes=not recompute)
+    act_dtype = dense.dtype_of(model_cfg.compute_dtype)
+    pspec = param_specs(params_abstract, expert_parallel)
+    uspec = update_specs(params_abstract, n_stages, expert_parallel)
+    tied = model_cfg.tie_embeddings
+    top_specs = _top_acc_specs(model_cfg, uspec)
+    rows = np.stack([table.forward, table.backward], axis=-1)  # [ticks, P, 2]: (forward, backward) slot
+
+    def local(cur, prev, batch, pstate, prev_live, step):
+        s = jax.lax.axis_index("stage")
+        cur_v = _versions(model_cfg, cur)
+        prev_v = _versions(model_cfg, prev) if is_async else cur_v
+        b, T = batch.shape[1], batch.shape[2] - 1
+        if carries_state:
+            strip = lambda x: x[0, 0]  # noqa: E731
+            stash, fwd_buf, bwd_buf = [strip(r) for r in pstate.stash], strip(pstate.fwd_buf), strip(pstate.bwd_buf)
+            prev_batch = pstate.prev_batch
+        else:
+            fwd_buf = bwd_buf = vary(jnp.zeros((b, T, model_cfg.d_model), act_dtype))
+            stash = [vary(jnp.zeros((S,) + e.shape, e.dtype)) for e in residual_shapes(fns, cur_v[0], fwd_buf)]
+            prev_batch = batch
+        delay = OneStepDelay(is_async, prev_live)
+        n_acc = delay.accumulators
+        # The embedding's lookup gradient (stage 0) and the head's (stage P-1, as [D, V]); a tied
+        # table has one accumulator, in its (the head's) layout, for both.  Each replicated leaf's
+        # accumulators are stacked along the axis _acc_axis gives it, the layers' in front.
+        top_acc = {"head": cur_v[2]} if tied else {"embed": cur_v[1]["embed"], "head": cur_v[2]}
+        top_axes = jax.tree.map(lambda x, sp: _acc_axis(sp, x.ndim), top_acc, top_specs)
+        stacked = lambda x, ax: jnp.zeros(x.shape[:ax] + (n_acc,) + x.shape[ax:], jnp.float32)  # noqa: E731
+        acc_l = vary(jax.tree.map(lambda x: stacked(x, 0), cur_v[0]))
+        acc_t = vary(jax.tree.map(stacked, top_acc, top_axes))
+        dev = _Device(fns, delay, s, n_stages, cur_v, prev_v, batch, prev_batch, step, S, act_dtype, top_axes)
+        sums0 = vary({k: jnp.zeros((n_acc,), jnp.float32) for k in stat_names(model_cfg)})
+        carry = (stash, fwd_buf, bwd_buf, acc_l, acc_t, sums0)
+        carry, _ = jax.lax.scan(dev.tick, carry, jnp.take(rows, s, axis=1))
+        return _finish(model_cfg, carry, pstate, cur, batch, prev_live, is_async, carries_state, top_specs,
+                       top_axes, expert_parallel)
+
+    def grads_fn(cur, prev, batch, pstate, prev_live, step):
+        sspec = pipeline_state_specs(params_abstract, pstate, expert_parallel)
+        fn = jax.shard_map(local, mesh=mesh, in_specs=(pspec, pspec, BATCH_SPEC, sspec, P(), P()),
+                           out_specs=(uspec, P(), sspec))
+        return fn(cur, prev, batch, pstate, prev_live, step)
+
+    return grads_fn
+
+
+def _top_acc_specs(model_cfg, uspec) -> dict:
+    """Where each replicated leaf's update lives (:func:`update_specs`), laid out like the
+    accumulators of the engine's top leaves: ``{'head': {'final_norm', 'w'}}`` (and ``'embed'`` for
+    an untied model, whose head ``w`` is the ``lm_head`` kernel)."""
+    if model_cfg.tie_embeddings:
+        return {"head": {"final_norm": uspec["final_norm"], "w": uspec["embed"]["embedding"]}}
+    return {"head": {"final_norm": uspec["final_norm"], "w": uspec["lm_head"]["kernel"]}, "embed": uspec["embed"]}
+
+
+def _reduce_accumulators(model_cfg, acc_l, acc_t, sums, n_acc, top_specs, top_axes):
+    """The step's accumulators -> ``[(this replica's gradient laid out as update_specs, loss sums)]``,
+    one per batch they hold.  The replicated leaves are reduced over ``stage`` once for all
+    batches; the reduction over ``data`` is the caller's, once per batch's whole gradient."""
+    summed = jax.tree.map(reduce_top, acc_t, top_specs, top_axes)
+    out = []
+    for k in range(n_acc):
+        t = jax.tree.map(lambda a, ax: jax.lax.index_in_dim(a, k, ax, keepdims=False), summed, top_axes)
+        if model_cfg.tie_embeddings:  # both uses of the table, in its one [D, V] accumulator
+            top = {"final_norm": t["head"]["final_norm"], "embed": {"embedding": t["head"]["w"]}}
+        else:
+            top = {**dense.grads_from_head(model_cfg, t["head"]), "embed": t["embed"]}
+        grads = join_params(jax.tree.map(lambda a: a[k], acc_l), top)
+        out.append((grads, {n: jax.lax.pmean(jax.lax.psum(v[k], "stage"), "data") for n, v in sums.items()}))
+    return out
+
+
+@_scoped("pp_reduce")
+def _finish(model_cfg, carry, pstate, cur, batch, prev_live, is_async, carries_state, top_specs, top_axes,
+            expert_parallel):
+    """The end of a step: the applied batch's gradient and loss (accumulator 0, joined under
+    ``2bw`` with its head carried in as ``grad_partial``), and the in-flight state to carry."""
+    stash, fwd_buf, bwd_buf, acc_l, acc_t, sums = carry
+    n_acc = jax.tree.leaves(acc_l)[0].shape[0]  # OneStepDelay.accumulators: 2 under the delayed table
+    reduced = _reduce_accumulators(model_cfg, acc_l, acc_t, sums, n_acc, top_specs, top_axes)
+    grads, totals = reduced[0]
+    new = None
+    if carries_state:
+        if is_async:  # batch t-1's head, carried from the previous step, joins its tail before the reduction
+            keep = lambda a, p: a + jnp.where(prev_live, p, jnp.zeros_like(p))  # noqa: E731
+            grads = jax.tree.map(keep, grads, on_data_axis(pstate.grad_partial, expert_parallel, add=False))
+            totals = jax.tree.map(keep, totals, pstate.stats_partial)
+            partial, partial_sums = reduced[1]
+        else:
+            partial = jax.tree.map(jnp.zeros_like, grads)
+            partial_sums = jax.tree.map(jnp.zeros_like, totals)
+        partial = on_data_axis(partial, expert_parallel, add=True)
+        grow = lambda x: x[None, None]  # noqa: E731
+        new = PipelineState(prev_params=cur, stash=[grow(r) for r in stash], fwd_buf=grow(fwd_buf),
+                            bwd_buf=grow(bwd_buf), grad_partial=partial, stats_partial=partial_sums,
+                            prev_batch=batch)
+    grads = mean_over_data(grads, expert_parallel)  # once per batch: its head and tail together
+    count = totals.pop("count")  # 0 at a fill update: no batch's gradient is applied, so no loss
+    stats = {k: v / count for k, v in totals.items()}
+    stats["loss_microbatches"] = count
+    return grads, stats, new

@@ -1,0 +1,135 @@
+"""What a pipeline run carries between steps (:class:`PipelineState`, ``2bw`` only), and where
+every part of a pipeline ``TrainState`` lives on the mesh."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from asyncpp_jax.models import dense
+from asyncpp_jax.models.moe import with_expert_parallel
+from asyncpp_jax.optim.prediction import WeightPrediction, WeightPredictionState
+from asyncpp_jax.pipeline import tick_tables
+from asyncpp_jax.pipeline.collectives import vary
+from asyncpp_jax.pipeline.layout import DEVICE, local_over_data, param_specs, partial_specs, update_specs
+from asyncpp_jax.pipeline.stage import StageFns, residual_shapes, split_params, stat_names
+from asyncpp_jax.train_state import BATCH_SPEC, TrainState, from_host
+
+
+class PipelineState(NamedTuple):
+    """What crosses ``train_step`` calls under ``2bw`` (the ``sync`` schedule carries nothing).
+
+    Each tensor is held once: the weight version is sharded like the parameters, the partial
+    gradient like the update (reduced over ``stage`` at the end of each step), with each data
+    replica's own (:func:`partial_specs`: it is reduced over ``data`` once, with its tail), and the
+    activation state is per device because every device's is different.
+    """
+
+    prev_params: Any  # w[t-1]: the weight version of the batch still draining
+    stash: list  # per entry [D, P, S, ...]: stage inputs (recompute) or residuals awaiting their backward
+    fwd_buf: jax.Array  # [D, P, b, T, d]: activation received from stage s-1 (compute dtype)
+    bwd_buf: jax.Array  # [D, P, b, T, d]: cotangent received from stage s+1 (compute dtype)
+    grad_partial: Any  # the in-flight batch's gradient so far: [data, ...] per replica (partial_specs)
+    stats_partial: dict  # the in-flight batch's loss sums so far (``count``: its finished microbatches)
+    prev_batch: jax.Array  # [M, B, T+1]: the in-flight batch's tokens (the last stage needs targets)
+    prediction: Any = None  # optim.WeightPredictionState (δ, sharded like the params) with weight prediction
+
+
+def ring_shapes(model_cfg, mesh, params_abstract, microbatch_rows: int, seq_len: int, recompute: bool,
+                 expert_parallel: bool, stage_rows: tuple | None = None) -> list:
+    """Per-device shapes of one stash entry, traced on the mesh (an MoE block's all_to_all needs it)."""
+    fns = StageFns(model_cfg, 1, recompute, stage_rows)
+    act = jax.ShapeDtypeStruct((microbatch_rows, seq_len, model_cfg.d_model), dense.dtype_of(model_cfg.compute_dtype))
+
+    def local(layers, x):
+        shapes = residual_shapes(fns, dense.compute_view(model_cfg, vary({"layers": layers}))["layers"], vary(x))
+        return [vary(jnp.zeros(sh.shape, sh.dtype))[None, None] for sh in shapes]
+
+    layer_specs = param_specs(params_abstract, expert_parallel)["layers"]
+    out = jax.eval_shape(jax.shard_map(local, mesh=mesh, in_specs=(layer_specs, P()), out_specs=DEVICE),
+                         params_abstract["layers"], act)
+    return [jax.ShapeDtypeStruct(o.shape[2:], o.dtype) for o in out]
+
+
+def init_pipeline_state(model_cfg, params, mesh, microbatches: int, global_batch: int, seq_len: int,
+                        schedule: str = "2bw", recompute: bool = True, expert_parallel: bool = False,
+                        weight_prediction: WeightPrediction | None = None, stage_rows: tuple | None = None):
+    """The in-flight state of a fresh run: ``None`` for ``sync`` (nothing crosses steps).
+    ``params`` in the engine's layout (padded by :func:`pad_layers` when ``stage_rows`` is set)."""
+    if schedule != "2bw":
+        return None
+    data, n_stages = mesh.shape["data"], mesh.shape["stage"]
+    if expert_parallel:
+        model_cfg = with_expert_parallel(model_cfg, "data", data)
+    b = global_batch // microbatches // data
+    slots = tick_tables.stash_slots(n_stages, first_stage_stashes=not recompute)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    entry = ring_shapes(model_cfg, mesh, abstract, b, seq_len, recompute, expert_parallel, stage_rows)
+    act = jnp.zeros((data, n_stages, b, seq_len, model_cfg.d_model), dense.dtype_of(model_cfg.compute_dtype))
+    return PipelineState(
+        prev_params=jax.tree.map(jnp.copy, params),
+        stash=[jnp.zeros((data, n_stages, slots) + e.shape, e.dtype) for e in entry],
+        fwd_buf=act, bwd_buf=act,
+        grad_partial=jax.tree_util.tree_map_with_path(
+            lambda path, x: jnp.zeros((data,) * local_over_data(path, expert_parallel) + x.shape, jnp.float32),
+            params),
+        stats_partial={k: jnp.zeros((), jnp.float32) for k in stat_names(model_cfg)},
+        prev_batch=jnp.zeros((microbatches, global_batch // microbatches, seq_len + 1), jnp.int32),
+        prediction=weight_prediction.init(params) if weight_prediction is not None else None,
+    )
+
+
+def pipeline_state_specs(params, pstate: PipelineState | None, expert_parallel: bool = False):
+    if pstate is None:
+        return None
+    n_stages = pstate.fwd_buf.shape[1]
+    return PipelineState(
+        prev_params=param_specs(params, expert_parallel), stash=[DEVICE] * len(pstate.stash), fwd_buf=DEVICE,
+        bwd_buf=DEVICE, grad_partial=partial_specs(params, n_stages, expert_parallel),
+        stats_partial={k: P() for k in pstate.stats_partial}, prev_batch=BATCH_SPEC,
+        prediction=None if pstate.prediction is None else WeightPredictionState(
+            count=P(), velocity=param_specs(params, expert_parallel)))
+
+
+def state_shardings(state, mesh, params_abstract, expert_parallel: bool = False):
+    """NamedShardings for a (possibly abstract) pipeline TrainState: layers and their optimizer
+    moments over ``stage`` (experts also over ``data`` with expert parallelism), the in-flight
+    state per device, the rest replicated."""
+    shard = functools.partial(NamedSharding, mesh)
+    pspecs = param_specs(params_abstract, expert_parallel)
+    n_layers = {x.shape[0] for x in jax.tree.leaves(params_abstract["layers"])}.pop()
+    # Optimizer moments mirror their params' shapes: an expert-shaped moment is sharded like the
+    # experts, a replicated leaf's like its update (split over stage), a stacked-layer one like the layers.
+    expert_shapes = {tuple(x.shape) for x, sp in zip(jax.tree.leaves(params_abstract), jax.tree.leaves(pspecs))
+                     if len(sp) > 1}
+    _, top = split_params(params_abstract)
+    top_specs = split_params(update_specs(params_abstract, mesh.shape["stage"], expert_parallel))[1]
+    top_shapes = {tuple(x.shape): sp for x, sp in zip(jax.tree.leaves(top), jax.tree.leaves(top_specs))}
+
+    def opt_leaf(x):
+        if tuple(x.shape) in expert_shapes:
+            return shard(P("stage", "data"))
+        if tuple(x.shape) in top_shapes:
+            return shard(top_shapes[tuple(x.shape)])
+        stacked = len(x.shape) >= 2 and x.shape[0] == n_layers
+        return shard(P("stage") if stacked else P())
+
+    return TrainState(step=shard(P()), params=jax.tree.map(shard, pspecs),
+                      opt_state=jax.tree.map(opt_leaf, state.opt_state),
+                      runner_state=jax.tree.map(shard, pipeline_state_specs(params_abstract, state.runner_state,
+                                                                            expert_parallel)))
+
+
+def place_state(state: TrainState, mesh, params_abstract, expert_parallel: bool = False) -> TrainState:
+    """Put a fresh state, which every process holds whole, on the pipeline mesh (layers over
+    ``stage``); in a job of several processes each one supplies only its own devices' shards."""
+    return jax.tree.map(from_host, state_shardings(state, mesh, params_abstract, expert_parallel), state)
+
+
+def global_batch_sharding(mesh) -> NamedSharding:
+    return NamedSharding(mesh, BATCH_SPEC)
