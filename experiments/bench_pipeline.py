@@ -5,6 +5,7 @@
     python experiments/bench_pipeline.py compile   # compile time at 2x depth and 2x microbatches
     python -m experiments.bench_pipeline processes # sync / 2bw with each stage a process on its own core
     python experiments/bench_pipeline.py schedules # when does 2bw pay? every schedule's program, simulated
+    python experiments/bench_pipeline.py conditionals # conditionals each update executes (a GPU's host syncs)
 
 Absolute times on a shared machine are noise, so every figure is a ratio of two programs timed
 side by side in alternating rounds (median of rounds).
@@ -21,6 +22,11 @@ side by side in alternating rounds (median of rounds).
   validated and simulated from per-action costs (``--costs``, default F=1, B=2, I=W=1): its critical
   path per step, its bubble fraction and its peak stash per device; then each schedule's smallest
   ``M`` and the tick tables' formulas beside what their programs give.  Pure Python, no JAX program.
+* ``conditionals``: the ``lax.cond`` / ``lax.switch`` each update executes, counted in the traced
+  train step (:mod:`asyncpp_jax.pipeline.census`; an upper bound: each conditional's costliest
+  branch), for ``sync`` and ``2bw`` at P in {4, 8} and their smallest M, beside the single-device
+  ``simulate`` step.  XLA:GPU reads each conditional's predicate on the host, a cost this CPU does
+  not show.  Traced only, nothing compiled or run.
 * ``processes``: ``overlap`` where the stages surely run at the same time.  On XLA:CPU the fake
   devices of one process do not (one device's program already uses every core the process may
   use), so this mode starts one process per stage, each pinned to its own core, forming one JAX job
@@ -44,7 +50,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-MODES = ("work", "overlap", "compile", "processes", "schedules")
+MODES = ("work", "overlap", "compile", "processes", "schedules", "conditionals")
 
 
 def _setup_host(mode: str, devices: int) -> None:
@@ -185,7 +191,7 @@ if ARGS is not None and ARGS.mode == "processes" and not ARGS.worker:
                                           module="experiments.bench_pipeline", pin_cpus=True,
                                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 if ARGS is not None:
-    _setup_host(ARGS.mode, 4 if ARGS.mode not in ("overlap", "processes") else 2)
+    _setup_host(ARGS.mode, {"overlap": 2, "processes": 2, "conditionals": 8}.get(ARGS.mode, 4))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -608,6 +614,30 @@ def compile_times(args) -> None:
                                               "twice_depth": deep / base, "twice_microbatches": wide / base})
 
 
+def conditionals(args) -> None:
+    from asyncpp_jax.pipeline.census import census
+
+    def count(step, state, batch) -> int:
+        c = census(jax.make_jaxpr(step)(state, batch))
+        assert c.while_loops == 0, "a while loop's trip count is unknown: the count would be a lower bound"
+        return c.conditionals
+
+    sim = Simulated(args, 8)
+    rows = [{"runner": "simulate", "P": 1, "M": 8, "conditionals": count(sim.step, sim.state, sim.batch)}]
+    for P in (4, 8):
+        for schedule in ("sync", "2bw"):
+            M = tick_tables.min_microbatches_2bw(P) if schedule == "2bw" else P
+            run = Pipelined(args, P, M, schedule, n_layers=P)
+            rows.append({"runner": f"pipeline {schedule}", "P": P, "M": M,
+                         "ticks": (tick_tables.async_table if schedule == "2bw" else tick_tables.sync_table)(P, M).ticks,
+                         "conditionals": count(run.step, run.state, run.batch)})
+    print("| runner | P | M | ticks | conditionals per update |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['runner']} | {r['P']} | {r['M']} | {r.get('ticks', '')} | {r['conditionals']} |")
+    _record(args, "bench_pipeline_conditionals", {"rows": rows, "layers_per_stage": 1})
+
+
 if __name__ == "__main__":
     {"work": work, "overlap": overlap, "compile": compile_times, "processes": processes,
-     "schedules": schedules}[ARGS.mode](ARGS)
+     "schedules": schedules, "conditionals": conditionals}[ARGS.mode](ARGS)

@@ -290,6 +290,16 @@ def bench_pipeline_compile(doc: pathlib.Path) -> str:
         "", f"Command: `{rows[0]['command']}`. " + _provenance(rows, [BENCH_LINK / "bench_pipeline.jsonl"], doc)])
 
 
+def bench_pipeline_conditionals(doc: pathlib.Path) -> str:
+    rows = records.load("bench_pipeline", "bench_pipeline_conditionals")[-1:]
+    lines = ["| runner | P | M | ticks | conditionals per update |", "|---|---|---|---|---|"]
+    for r in rows[0]["figures"]["rows"]:
+        lines.append(f"| {r['runner']} | {r['P']} | {r['M'] if 'ticks' in r else ''} | {r.get('ticks', '')} "
+                     f"| {r['conditionals']} |")
+    return "\n".join(lines + ["", f"Command: `{rows[0]['command']}`. "
+                               + _provenance(rows, [BENCH_LINK / "bench_pipeline.jsonl"], doc)])
+
+
 def _schedule_groups(rec: dict) -> dict:
     """``(P, M) -> {schedule: row}`` of a ``bench_pipeline_schedules`` record."""
     groups = collections.defaultdict(dict)
@@ -475,7 +485,7 @@ def bench_prepare(doc: pathlib.Path) -> str:
 
 
 RENDERERS = {f.__name__: f for f in (paper_regime, bench_small_updates, bench_prepare, notebooks, glance, main_job, main_job_summary, tiny_optimizers, bench_optimizers, optimizers_study,
-                                      bench_pipeline_work, bench_pipeline_processes, bench_pipeline_compile, bench_pipeline_schedules,
+                                      bench_pipeline_work, bench_pipeline_processes, bench_pipeline_compile, bench_pipeline_conditionals, bench_pipeline_schedules,
                                       moe10b_dry_run, fit_table, ci)}
 
 
