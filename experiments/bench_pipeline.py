@@ -20,7 +20,9 @@ side by side in alternating rounds (median of rounds).
 * ``schedules``: for ``P`` in {4, 8} and ``M`` in {P, 2P, 4P}, each schedule's program
   (asyncpp_jax.pipeline.programs: ``1f1b``, ``interleaved`` with v = 2, ``zb-h1``, ``2bw``) is
   validated and simulated from per-action costs (``--costs``, default F=1, B=2, I=W=1): its critical
-  path per step, its bubble fraction and its peak stash per device; then each schedule's smallest
+  path per step, its bubble fraction, its peak stash per device and its lock-step path (the same
+  program run by an SPMD executor: one action per device per slot, each slot as long as its
+  costliest action, ``programs.lockstep``); then each schedule's smallest
   ``M`` and the tick tables' formulas beside what their programs give.  Pure Python, no JAX program.
 * ``conditionals``: the ``lax.cond`` / ``lax.switch`` each update executes, counted in the traced
   train step (:mod:`asyncpp_jax.pipeline.census`; an upper bound: each conditional's costliest
@@ -164,11 +166,11 @@ def schedules(args) -> None:
     for P, c in per_p.items():
         print(f"P={P}: per-action costs ({unit}) " + ", ".join(f"{k}={v:.3g}" for k, v in c.items()))
     print(f"p2p {args.p2p:g} (interleaved: each chunk's action costs 1/v of the stage's)\n")
-    print("| P | M | schedule | critical path | / ideal | bubble fraction | peak stash per device |")
-    print("|---|---|---|---|---|---|---|")
+    print("| P | M | schedule | critical path | / ideal | bubble fraction | peak stash per device | lock-step path |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['P']} | {r['M']} | {r['schedule']} | {r['critical_path']:.2f} | {r['critical_path'] / r['ideal']:.3f} "
-              f"| {r['bubble_fraction']:.3f} | {' '.join(f'{s:g}' for s in r['stash'])} |")
+              f"| {r['bubble_fraction']:.3f} | {' '.join(f'{s:g}' for s in r['stash'])} | {r['lockstep']:.2f} |")
     print()
     for m in mins:
         print(", ".join(f"{k}: {v}" for k, v in m.items()))

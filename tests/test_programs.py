@@ -179,3 +179,23 @@ def test_buffers_and_update_collective():
     # a costly update is paid once per step, after the flush (sync) or between windows (2bw)
     assert pr.step_time(p, UNIT, update=5.0) == pr.step_time(p, UNIT) + 5.0
     assert pr.step_time(pr.two_bw(4, 8), UNIT, update=5.0) == pr.step_time(pr.two_bw(4, 8), UNIT) + 5.0
+
+
+def test_lockstep_slot_lasts_as_long_as_its_costliest_action():
+    # 1f1b, P = M = 2 (d0: F0 F1 B0 B1; d1: F0 B0 F1 B1), one action per slot, a message lands for
+    # the next slot: slots F0 | F1,F0 | -,B0 | B0,F1 | -,B1 | B1 cost 1+1+2+2+2+2 with B = 2F, while
+    # the event-driven run overlaps d1's F1 with d0's B0 (9); with equal costs the two agree.
+    p = pr.validate(pr.one_f_one_b(2, 2))
+    costs = {"F": 1.0, "B": 2.0}
+    assert pr.lockstep(p, costs) == [10.0] and pr.step_time(p, costs) == 9.0
+    unit = {"F": 1.0, "B": 1.0}
+    assert pr.lockstep_time(p, unit) == pr.step_time(p, unit) == 6.0
+
+
+def test_lockstep_pairs_of_the_tick_tables_are_balanced():
+    # The engine's 2bw ticks put every device's F in one slot and its B in the next: the steady
+    # window is the ideal, a device's work (M (F + B)), where textbook 2bw pays for mixed slots.
+    costs = {"F": 1.0, "B": 2.0}
+    ticks = pr.validate(pr.generate("2bw-ticks", 4, 8))
+    assert pr.lockstep_time(ticks, costs) == pr.work(ticks, costs) / 4 == 24.0
+    assert pr.lockstep_time(pr.validate(pr.two_bw(4, 8)), costs) > 24.0

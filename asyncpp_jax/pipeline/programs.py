@@ -513,6 +513,47 @@ def _deadlock(p: Program, lists, nxt, done):
     _fail(p, stuck[0][0], stuck[0][1].action, "dataflow", f"deadlock: {text}")
 
 
+def lockstep(p: Program, costs: dict | None = None, steps: int = 1, update: float = 0.0) -> list[float]:
+    """Each window's duration when an SPMD executor runs the program in lock-step slots: in each slot
+    every device runs its next action if each of its dependencies ended in an earlier slot (a message
+    sent in a slot lands for the next: one exchange per slot), or idles; a slot lasts as long as its
+    costliest action, since the devices meet at its exchange.  A window ends with the update (cost
+    ``update``), a barrier: no device starts the next window's actions before it.  Raises rule
+    'dataflow' on a deadlock.
+
+    Unlike :func:`simulate`, a fast action waits for the slowest one beside it: with ``B = 2F``, a
+    slot where one device runs a ``B`` and another an ``F`` costs ``2F`` on both."""
+    costs = {**DEFAULT_COSTS, **(costs or {})}
+    lists = unroll(p, steps)
+    nxt, slot_of, durations = [0] * p.devices, {}, []
+    for n in range(steps):
+        elapsed = 0.0
+        while True:
+            k = len(slot_of) and max(slot_of.values()) + 1
+            ran = []
+            for d, ops in enumerate(lists):
+                op = ops[nxt[d]] if nxt[d] < len(ops) and ops[nxt[d]].step == n else None
+                if op is not None and all((e := _ended(slot_of, *dep)) is not None and e < k
+                                          for dep in _deps(op, p.stages)):
+                    ran.append(op)
+                    nxt[d] += 1
+            if not ran:
+                break
+            for op in ran:
+                slot_of[op.key] = k
+            elapsed += max(_cost(op, costs, p.chunks) for op in ran)
+        if any(nxt[d] < len(ops) and ops[nxt[d]].step == n for d, ops in enumerate(lists)):
+            _deadlock(p, lists, nxt, slot_of)
+        durations.append(elapsed + update)
+    return durations
+
+
+def lockstep_time(p: Program, costs: dict | None = None, update: float = 0.0) -> float:
+    """:func:`step_time` for the lock-step executor (:func:`lockstep`): a flushed program's one
+    window, or a flushless one's steady-state window (the last of ``delay + 5``)."""
+    return lockstep(p, costs, 1 if p.delay == 0 else p.delay + 5, update)[-1]
+
+
 # ------------------------------------------------------------------------------------ derived
 
 
@@ -601,4 +642,4 @@ def table_row(name: str, P: int, M: int, v: int | None = None, costs: dict | Non
     stash per device (experiments/bench_pipeline.py's ``schedules`` table)."""
     p = validate(generate(name, P, M, v))
     return {"P": P, "M": M, "schedule": p.name, "critical_path": step_time(p, costs, p2p),
-            "ideal": work(p, costs) / P, "bubble_fraction": bubble_fraction(p, costs, p2p), "stash": stash_depth(p)}
+            "lockstep": lockstep_time(p, costs), "ideal": work(p, costs) / P, "bubble_fraction": bubble_fraction(p, costs, p2p), "stash": stash_depth(p)}
