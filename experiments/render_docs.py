@@ -393,12 +393,27 @@ def _lockstep_note(groups: dict) -> str:
             "tests/test_programs.py), at the price of a stash of 2P - 1 microbatches on stage 0.")
 
 
+def _dry_runs(doc: pathlib.Path, config: str, variants=("",)) -> str:
+    """The latest dry-run record of ``configs/{config}.py`` for each command suffix in ``variants``."""
+    recs = records.load("dry_run", "dry_run")
+    rows = []
+    for suffix in variants:
+        rows += [r for r in recs if r["command"].split("--dry_run")[0].rstrip().endswith(f"configs/{config}.py")
+                 and r["command"].split("--dry_run", 1)[1].strip() == suffix][-1:]
+    out = []
+    for r in rows:
+        f = r["figures"]
+        out += [f"```\n$ {r['command']}", *f["stdout"], "```", "",
+                f"{f['wall_s']} s end to end, {f['compile_s']} s of it compiling, on {r['hardware']}.", ""]
+    return "\n".join(out + [_provenance(rows, [BENCH_LINK / "dry_run.jsonl"], doc)])
+
+
 def moe10b_dry_run(doc: pathlib.Path) -> str:
-    rows = records.load("dry_run", "dry_run")[-1:]
-    f = rows[0]["figures"]
-    return "\n".join([f"```\n$ {rows[0]['command']}", *f["stdout"], "```", "",
-                      f"{f['wall_s']} s end to end, {f['compile_s']} s of it compiling, on {rows[0]['hardware']}. "
-                      + _provenance(rows, [BENCH_LINK / "dry_run.jsonl"], doc)])
+    return _dry_runs(doc, "moe10b")
+
+
+def llama3_8b_dry_run(doc: pathlib.Path) -> str:
+    return _dry_runs(doc, "llama3_8b", ("", "--config.pipeline.stages=8"))
 
 
 def fit_table(doc: pathlib.Path) -> str:
@@ -507,7 +522,7 @@ def bench_prepare(doc: pathlib.Path) -> str:
 
 RENDERERS = {f.__name__: f for f in (paper_regime, bench_small_updates, bench_prepare, notebooks, glance, main_job, main_job_summary, tiny_optimizers, bench_optimizers, optimizers_study,
                                       bench_pipeline_work, bench_pipeline_processes, bench_pipeline_compile, bench_pipeline_conditionals, bench_pipeline_schedules,
-                                      moe10b_dry_run, fit_table, ci)}
+                                      moe10b_dry_run, llama3_8b_dry_run, fit_table, ci)}
 
 
 def render(text: str, doc: pathlib.Path) -> str:

@@ -398,12 +398,13 @@ def test_2bw_reduces_each_gradient_over_data_once():
 
 
 @pytest.mark.needs_devices(2)
-@pytest.mark.parametrize("schedule", ["sync", "2bw"])
-def test_each_slot_is_one_conditional(schedule):
-    """XLA:GPU reads each conditional's predicate on the host: a tick runs three, its forward slot,
-    its backward slot and the last stage's fused slot, each one ``lax.switch`` that also picks the
-    weight version under 2bw; the eval step runs one per tick.  (Before: 5 per tick under sync, 10
-    under 2bw, 3 in eval.)"""
+@pytest.mark.parametrize("schedule,per_tick", [("sync", 5), ("2bw", 10)])
+def test_conditionals_per_tick(schedule, per_tick):
+    """XLA:GPU reads each conditional's predicate on the host, so their number per update is a cost
+    (docs/pipeline.md).  A train tick runs its forward, backward and last-stage slots each under a
+    cond, with nested conds for stage 0's embedding and, under 2bw, for the weight version of each
+    use: 5 per tick under sync, 10 under 2bw (merging them into one switch per slot made XLA:CPU
+    copy the stash ring in every branch).  The eval step runs one switch per tick (3 conds before)."""
     cfg, data = model_cfg(), batches(1, 4, 8)
     mesh = engine.make_pipeline_mesh(1, 2)
     tx = make_opt("adamw")
@@ -412,7 +413,7 @@ def test_each_slot_is_one_conditional(schedule):
     state = init_pipeline(cfg, tx, mesh, 4, 8, schedule)
     batch = jax.device_put(data[0], engine.global_batch_sharding(mesh))
     table = (tick_tables.async_table if schedule == "2bw" else tick_tables.sync_table)(2, 4)
-    assert census(jax.make_jaxpr(step)(state, batch)) == Census(3 * table.ticks, 0)
+    assert census(jax.make_jaxpr(step)(state, batch)) == Census(per_tick * table.ticks, 0)
     evaluate = engine.make_pipeline_eval_step(cfg, mesh, abstract, microbatch_rows=2)
     rows = jax.device_put(data[0].reshape(8, -1), NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
     # 8 rows in microbatches of 2 through 2 stages: 4 + 2 - 1 ticks

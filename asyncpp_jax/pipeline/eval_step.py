@@ -47,15 +47,17 @@ def make_pipeline_eval_step(model_cfg, mesh, params_abstract, microbatch_rows: i
             j = k - s
             tokens = mbs[jnp.clip(j, 0, n_mb - 1)]
 
-            def block(buf):
-                # Stage 0's input is the lookup (a select, not a nested conditional: each costs
-                # XLA:GPU a host read of its predicate), the others' the received activation.
-                x = jnp.where(is_first, lookup(model_cfg, top, tokens[:, :-1]).astype(act_dtype), buf)
+            def block(x):
                 return dense.apply_layers(model_cfg, layers, x, live).astype(act_dtype)
 
+            def zero():
+                return vary(jnp.zeros((), jnp.float32))
+
+            def first(buf):  # stage 0: the lookup, on this stage alone
+                return block(lookup(model_cfg, top, tokens[:, :-1]).astype(act_dtype)), zero(), zero()
+
             def middle(buf):
-                zero = vary(jnp.zeros((), jnp.float32))
-                return block(buf), zero, zero
+                return block(buf), zero(), zero()
 
             def last(buf):
                 h = block(buf)
@@ -65,12 +67,12 @@ def make_pipeline_eval_step(model_cfg, mesh, params_abstract, microbatch_rows: i
                 return jnp.zeros_like(h), vary(jnp.sum(lse - tgt)), vary(jnp.float32(tgt.size))
 
             def idle(buf):
-                zero = vary(jnp.zeros((), jnp.float32))
-                return jnp.zeros_like(buf), zero, zero
+                return jnp.zeros_like(buf), zero(), zero()
 
-            # One conditional per tick: idle, a stage's block, or the last stage's block and loss.
-            case = jnp.where((j >= 0) & (j < n_mb), 1 + is_last.astype(jnp.int32), 0)
-            h_out, loss, n = jax.lax.switch(case, [idle, middle, last], buf)
+            # One conditional per tick (each costs XLA:GPU a host read of its predicate): idle, or
+            # this stage's role, stage 0's lookup and block, a middle block, the last block and loss.
+            role = jnp.where(is_first, 1, jnp.where(is_last, 3, 2))
+            h_out, loss, n = jax.lax.switch(jnp.where((j >= 0) & (j < n_mb), role, 0), [idle, first, middle, last], buf)
             return (jax.lax.ppermute(h_out, "stage", fwd_perm), total + loss, count + n), None
 
         zero = vary(jnp.zeros((), jnp.float32))

@@ -3,10 +3,16 @@ as the tick table says, accumulates the gradients of the batches in flight, and 
 the end of the step (:func:`make_grads_fn`).
 
 Per tick (:mod:`asyncpp_jax.pipeline.tick_tables` says which microbatch), each stage runs a
-forward slot and a backward slot, each one ``lax.switch`` on whether the tick table gives it work
-and at which weight version (:meth:`~asyncpp_jax.pipeline.tick_tables.OneStepDelay.branch`): an
-idle slot computes nothing (and so cannot let a NaN through).  Activations go to
-``s+1`` and input cotangents to ``s-1`` with ``lax.ppermute`` once per tick.  With
+forward slot and a backward slot, each under a ``lax.cond`` on whether the tick table gives it
+work: an idle slot computes nothing (and so cannot let a NaN through).  Inside a slot, further
+conds pick the weight version (:meth:`~asyncpp_jax.pipeline.tick_tables.OneStepDelay.run`) and
+stage 0's embedding; each returns only activation-sized values, and the slot's cond alone writes
+the stash ring and the accumulators.  Merged into one ``lax.switch`` whose branches each write the
+stash (idle / stage 0 / other stages, or one per weight version), XLA:CPU copied the whole ring in
+every branch at every slot (25 copies of the stash entries per forward slot in the benchmark's
+compiled step, against none).
+
+Activations go to ``s+1`` and input cotangents to ``s-1`` with ``lax.ppermute`` once per tick.  With
 ``recompute`` the backward slot recomputes the stage's block from its stashed input; without,
 the forward slot stashes the block's autodiff residuals.  The last stage's forward and backward
 of a microbatch share a tick and run as one fused ``vjp``.  Activations, cotangents and the stash
@@ -28,7 +34,8 @@ from asyncpp_jax.models import dense
 from asyncpp_jax.pipeline import tick_tables
 from asyncpp_jax.pipeline.collectives import mean_over_data, reduce_top, vary
 from asyncpp_jax.pipeline.layout import on_data_axis, param_specs, update_specs
-from asyncpp_jax.pipeline.stage import ResidualTemplate, StageFns, head_of, join_params, residual_shapes, split_params, stat_names
+from asyncpp_jax.pipeline.stage import (ResidualTemplate, StageFns, head_of, join_params, residual_shapes,
+                                        split_params, stat_names)
 from asyncpp_jax.pipeline.state import PipelineState, pipeline_state_specs
 from asyncpp_jax.pipeline.tick_tables import OneStepDelay
 from asyncpp_jax.train_state import BATCH_SPEC
@@ -119,42 +126,39 @@ class _Device:
     def slot(self, j):
         return jnp.mod(self.step * self.fns.microbatches + j, self.slots)
 
-    def dispatch(self, j, on, slot, idle, *operands):
-        """One conditional for a slot: ``idle(*operands)``, or ``slot(w, *operands)`` at the weights
-        ``w = (layers, top, head)`` of microbatch ``j``'s version (:meth:`OneStepDelay.branch`)."""
-        branches = [idle] + [functools.partial(slot, w) for w in self.delay.versions(self.cur, self.prev)]
-        return jax.lax.switch(self.delay.branch(j, on), branches, *operands)
+    def run(self, j, fn, part):
+        """``fn`` of microbatch ``j``'s weights (``part`` 0: layers, 1: top, 2: head)."""
+        return self.delay.run(j, fn, self.cur[part], self.prev[part])
 
-    def embedded(self, w, tokens, other):
-        """Stage 0's input: the tokens' embedding; another stage's: ``other``.  Every stage looks up
-        its microbatch's ``b x T`` rows and a select keeps stage 0's, not a nested conditional
-        (each conditional costs XLA:GPU a host read of its predicate)."""
-        return jnp.where(self.is_first, self.fns.embed(w[1], tokens).astype(self.act_dtype), other)
+    def embed(self, j, tokens):
+        return self.run(j, lambda top: self.fns.embed(top, tokens), 1).astype(self.act_dtype)
 
     @_scoped("pp_fwd")
-    def forward(self, j, w, fwd_buf, stash, sums):
+    def forward(self, j, fwd_buf, stash, sums):
         """Stages ``0..P-2``: the block on the embedded tokens or the received activation; the
         backward's entry into the stash ring."""
-        x = self.embedded(w, self.tokens_of(j), fwd_buf)
-        h, entry, stats = self.fns.forward(w[0], x, self.template)
+        tokens = self.tokens_of(j)
+        x = jax.lax.cond(self.is_first, lambda: self.embed(j, tokens), lambda: fwd_buf)
+        h, entry, stats = self.run(j, lambda lp: self.fns.forward(lp, x, self.template), 0)
         stash = [ring.at[self.slot(j)].set(e.astype(ring.dtype)) for ring, e in zip(stash, entry)]
         return stash, _add_at(sums, self.delay.accumulator(j), stats), h.astype(self.act_dtype)
 
     @_scoped("pp_bwd")
-    def backward(self, j, w, bwd_buf, stash, acc_l):
+    def backward(self, j, bwd_buf, stash, acc_l):
         """Stages ``0..P-2``: the block's vjp from the stash entry; on stage 0 the input
         cotangent goes into the embedding's gradient (the lookup's transpose, in :meth:`tick`)."""
         tokens, i = self.tokens_of(j), self.delay.accumulator(j)
         entry = [ring[self.slot(j)] for ring in stash]
-        x_again = lambda: self.embedded(w, tokens, entry[0])  # noqa: E731
-        g_l, g_x = self.fns.backward(w[0], entry, x_again, bwd_buf, self.template)
+        x_again = lambda: jax.lax.cond(self.is_first, lambda: self.embed(j, tokens), lambda: entry[0])  # noqa: E731
+        g_l, g_x = self.run(j, lambda lp: self.fns.backward(lp, entry, x_again, bwd_buf, self.template), 0)
         return _add_at(acc_l, i, g_l), g_x.astype(self.act_dtype)
 
     @_scoped("pp_last")
-    def last(self, j, w, fwd_buf, acc_l, acc_t, sums):
+    def last(self, j, fwd_buf, acc_l, acc_t, sums):
         """Stage ``P-1``: block, final norm, head and loss of microbatch ``j`` as one fused vjp."""
         i, tokens = self.delay.accumulator(j), self.tokens_of(j)
-        g_l, g_h, g_x, stats = self.fns.last(w[0], w[2], fwd_buf, tokens)
+        g_l, g_h, g_x, stats = self.delay.run(j, lambda w: self.fns.last(w[0], w[2], fwd_buf, tokens),
+                                              self.cur, self.prev)
         acc_t = {**acc_t, "head": _add_at(acc_t["head"], i, g_h, self.top_axes["head"])}
         return _add_at(acc_l, i, g_l), acc_t, _add_at(sums, i, stats), g_x.astype(self.act_dtype)
 
@@ -171,22 +175,22 @@ class _Device:
 
     @_scoped("pp_tick")
     def tick(self, carry, row):
-        """One tick: a forward slot and a backward slot (the fused last slot on stage ``P-1``), each
-        one conditional (:meth:`dispatch`: idle slots compute nothing), then the activation to
-        ``s+1`` and the cotangent to ``s-1``."""
+        """One tick: a forward slot and a backward slot, each a ``lax.cond`` on the table (idle
+        slots compute nothing), then the activation to ``s+1`` and the cotangent to ``s-1``."""
         stash, fwd_buf, bwd_buf, acc_l, acc_t, sums = carry
         jf, jb = row[0], row[1]
-        stash, sums, h_out = self.dispatch(
-            jf, ~self.is_last, lambda w, st, su: self.forward(jf, w, fwd_buf, st, su),
+        stash, sums, h_out = jax.lax.cond(
+            self.delay.live(jf) & ~self.is_last, lambda st, su: self.forward(jf, fwd_buf, st, su),
             lambda st, su: (st, su, jnp.zeros_like(fwd_buf)), stash, sums)
-        # Two conditionals, not one with a branch per slot kind: a buffer that a branch passes
-        # through unchanged is copied by XLA at the branch's end, so each takes only what its slot
+        live = self.delay.live(jb)
+        # Two conds, not one with a branch per slot kind: a buffer that a branch passes through
+        # unchanged is copied by XLA at the branch's end, so each cond takes only what its slot
         # writes (the head's vocabulary-sized accumulator goes through the last stage's alone).
-        acc_l, g_x = self.dispatch(jb, ~self.is_last, lambda w, al: self.backward(jb, w, bwd_buf, stash, al),
-                                   lambda al: (al, jnp.zeros_like(bwd_buf)), acc_l)
-        acc_l, acc_t, sums, g_x = self.dispatch(jb, self.is_last,
-                                                lambda w, al, at, su, _: self.last(jb, w, fwd_buf, al, at, su),
-                                                lambda *a: a, acc_l, acc_t, sums, g_x)
+        acc_l, g_x = jax.lax.cond(live & ~self.is_last, lambda al: self.backward(jb, bwd_buf, stash, al),
+                                  lambda al: (al, jnp.zeros_like(bwd_buf)), acc_l)
+        acc_l, acc_t, sums, g_x = jax.lax.cond(live & self.is_last,
+                                               lambda al, at, su, _: self.last(jb, fwd_buf, al, at, su),
+                                               lambda *a: a, acc_l, acc_t, sums, g_x)
         # Stage 0's input cotangent into the embedding's gradient rows, outside the conds (every
         # stage scatters, the others zeros: b x T rows): updated inside a cond branch, XLA copies
         # the whole vocabulary-sized accumulator at every backward slot.

@@ -229,7 +229,7 @@ def two_bw(P: int, M: int) -> Program:
 
 def from_tick_table(table) -> Program:
     """A ``tick_tables.TickTable`` as a program: each tick's forward, then its backward, in tick order;
-    a negative microbatch reads ``w[t-1]`` (what ``OneStepDelay.branch`` picks)."""
+    a negative microbatch reads ``w[t-1]`` (what ``OneStepDelay.run`` does)."""
     P, M = table.n_stages, table.microbatches
     lists = []
     for s in range(P):
@@ -642,4 +642,5 @@ def table_row(name: str, P: int, M: int, v: int | None = None, costs: dict | Non
     stash per device (experiments/bench_pipeline.py's ``schedules`` table)."""
     p = validate(generate(name, P, M, v))
     return {"P": P, "M": M, "schedule": p.name, "critical_path": step_time(p, costs, p2p),
-            "lockstep": lockstep_time(p, costs), "ideal": work(p, costs) / P, "bubble_fraction": bubble_fraction(p, costs, p2p), "stash": stash_depth(p)}
+            "lockstep": lockstep_time(p, costs), "ideal": work(p, costs) / P,
+            "bubble_fraction": bubble_fraction(p, costs, p2p), "stash": stash_depth(p)}

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -137,18 +138,12 @@ class OneStepDelay:
     def live(self, j):
         return (j != IDLE) & ((j >= 0) | self.prev_live)
 
-    def versions(self, cur, prev) -> tuple:
-        """The weight versions a slot can run at, in :meth:`branch` order: ``(w[t],)`` under
-        ``sync``, ``(w[t], w[t-1])`` under ``2bw``."""
-        return (cur, prev) if self.is_async else (cur,)
-
-    def branch(self, j, on):
-        """Which branch a slot of microbatch ``j`` takes (``on``: the slot is this stage's): 0 idle,
-        else 1 + the index in :meth:`versions` of the weights it runs at (2: batch ``t-1``'s
-        microbatches under ``2bw``).  One ``lax.switch`` per slot picks the version and the work
-        together, so the weights are read in place (no select over them at every slot)."""
-        version = (j < 0).astype(jnp.int32) if self.is_async else jnp.int32(0)
-        return jnp.where(self.live(j) & on, 1 + version, 0)
+    def run(self, j, fn, cur, prev):
+        """``fn(weights of microbatch j)``, reading the version in place (a ``lax.cond`` on the
+        version, not an elementwise select over the weights at every slot)."""
+        if not self.is_async:
+            return fn(cur)
+        return jax.lax.cond(j < 0, lambda: fn(prev), lambda: fn(cur))
 
     def accumulator(self, j):
         return (j >= 0).astype(jnp.int32) if self.is_async else jnp.int32(0)

@@ -83,6 +83,31 @@ def _stash_bytes(runner) -> dict:
     return out
 
 
+def _vocab_bytes(runner, state) -> dict:
+    """Per device, what the vocabulary-sized tensors (embedding, head: a dimension of ``vocab_size``)
+    cost under the pipeline engine, which holds them on every stage though only stage 0 reads the
+    embedding and only stage ``P-1`` the head: bytes in the state (params, optimizer state, runner
+    state: the 2bw weight version and partial gradient), and an estimate of the step's own (the
+    float32 gradient accumulators, one per batch in flight and table, and each weight version's
+    ``compute_dtype`` cast)."""
+    c = runner.config
+    if not runner.pipelined:
+        return {}
+    vocab = c.model.vocab_size
+    is_vocab = lambda x: vocab in x.shape  # noqa: E731
+    held = {name: _bytes_per_device([x for x in jax.tree.leaves(tree) if is_vocab(x)])
+            for name, tree in (("params", state.params), ("optimizer", state.opt_state),
+                               ("runner_state", state.runner_state))}
+    tables = [x for x in jax.tree.leaves(state.params) if is_vocab(x)]
+    elements = sum(int(np.prod(x.shape)) for x in tables)
+    is_2bw = c.pipeline.schedule == "2bw"
+    compute = jnp.dtype(c.model.compute_dtype).itemsize
+    casts = (2 if is_2bw else 1) * elements * compute if compute != tables[0].dtype.itemsize else 0
+    step = (2 if is_2bw else 1) * elements * 4 + casts
+    return {**held, "step_estimate": step, "total": sum(held.values()) + step, "vocab_size": vocab,
+            "stages": c.pipeline.stages}
+
+
 def _layer_padding(runner) -> dict:
     """What an uneven ``config.pipeline.stage_layers`` costs: the layer stack held as ``P * Lmax``
     rows for ``L`` layers, ``(P Lmax - L) / L`` more (params; the optimizer moments, the ``2bw``
@@ -158,6 +183,7 @@ def dry_run(c, devices=None, spare_devices=None) -> dict:
         "param_bytes_total": _global_bytes(state.params),
         "checkpoint_bytes": _global_bytes(state),
         "stash_bytes_per_device": _stash_bytes(runner),
+        "vocab_bytes_per_device": _vocab_bytes(runner, state),
         "bubble_fraction": 0.0 if table is None else 1.0 - table.useful_fraction(),
         "lower_seconds": m.detail["lower_seconds"],
         "compile_seconds": m.detail["compile_seconds"],
@@ -209,6 +235,14 @@ def format_report(r: dict) -> str:
                      f"per stage) by {pad['fraction']:.0%}: {gb(pad['param_bytes_total'])} more params over the mesh,")
         lines.append("    as much again per optimizer moment (and 2bw weight version); per device no more than the "
                      "largest stage; padded layers compute nothing")
+    if r.get("vocab_bytes_per_device"):
+        v = r["vocab_bytes_per_device"]
+        lines.append(f"  vocabulary-sized tensors (a dimension of {v['vocab_size']:,}) per device: params "
+                     f"{gb(v['params'])}, optimizer state {gb(v['optimizer'])}, runner state {gb(v['runner_state'])}, "
+                     f"about {gb(v['step_estimate'])} more in the step (float32 accumulators, compute-dtype casts)")
+        middle = (f"stages 1-{v['stages'] - 2} hold {gb(v['total'])} each that they never read"
+                  if v["stages"] > 2 else "every stage reads one of them")
+        lines.append(f"    on every stage: stage 0 reads the embedding, stage {v['stages'] - 1} the head; {middle}")
     if r["stash_bytes_per_device"]:
         st = r["stash_bytes_per_device"]
         lines.append(f"  stash per device: {gb(st['recompute'])} with config.pipeline.recompute=True, "
