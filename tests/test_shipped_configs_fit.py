@@ -21,7 +21,7 @@ from asyncpp_jax import configs
 from experiments.studies import common
 
 CONFIG_FILES = sorted(p.name for p in (configs.REPO_ROOT / "configs").glob("*.py") if p.name != "__init__.py")
-BIG = {"dense135m.py", "dense360m.py", "moe10b.py", "moe_tiny.py"}  # over ~30 s each
+BIG = {"dense135m.py", "dense360m.py", "llama3_8b.py", "moe10b.py", "moe_tiny.py"}  # over ~30 s each
 
 
 def _notebook_presets() -> dict:
