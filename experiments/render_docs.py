@@ -413,7 +413,7 @@ def moe10b_dry_run(doc: pathlib.Path) -> str:
 
 
 def llama3_8b_dry_run(doc: pathlib.Path) -> str:
-    return _dry_runs(doc, "llama3_8b", ("", "--config.pipeline.stages=8"))
+    return _dry_runs(doc, "llama3_8b", ("--config.pipeline.stages=4 --config.hardware=h200-141gb", ""))
 
 
 def fit_table(doc: pathlib.Path) -> str:

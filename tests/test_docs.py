@@ -125,7 +125,7 @@ def test_record_run_reads_a_runs_figures(tmp_path):
     assert record_run.workdir_of(["-m", "asyncpp_jax.main", "--workdir=runs/x"]) == pathlib.Path("runs/x")
     assert record_run.workdir_of(["-m", "asyncpp_jax.main", "--config=configs/moe_tiny.py"]) == \
         pathlib.Path("runs/moe_tiny")
-    stdout = "\n".join(["I0 log line", *records.load("dry_run", "dry_run")[-1]["figures"]["stdout"], "done"])
+    stdout = "\n".join(["I0 log line", *records.load("dry_run", "dry_run")[0]["figures"]["stdout"], "done"])
     d = record_run.figures_from_dry_run(stdout)
     assert d["stdout"][0].startswith("dry run of moe10b") and d["stdout"][-1].startswith("  target") and \
         d["compile_s"] == 11.0

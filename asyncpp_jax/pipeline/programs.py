@@ -52,12 +52,16 @@ dependencies and the weight update as a collective at each step's end, from per-
 
 How the engine's executor would consume a program (not yet wired; asyncpp_jax/pipeline/executor.py
 still runs the tick tables): pad the device lists to a common length ``K`` of slots; give each slot
-an integer opcode per device (idle, F, B, I, W, each per chunk) and its microbatch; the tick scan
-runs ``K`` slots, each a single ``lax.switch`` on the device's opcode, and after each slot one
-``ppermute`` forward and one backward carry that slot's sends (the ``channels`` check guarantees the
-receiver consumes them in that order; a receive waits in a buffer whose depth is :func:`buffers`);
-the stash ring gets :func:`stash_depth` slots per chunk; the weight version of a slot is its
-action's ``version`` (where ``OneStepDelay`` reads it today), and eval is the forward-only program.
+an integer opcode per device and its microbatch; after each slot one ``ppermute`` forward and one
+backward carry that slot's sends (the ``channels`` check guarantees the receiver consumes them in
+that order; a receive waits in a buffer whose depth is :func:`buffers`); the stash ring gets
+:func:`stash_depth` slots per chunk; the weight version of a slot is its action's ``version``
+(where ``OneStepDelay`` reads it today), and eval is the forward-only program.  Two measured
+constraints (docs/design.md, section 6.1): lock-step slots last as long as their costliest action
+(:func:`lockstep`), so the actions should cost about the same (``B`` split into ``I`` and ``W``)
+or be paired per slot as the tick tables pair ``F`` and ``B``; and on XLA:CPU a conditional whose
+branches both write the stash ring copies it at every slot, so a slot's dispatch must leave each
+large buffer to one writing branch.
 """
 
 from __future__ import annotations
