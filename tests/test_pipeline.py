@@ -404,7 +404,9 @@ def test_conditionals_per_tick(schedule, per_tick):
     (docs/pipeline.md).  A train tick runs its forward, backward and last-stage slots each under a
     cond, with nested conds for stage 0's embedding and, under 2bw, for the weight version of each
     use: 5 per tick under sync, 10 under 2bw (merging them into one switch per slot made XLA:CPU
-    copy the stash ring in every branch).  The eval step runs one switch per tick (3 conds before)."""
+    copy the stash ring in every branch).  The eval step runs 3 per tick: the tick's, stage 0's
+    lookup, the last stage's loss (as one switch over the stage's role, each branch held its own
+    copy of the stage's layer weights)."""
     cfg, data = model_cfg(), batches(1, 4, 8)
     mesh = engine.make_pipeline_mesh(1, 2)
     tx = make_opt("adamw")
@@ -417,4 +419,4 @@ def test_conditionals_per_tick(schedule, per_tick):
     evaluate = engine.make_pipeline_eval_step(cfg, mesh, abstract, microbatch_rows=2)
     rows = jax.device_put(data[0].reshape(8, -1), NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
     # 8 rows in microbatches of 2 through 2 stages: 4 + 2 - 1 ticks
-    assert census(jax.make_jaxpr(evaluate)(state.params, rows)) == Census(5, 0)
+    assert census(jax.make_jaxpr(evaluate)(state.params, rows)) == Census(3 * 5, 0)

@@ -47,32 +47,25 @@ def make_pipeline_eval_step(model_cfg, mesh, params_abstract, microbatch_rows: i
             j = k - s
             tokens = mbs[jnp.clip(j, 0, n_mb - 1)]
 
-            def block(x):
-                return dense.apply_layers(model_cfg, layers, x, live).astype(act_dtype)
+            def work(buf):
+                x = jax.lax.cond(is_first, lambda: lookup(model_cfg, top, tokens[:, :-1]).astype(act_dtype),
+                                 lambda: buf)
+                h = dense.apply_layers(model_cfg, layers, x, live).astype(act_dtype)
 
-            def zero():
-                return vary(jnp.zeros((), jnp.float32))
+                def loss_sum():
+                    logits = dense.logits_from_head(model_cfg, head, h)
+                    lse = jax.nn.logsumexp(logits, axis=-1)
+                    tgt = jnp.take_along_axis(logits, tokens[:, 1:, None], axis=-1)[..., 0]
+                    return jnp.zeros_like(h), vary(jnp.sum(lse - tgt)), vary(jnp.float32(tgt.size))
 
-            def first(buf):  # stage 0: the lookup, on this stage alone
-                return block(lookup(model_cfg, top, tokens[:, :-1]).astype(act_dtype)), zero(), zero()
-
-            def middle(buf):
-                return block(buf), zero(), zero()
-
-            def last(buf):
-                h = block(buf)
-                logits = dense.logits_from_head(model_cfg, head, h)
-                lse = jax.nn.logsumexp(logits, axis=-1)
-                tgt = jnp.take_along_axis(logits, tokens[:, 1:, None], axis=-1)[..., 0]
-                return jnp.zeros_like(h), vary(jnp.sum(lse - tgt)), vary(jnp.float32(tgt.size))
+                zero = vary(jnp.zeros((), jnp.float32))
+                return jax.lax.cond(is_last, loss_sum, lambda: (h, zero, zero))
 
             def idle(buf):
-                return jnp.zeros_like(buf), zero(), zero()
+                zero = vary(jnp.zeros((), jnp.float32))
+                return jnp.zeros_like(buf), zero, zero
 
-            # One conditional per tick (each costs XLA:GPU a host read of its predicate): idle, or
-            # this stage's role, stage 0's lookup and block, a middle block, the last block and loss.
-            role = jnp.where(is_first, 1, jnp.where(is_last, 3, 2))
-            h_out, loss, n = jax.lax.switch(jnp.where((j >= 0) & (j < n_mb), role, 0), [idle, first, middle, last], buf)
+            h_out, loss, n = jax.lax.cond((j >= 0) & (j < n_mb), work, idle, buf)
             return (jax.lax.ppermute(h_out, "stage", fwd_perm), total + loss, count + n), None
 
         zero = vary(jnp.zeros((), jnp.float32))
