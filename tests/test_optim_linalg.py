@@ -43,7 +43,7 @@ def test_qr_matches_lapack_well_conditioned(shape, dtype, atol):
 
 
 def test_qr_rank_deficient_stays_orthogonal():
-    # L Q in SOAP can be rank-deficient; Householder's Q stays orthonormal and spans A's columns.
+    # L Q in SOAP can be rank-deficient; a Householder QR (LAPACK's) keeps Q orthonormal, spanning A's columns.
     rng = np.random.default_rng(2)
     a = rng.standard_normal((2, 40, 5)) @ rng.standard_normal((2, 5, 40))
     a[1, :, 7] = 0.0
