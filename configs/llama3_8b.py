@@ -4,10 +4,11 @@
 hidden 4096, MLP 14336, 32 layers, 32 query / 8 KV heads (head_dim 128), untied 128,256-token
 embeddings, RoPE θ 500000, sequences of 4096 (Llama 3's are 8192).  A shape to measure the engine
 against, above all its vocabulary-sized tensors (the embedding and the head are 1.05B of the 8.03B
-parameters): 8 pipeline stages x 8-way data parallel on 64 H100 80GB, the 2bw schedule, remat on,
-32 microbatches of one sequence per data shard.  The dry run says per device what the
-vocabulary-sized tensors cost, which stages read them and which only hold them.  On 4 stages the
-step needs an H200 (about 109 GB a device, 25 GB of it the two tables and what comes with them):
+parameters): 8 pipeline stages x 8-way data parallel on 64 H100 80GB
+(``config.hardware='h100-80gb'``), the 2bw schedule, remat on, 32 microbatches of one sequence per
+data shard.  The dry run says per device what the vocabulary-sized tensors cost, which stages read
+them and which only hold them.  On 4 stages the step needs an H200 (about 109 GB a device, 25 GB
+of it the two tables and what comes with them):
 
     python -m asyncpp_jax.main --config=configs/llama3_8b.py --dry_run
     python -m asyncpp_jax.main --config=configs/llama3_8b.py --dry_run --config.pipeline.stages=4 --config.hardware=h200-141gb
