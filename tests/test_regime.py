@@ -49,7 +49,8 @@ def test_lr_grid_at_cpu_regime_is_centred_by_the_batch_scaling_rules():
 def test_ladder_tune_sweeps_every_arm_over_the_same_grid():
     study = ladder_tune.study("cpu_regime")
     runs = sweep.expand(study)
-    assert len(runs) == 3 * 3 * 5 * 3 + 3 * 3 * 3  # the extra rung's grid is the middle three points
+    extended = sum(ladder_tune.EXTEND_DOWN.values())  # points added below grids whose picks sat on the edge
+    assert len(runs) == 3 * (3 * 3 * 5 + extended) + 3 * 3 * 3  # the extra rung's grid is the middle three points
     by_prefix: dict = {}
     for run in runs:
         prefix, lr, arm = tuning.parse_arm(run.variant)
@@ -57,6 +58,11 @@ def test_ladder_tune_sweeps_every_arm_over_the_same_grid():
         by_prefix.setdefault(prefix, {}).setdefault(arm, set()).add(lr)
     for prefix, arms in by_prefix.items():
         assert set(arms) == {"sync", "2bw", "ef"} and len({frozenset(v) for v in arms.values()}) == 1, prefix
+    # an extended grid goes on below at its own ratio (sqrt 3, to two significant figures)
+    for (updates, opt), k in ladder_tune.EXTEND_DOWN.items():
+        grid = sorted(by_prefix[f"u={updates}/{opt}"]["sync"])
+        assert len(grid) == 5 + k
+        assert all(hi / lo == pytest.approx(3 ** 0.5, rel=0.05) for lo, hi in zip(grid[:k], grid[1:k + 1]))
     # the 3,200-update rung's sync arms are the lr study's runs at cpu_regime: the sweep copies them
     sigs = {sweep.run_signature(study, r) for r in runs}
     lr_runs = lr_study.study("cpu_regime")

@@ -107,12 +107,15 @@ TUNED_ARMS: dict[str, dict[str, dict[str, float]]] = {"cpu_regime": {}}
 # (experiments.tuning.complete_picks; tests/test_regime.py holds the table to the committed rows).
 # The `ladder` study refuses to expand until every rung has its picks.
 TUNED_LADDER: dict[str, dict[str, float]] = {
-    "u=200/adamw": {"sync": 0.0042, "2bw": 0.0042, "ef": 0.0014},
+    "u=200/adamw": {"sync": 0.0042, "2bw": 0.00082, "ef": 0.00082},
     "u=200/muon": {"sync": 0.018, "2bw": 0.011, "ef": 0.011},
+    "u=200/soap": {"sync": 0.0073, "2bw": 0.0042, "ef": 0.0042},
     "u=800/adamw": {"sync": 0.0021, "2bw": 0.00071, "ef": 0.0021},
     "u=800/muon": {"sync": 0.0027, "2bw": 0.0027, "ef": 0.0027},
+    "u=800/soap": {"sync": 0.0037, "2bw": 0.0037, "ef": 0.0037},
     "u=3200/adamw": {"sync": 0.0011, "2bw": 0.00061, "ef": 0.00061},
     "u=3200/muon": {"sync": 0.0012, "2bw": 0.002, "ef": 0.002},
+    "u=3200/soap": {"sync": 0.0018, "2bw": 0.0018, "ef": 0.0032},
 }
 
 
