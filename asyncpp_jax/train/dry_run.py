@@ -76,7 +76,7 @@ def _stash_bytes(runner) -> dict:
     model = with_expert_parallel(c.model, "data", runner.data_size) if c.mesh.expert_parallel else c.model
     for recompute in (True, False):
         entry = pipeline_state.ring_shapes(model, runner.mesh, runner.shapes, b, c.data.seq_len, recompute,
-                                    c.mesh.expert_parallel, runner.stage_rows)
+                                           c.mesh.expert_parallel, runner.stage_rows)
         slots = tick_tables.stash_slots(c.pipeline.stages, first_stage_stashes=not recompute)
         out["recompute" if recompute else "keep_residuals"] = slots * sum(
             int(np.prod(e.shape)) * jnp.dtype(e.dtype).itemsize for e in entry)
