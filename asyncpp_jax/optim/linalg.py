@@ -28,17 +28,20 @@ import scipy.linalg
 from jax import lax
 
 
+def _on_host(fn, x: jax.Array) -> jax.Array:
+    """``fn`` (NumPy in, NumPy out, same shape and dtype) run on the host through ``jax.pure_callback``."""
+    return jax.pure_callback(lambda a: fn(np.asarray(a)).astype(a.dtype), jax.ShapeDtypeStruct(x.shape, x.dtype), x,
+                             vmap_method="expand_dims")
+
+
 def _host_qr_q(x: jax.Array) -> jax.Array:
     def call(a):
-        a = np.asarray(a)
         flat = a.reshape((-1,) + a.shape[-2:])
         # One matrix per LAPACK call (SciPy's ``?geqrf`` + ``?orgqr`` in the input's precision):
         # NumPy's stacked ``qr`` computes float32 in float64 and was at least 2x slower here.
-        qs = [scipy.linalg.qr(m, mode="economic", check_finite=False)[0] for m in flat]
-        return np.stack(qs).reshape(a.shape).astype(a.dtype)
+        return np.stack([scipy.linalg.qr(m, mode="economic", check_finite=False)[0] for m in flat]).reshape(a.shape)
 
-    out = jax.ShapeDtypeStruct(x.shape, x.dtype)
-    return jax.pure_callback(call, out, x, vmap_method="expand_dims")
+    return _on_host(call, x)
 
 
 def qr_q(a: jax.Array) -> jax.Array:
@@ -50,11 +53,7 @@ def qr_q(a: jax.Array) -> jax.Array:
 
 
 def _host_eigh_vectors(x: jax.Array) -> jax.Array:
-    def call(m):
-        return np.linalg.eigh(np.asarray(m))[1].astype(m.dtype)
-
-    out = jax.ShapeDtypeStruct(x.shape, x.dtype)
-    return jax.pure_callback(call, out, x, vmap_method="expand_dims")
+    return _on_host(lambda m: np.linalg.eigh(m)[1], x)
 
 
 def eigh_vectors(a: jax.Array) -> jax.Array:
