@@ -16,7 +16,7 @@ from asyncpp_jax.configs import base_config
 from asyncpp_jax.models import dense
 from asyncpp_jax.optim import DelaySchedule, WeightPrediction, delay, error_feedback, muon
 from asyncpp_jax.pipeline import engine, make_mesh, tick_tables
-from asyncpp_jax.pipeline.census import Census, census
+from asyncpp_jax.pipeline.census import Census, census, subjaxprs
 from asyncpp_jax import train_state as state_lib
 from helpers import run_simulate_runner
 from asyncpp_jax.train import step as step_lib
@@ -373,11 +373,8 @@ def _data_reductions(jaxpr) -> list[tuple]:
     for eqn in jaxpr.eqns:
         if eqn.primitive.name.startswith("psum") and "data" in tuple(eqn.params.get("axes", ())):
             out += [tuple(v.aval.shape) for v in eqn.invars if v.aval.shape]
-        for p in eqn.params.values():
-            for sub in (p if isinstance(p, (list, tuple)) else [p]):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    out += _data_reductions(inner)
+        for inner in subjaxprs(eqn):
+            out += _data_reductions(inner)
     return out
 
 

@@ -25,7 +25,8 @@ class Census:
     while_loops: int  # loops whose bodies were counted once (unknown trip count)
 
 
-def _subjaxprs(eqn):
+def subjaxprs(eqn):
+    """The jaxprs inside an equation's parameters (a cond's branches, a scan's body, a shard_map's)."""
     for p in eqn.params.values():
         for sub in (p if isinstance(p, (list, tuple)) else [p]):
             inner = getattr(sub, "jaxpr", sub)
@@ -39,7 +40,7 @@ def census(jaxpr) -> Census:
     conds = loops = 0
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
-        subs = [census(s) for s in _subjaxprs(eqn)]
+        subs = [census(s) for s in subjaxprs(eqn)]
         loops += sum(s.while_loops for s in subs)
         if name == "cond":
             conds += 1 + max((s.conditionals for s in subs), default=0)
