@@ -21,7 +21,7 @@ ADAN_DECAY_MODES = ("proximal", "decoupled")
 SCHEDULES = ("constant", "cosine", "linear", "wsd")
 DTYPES = ("float32", "bfloat16")
 RUNNERS = ("auto", "simulate", "pipeline")
-PIPELINE_SCHEDULES = ("sync", "2bw")
+PIPELINE_SCHEDULES = ("sync", "2bw", "1f1b")
 PIPEDREAM_GRADIENTS = ("mixed", "per_leaf")
 STALENESS_MODES = ("sync", "2bw", "pipedream")
 MITIGATIONS = ("none", "ef", "taylor")
@@ -626,7 +626,10 @@ def _pipeline_defaults() -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(
         dict(
             stages=1,  # > 1: the pipeline engine, layers split into this many contiguous stages
-            schedule="sync",  # sync (1F1B, flush every step) | 2bw (no flush, one-step delay)
+            # sync (flush every step; the tick tables: a forward and a backward per tick) | 1f1b
+            # (textbook 1F1B with a flush, run as a program: stage 0 stashes at most `stages`
+            # microbatches, not 2*stages-1) | 2bw (no flush, one-step delay)
+            schedule="sync",
             # True: a stage's backward recomputes its forward from the stashed stage input (one
             # activation per in-flight microbatch); False: the forward keeps its autodiff residuals
             # for the backward (no recompute, every intermediate of the block per microbatch)

@@ -173,10 +173,11 @@ def test_2bw_weight_prediction_equals_simulate(smoothing):
 
 
 @pytest.mark.needs_devices(4)
-def test_sync_schedule_with_data_parallel_equals_one_device():
+@pytest.mark.parametrize("schedule", ["sync", pytest.param("1f1b", marks=pytest.mark.slow)])
+def test_sync_schedule_with_data_parallel_equals_one_device(schedule):
     cfg, data = model_cfg(), batches(2, 2, 8)
     want, _ = run_simulate(cfg, make_opt("adamw"), data, data_size=1)
-    got, _ = run_pipeline(cfg, make_opt("adamw"), data, 2, "sync", data_size=2)
+    got, _ = run_pipeline(cfg, make_opt("adamw"), data, 2, schedule, data_size=2)
     assert_params_close(engine.to_model_layout(cfg, got.params), want.params)
 
 
@@ -217,7 +218,7 @@ def test_2bw_parity_across_sync_start_and_cooldown_four_stages():
 
 
 @pytest.mark.needs_devices(2)
-@pytest.mark.parametrize("schedule", [pytest.param("sync", marks=pytest.mark.slow), "2bw"])
+@pytest.mark.parametrize("schedule", [pytest.param("sync", marks=pytest.mark.slow), "2bw", "1f1b"])
 def test_moe_model_equals_simulate(schedule):
     """MoE (every other layer, 4 experts top-2, capacity 1.25): aux losses included on every stage."""
     cfg = model_cfg()
@@ -303,7 +304,7 @@ BF16_U = 2.0 ** -8
 
 
 @pytest.mark.needs_devices(2)
-@pytest.mark.parametrize("schedule", [pytest.param("sync", marks=pytest.mark.slow), "2bw"])
+@pytest.mark.parametrize("schedule", [pytest.param("sync", marks=pytest.mark.slow), "2bw", "1f1b"])
 def test_bf16_transport_equals_simulate(schedule):
     cfg, data = model_cfg(), batches(3, 4, 8, seed=10)
     cfg.compute_dtype = "bfloat16"

@@ -6,7 +6,9 @@ The engine is split by concern:
   layout and the padded layer stack of an uneven split;
 * :mod:`~asyncpp_jax.pipeline.state`: what a ``2bw`` run carries between steps, and the state's
   shardings;
-* :mod:`~asyncpp_jax.pipeline.executor`: one step's tick loop and the reduction of its gradients;
+* :mod:`~asyncpp_jax.pipeline.executor`: one step's loop (the tick tables' by default) and the
+  reduction of its gradients; :mod:`~asyncpp_jax.pipeline.program_executor`: the loop of a program
+  compiled into slots;
 * :mod:`~asyncpp_jax.pipeline.eval_step`: the forward-only eval step;
 * this module: the train step (which tick table runs when, and the update), and the names the
   rest of the package imports.
@@ -19,7 +21,11 @@ engine's layout (:func:`to_engine_layout`): a tied embedding table as the head's
 so nothing vocabulary-sized is ever transposed.
 
 ``sync`` flushes each step: the gradient of batch ``t`` at ``w[t]`` is applied at update ``t``,
-as in the ``simulate`` runner; a step costs ``(M + P - 1)(F + B)``, a textbook 1F1B with flush.
+as in the ``simulate`` runner; a step is ``M + 2P - 2`` ticks of one forward and one backward each,
+and stage 0 stashes up to ``2P - 1`` microbatches.  ``1f1b`` computes the same update from the
+textbook 1F1B program (:mod:`~asyncpp_jax.pipeline.programs`), compiled into lock-step slots of one
+action each (:mod:`~asyncpp_jax.pipeline.slot_plan`, :mod:`~asyncpp_jax.pipeline.program_executor`):
+stage 0 stashes at most ``P``.
 ``2bw`` never flushes (:class:`~asyncpp_jax.pipeline.tick_tables.OneStepDelay`, beside the
 tick tables, is where its delay lives): the stash ring, the
 activations and cotangents in transit, the in-flight batch's partial gradient and loss sums, the
@@ -43,16 +49,29 @@ from jax.sharding import NamedSharding
 from asyncpp_jax.models.moe import with_expert_parallel
 from asyncpp_jax.optim.prediction import WeightPrediction
 from asyncpp_jax.optim.staleness import DelaySchedule
-from asyncpp_jax.pipeline import tick_tables
+from asyncpp_jax.pipeline import programs, slot_plan, tick_tables
 # The engine's public surface, from the modules that hold it (one concern each).
 from asyncpp_jax.pipeline.eval_step import make_pipeline_eval_step  # noqa: F401
-from asyncpp_jax.pipeline.executor import make_grads_fn
+from asyncpp_jax.pipeline.executor import TickLoop, make_grads_fn
 from asyncpp_jax.pipeline.layout import (check_layout, engine_layout, make_pipeline_mesh, pad_layers,  # noqa: F401
                                          padding_of, param_specs, stage_split, to_engine_layout, to_model_layout,
                                          unpad_layers, update_specs)
 from asyncpp_jax.pipeline.state import (PipelineState, global_batch_sharding, init_pipeline_state,  # noqa: F401
                                         place_state, state_shardings)
+from asyncpp_jax.pipeline.program_executor import SlotLoop
 from asyncpp_jax.train_state import TrainState, apply_update
+
+PROGRAM_SCHEDULES = ("1f1b",)  # flushed schedules the program executor runs
+
+
+def sync_loop(pipeline_schedule: str, n_stages: int, microbatches: int, recompute: bool = True):
+    """The loop of a flushed step: a schedule's program in lock-step slots (``1f1b``:
+    :mod:`asyncpp_jax.pipeline.program_executor`), or the ``sync`` tick table (also ``2bw``'s
+    synchronous start and cooldown)."""
+    if pipeline_schedule in PROGRAM_SCHEDULES:
+        program = programs.generate(pipeline_schedule, n_stages, microbatches)
+        return SlotLoop(slot_plan.compile_program(program, recompute))
+    return TickLoop(tick_tables.sync_table(n_stages, microbatches), recompute)
 
 
 def make_pipeline_train_step(model_cfg, optimizer, schedule: optax.Schedule, mesh, params_abstract,
@@ -83,10 +102,12 @@ def make_pipeline_train_step(model_cfg, optimizer, schedule: optax.Schedule, mes
     is_2bw = pipeline_schedule == "2bw"
     kw = dict(carries_state=is_2bw, params_abstract=params_abstract, expert_parallel=expert_parallel,
               recompute=recompute, stage_rows=stage_rows)
-    sync_fn = make_grads_fn(model_cfg, mesh, tick_tables.sync_table(n_stages, microbatches), False, **kw)
+    sync_fn = make_grads_fn(model_cfg, mesh, sync_loop(pipeline_schedule, n_stages, microbatches, recompute), False,
+                            **kw)
     async_fn = None
     if is_2bw:
-        async_fn = make_grads_fn(model_cfg, mesh, tick_tables.async_table(n_stages, microbatches), True, **kw)
+        async_fn = make_grads_fn(model_cfg, mesh, TickLoop(tick_tables.async_table(n_stages, microbatches), recompute),
+                                  True, **kw)
         delay_schedule = delay_schedule or DelaySchedule(1)
 
     update_shardings = jax.tree.map(functools.partial(NamedSharding, mesh),

@@ -134,21 +134,21 @@ class _Device:
         return self.run(j, lambda top: self.fns.embed(top, tokens), 1).astype(self.act_dtype)
 
     @_scoped("pp_fwd")
-    def forward(self, j, fwd_buf, stash, sums):
+    def forward(self, j, fwd_buf, at, stash, sums):
         """Stages ``0..P-2``: the block on the embedded tokens or the received activation; the
-        backward's entry into the stash ring."""
+        backward's entry into entry ``at`` of the stash ring."""
         tokens = self.tokens_of(j)
         x = jax.lax.cond(self.is_first, lambda: self.embed(j, tokens), lambda: fwd_buf)
         h, entry, stats = self.run(j, lambda lp: self.fns.forward(lp, x, self.template), 0)
-        stash = [ring.at[self.slot(j)].set(e.astype(ring.dtype)) for ring, e in zip(stash, entry)]
+        stash = [ring.at[at].set(e.astype(ring.dtype)) for ring, e in zip(stash, entry)]
         return stash, _add_at(sums, self.delay.accumulator(j), stats), h.astype(self.act_dtype)
 
     @_scoped("pp_bwd")
-    def backward(self, j, bwd_buf, stash, acc_l):
-        """Stages ``0..P-2``: the block's vjp from the stash entry; on stage 0 the input
+    def backward(self, j, bwd_buf, at, stash, acc_l):
+        """Stages ``0..P-2``: the block's vjp from stash entry ``at``; on stage 0 the input
         cotangent goes into the embedding's gradient (the lookup's transpose, in :meth:`tick`)."""
         tokens, i = self.tokens_of(j), self.delay.accumulator(j)
-        entry = [ring[self.slot(j)] for ring in stash]
+        entry = [ring[at] for ring in stash]
         x_again = lambda: jax.lax.cond(self.is_first, lambda: self.embed(j, tokens), lambda: entry[0])  # noqa: E731
         g_l, g_x = self.run(j, lambda lp: self.fns.backward(lp, entry, x_again, bwd_buf, self.template), 0)
         return _add_at(acc_l, i, g_l), g_x.astype(self.act_dtype)
@@ -180,13 +180,13 @@ class _Device:
         stash, fwd_buf, bwd_buf, acc_l, acc_t, sums = carry
         jf, jb = row[0], row[1]
         stash, sums, h_out = jax.lax.cond(
-            self.delay.live(jf) & ~self.is_last, lambda st, su: self.forward(jf, fwd_buf, st, su),
+            self.delay.live(jf) & ~self.is_last, lambda st, su: self.forward(jf, fwd_buf, self.slot(jf), st, su),
             lambda st, su: (st, su, jnp.zeros_like(fwd_buf)), stash, sums)
         live = self.delay.live(jb)
         # Two conds, not one with a branch per slot kind: a buffer that a branch passes through
         # unchanged is copied by XLA at the branch's end, so each cond takes only what its slot
         # writes (the head's vocabulary-sized accumulator goes through the last stage's alone).
-        acc_l, g_x = jax.lax.cond(live & ~self.is_last, lambda al: self.backward(jb, bwd_buf, stash, al),
+        acc_l, g_x = jax.lax.cond(live & ~self.is_last, lambda al: self.backward(jb, bwd_buf, self.slot(jb), stash, al),
                                   lambda al: (al, jnp.zeros_like(bwd_buf)), acc_l)
         acc_l, acc_t, sums, g_x = jax.lax.cond(live & self.is_last,
                                                lambda al, at, su, _: self.last(jb, fwd_buf, al, at, su),
@@ -211,19 +211,56 @@ def _versions(model_cfg, params):
     return layers, top, head_of(model_cfg, top)
 
 
-def make_grads_fn(model_cfg, mesh, table: tick_tables.TickTable, is_async: bool, carries_state: bool,
-                   params_abstract, expert_parallel: bool = False, recompute: bool = True,
-                   stage_rows: tuple | None = None):
-    """``shard_map``-ped ``(cur, prev, batch, pstate, prev_live, step) -> (grads, stats, pstate)``."""
-    n_stages, M = table.n_stages, table.microbatches
+@dataclasses.dataclass(frozen=True)
+class TickLoop:
+    """The tick tables' loop: one forward and one backward slot per tick (:meth:`_Device.tick`), a
+    stash ring of ``stash_slots`` entries indexed by the microbatch's place in the stream, one
+    activation and one cotangent in transit."""
+
+    table: tick_tables.TickTable
+    recompute: bool = True
+
+    @property
+    def n_stages(self) -> int:
+        return self.table.n_stages
+
+    @property
+    def microbatches(self) -> int:
+        return self.table.microbatches
+
+    @property
+    def schedule(self) -> tick_tables.TickTable:
+        return self.table
+
+    def rows(self) -> np.ndarray:
+        """``[ticks, P, 2]``: each tick's (forward, backward) microbatch per stage."""
+        return np.stack([self.table.forward, self.table.backward], axis=-1)
+
+    def buffers(self, fns: StageFns, layers, x):
+        """``(stash, fwd_buf, bwd_buf)`` of a step that starts empty; ``x`` one activation."""
+        S = tick_tables.stash_slots(self.n_stages, first_stage_stashes=not self.recompute)
+        stash = [vary(jnp.zeros((S,) + e.shape, e.dtype)) for e in residual_shapes(fns, layers, x)]
+        return stash, x, x
+
+    def body(self, dev: "_Device"):
+        return dev.tick
+
+
+def make_grads_fn(model_cfg, mesh, loop, is_async: bool, carries_state: bool, params_abstract,
+                  expert_parallel: bool = False, recompute: bool = True, stage_rows: tuple | None = None):
+    """``shard_map``-ped ``(cur, prev, batch, pstate, prev_live, step) -> (grads, stats, pstate)``.
+
+    ``loop`` says how the step's slots run: :class:`TickLoop`, or a program's lock-step slots
+    (:class:`asyncpp_jax.pipeline.program_executor.SlotLoop`): its ``rows()`` are scanned, each
+    stage taking its column, through ``body(dev)``, from the buffers ``buffers(...)`` makes."""
+    n_stages, M = loop.n_stages, loop.microbatches
     fns = StageFns(model_cfg, M, recompute, stage_rows)
-    S = tick_tables.stash_slots(n_stages, first_stage_stashes=not recompute)
     act_dtype = dense.dtype_of(model_cfg.compute_dtype)
     pspec = param_specs(params_abstract, expert_parallel)
     uspec = update_specs(params_abstract, n_stages, expert_parallel)
     tied = model_cfg.tie_embeddings
     top_specs = _top_acc_specs(model_cfg, uspec)
-    rows = np.stack([table.forward, table.backward], axis=-1)  # [ticks, P, 2]: (forward, backward) slot
+    rows = loop.rows()
 
     def local(cur, prev, batch, pstate, prev_live, step):
         s = jax.lax.axis_index("stage")
@@ -235,8 +272,7 @@ def make_grads_fn(model_cfg, mesh, table: tick_tables.TickTable, is_async: bool,
             stash, fwd_buf, bwd_buf = [strip(r) for r in pstate.stash], strip(pstate.fwd_buf), strip(pstate.bwd_buf)
             prev_batch = pstate.prev_batch
         else:
-            fwd_buf = bwd_buf = vary(jnp.zeros((b, T, model_cfg.d_model), act_dtype))
-            stash = [vary(jnp.zeros((S,) + e.shape, e.dtype)) for e in residual_shapes(fns, cur_v[0], fwd_buf)]
+            stash, fwd_buf, bwd_buf = loop.buffers(fns, cur_v[0], vary(jnp.zeros((b, T, model_cfg.d_model), act_dtype)))
             prev_batch = batch
         delay = OneStepDelay(is_async, prev_live)
         n_acc = delay.accumulators
@@ -248,10 +284,11 @@ def make_grads_fn(model_cfg, mesh, table: tick_tables.TickTable, is_async: bool,
         stacked = lambda x, ax: jnp.zeros(x.shape[:ax] + (n_acc,) + x.shape[ax:], jnp.float32)  # noqa: E731
         acc_l = vary(jax.tree.map(lambda x: stacked(x, 0), cur_v[0]))
         acc_t = vary(jax.tree.map(stacked, top_acc, top_axes))
-        dev = _Device(fns, delay, s, n_stages, cur_v, prev_v, batch, prev_batch, step, S, act_dtype, top_axes)
+        slots = stash[0].shape[0]
+        dev = _Device(fns, delay, s, n_stages, cur_v, prev_v, batch, prev_batch, step, slots, act_dtype, top_axes)
         sums0 = vary({k: jnp.zeros((n_acc,), jnp.float32) for k in stat_names(model_cfg)})
         carry = (stash, fwd_buf, bwd_buf, acc_l, acc_t, sums0)
-        carry, _ = jax.lax.scan(dev.tick, carry, jnp.take(rows, s, axis=1))
+        carry, _ = jax.lax.scan(loop.body(dev), carry, jnp.take(rows, s, axis=1))
         return _finish(model_cfg, carry, pstate, cur, batch, prev_live, is_async, carries_state, top_specs,
                        top_axes, expert_parallel)
 

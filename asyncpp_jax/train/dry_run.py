@@ -168,7 +168,7 @@ def dry_run(c, devices=None, spare_devices=None) -> dict:
     if m.eval_peak is None:
         _add_eval(m)
     runner, state, mem = m.detail["runner"], m.detail["state"], m.detail["mem"]
-    table = runner.tick_table()
+    table = runner.schedule_plan()
     report = {
         "config": c.name,
         "mesh": dict(runner.mesh.shape),

@@ -18,7 +18,7 @@ from asyncpp_jax import configs
 from asyncpp_jax import train_state as state_lib
 from asyncpp_jax.models import abstract_params, hf_llama
 from asyncpp_jax.optim import build_optimizer, delay_schedule, weight_prediction, weight_versions
-from asyncpp_jax.pipeline import engine, make_mesh, tick_tables
+from asyncpp_jax.pipeline import engine, make_mesh, slot_plan, tick_tables
 from asyncpp_jax.train import step as step_lib
 
 
@@ -42,12 +42,16 @@ class Runner:
         if self.model_shapes is None:
             self.model_shapes = self.shapes
 
-    def tick_table(self) -> tick_tables.TickTable | None:
+    def schedule_plan(self) -> tick_tables.TickTable | slot_plan.SlotPlan | None:
+        """What the engine's step runs, printable (``render()``, ``useful_fraction()``): the tick
+        table of ``sync`` or ``2bw``, or a program schedule's lock-step slots."""
         c = self.config
         if not self.pipelined:
             return None
-        make = tick_tables.async_table if c.pipeline.schedule == "2bw" else tick_tables.sync_table
-        return make(c.pipeline.stages, c.train.microbatches)
+        if c.pipeline.schedule == "2bw":
+            return tick_tables.async_table(c.pipeline.stages, c.train.microbatches)
+        loop = engine.sync_loop(c.pipeline.schedule, c.pipeline.stages, c.train.microbatches, c.pipeline.recompute)
+        return loop.schedule
 
     def init_fn(self) -> Callable:
         """``init(key) -> state`` for a fresh run (the trainer jits it with the state's shardings).

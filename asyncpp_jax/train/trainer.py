@@ -167,7 +167,7 @@ class Trainer:
         if all(d.platform == "cpu" for d in devices):  # before anything is allocated
             host_memory.check_fits(c, r.abstract_state(jax.random.key(c.seed)), len(r.mesh.devices.flat))
         if r.pipelined:
-            log.info("pipeline engine, %s schedule:\n%s", c.pipeline.schedule, r.tick_table().render())
+            log.info("pipeline engine, %s schedule:\n%s", c.pipeline.schedule, r.schedule_plan().render())
         self.eval_step = r.eval_step()
         batches = make_eval_batches(
             self.corpus, d.seq_len, c.train.global_batch_size // c.train.microbatches, c.train.eval_batches

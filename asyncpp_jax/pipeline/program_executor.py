@@ -1,0 +1,89 @@
+"""The engine running a schedule given as a program (:mod:`asyncpp_jax.pipeline.programs`).
+
+:func:`asyncpp_jax.pipeline.slot_plan.compile_program` places the program's actions in lock-step
+slots and assigns every buffer entry; :class:`SlotLoop` is the loop body that
+:func:`asyncpp_jax.pipeline.executor.make_grads_fn` scans over those slots.  In a slot each device
+runs its row's action with the slot computations of the tick loop
+(:class:`~asyncpp_jax.pipeline.executor._Device`):
+
+* ``F`` on stages ``0..P-2``: the block on the embedded tokens (stage 0) or on the activation in
+  its ``fwd`` entry; the backward's entry goes to its stash entry;
+* ``B`` on stages ``0..P-2``: the block's vjp from the stash entry and the cotangent in its ``bwd``
+  entry; stage 0 adds its input cotangent to the embedding's gradient rows;
+* ``F`` on the last stage computes nothing (its input waits in its ``fwd`` entry); its ``B`` runs
+  the fused block + head + loss vjp, as the tick loop's last slot does.
+
+Each kind runs under its own ``lax.cond`` taking only the buffers it writes (on XLA:CPU a buffer
+that several branches write, or that a branch passes through, is copied at every slot:
+docs/design.md, section 6.1).  After the slot, one ``ppermute`` carries the activation to the
+next device and one the cotangent to the previous; each lands in the entry its row names (or in
+the write-only last entry).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from asyncpp_jax.pipeline import slot_plan
+from asyncpp_jax.pipeline.collectives import vary
+from asyncpp_jax.pipeline.stage import StageFns, residual_shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotLoop:
+    """A compiled program as :func:`~asyncpp_jax.pipeline.executor.make_grads_fn`'s loop."""
+
+    plan: slot_plan.SlotPlan
+
+    @property
+    def n_stages(self) -> int:
+        return self.plan.program.devices
+
+    @property
+    def microbatches(self) -> int:
+        return self.plan.program.microbatches
+
+    @property
+    def schedule(self) -> slot_plan.SlotPlan:
+        return self.plan
+
+    def rows(self) -> np.ndarray:
+        return self.plan.rows
+
+    def buffers(self, fns: StageFns, layers, x):
+        """``(stash, fwd, bwd)``, each with the plan's depth of entries; ``x`` one activation."""
+        d = self.plan.depth
+        stash = [vary(jnp.zeros((d["stash"],) + e.shape, e.dtype)) for e in residual_shapes(fns, layers, x)]
+        entries = lambda n: jnp.zeros((n,) + x.shape, x.dtype)  # noqa: E731
+        return stash, vary(entries(d["fwd"])), vary(entries(d["bwd"]))
+
+    def body(self, dev):
+        n = self.n_stages
+
+        def slot(carry, row):
+            stash, fwd, bwd, acc_l, acc_t, sums = carry
+            op, j, _, at, fr, br, fs, bs = (row[i] for i in range(len(slot_plan.COLUMNS)))
+            is_f, is_b = op == slot_plan.FWD, op == slot_plan.BWD
+            x_in, ct_in = fwd[fr], bwd[br]
+            zeros = jnp.zeros_like(x_in)
+            stash, sums, h_out = jax.lax.cond(is_f & ~dev.is_last,
+                                              lambda st, su: dev.forward(j, x_in, at, st, su),
+                                              lambda st, su: (st, su, zeros), stash, sums)
+            acc_l, g_x = jax.lax.cond(is_b & ~dev.is_last, lambda al: dev.backward(j, ct_in, at, stash, al),
+                                      lambda al: (al, zeros), acc_l)
+            acc_l, acc_t, sums, g_x = jax.lax.cond(is_b & dev.is_last,
+                                                   lambda al, at_, su, _: dev.last(j, x_in, al, at_, su),
+                                                   lambda *a: a, acc_l, acc_t, sums, g_x)
+            # As in the tick loop: the embedding's rows are added outside the conds (zeros off stage 0).
+            ct = jnp.where(dev.is_first & is_b, g_x, jnp.zeros_like(g_x)).astype(jnp.float32)
+            acc_t = dev.lookup_transpose_add(acc_t, dev.tokens_of(j)[:, :-1], ct, dev.delay.accumulator(j))
+            with jax.named_scope("pp_send"):
+                h_in = jax.lax.ppermute(h_out, "stage", [(i, i + 1) for i in range(n - 1)])
+                g_in = jax.lax.ppermute(g_x, "stage", [(i + 1, i) for i in range(n - 1)])
+            return (stash, fwd.at[fs].set(h_in), bwd.at[bs].set(g_in), acc_l, acc_t, sums), None
+
+        return slot

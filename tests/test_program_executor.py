@@ -1,0 +1,129 @@
+"""The engine running a schedule as a program: the compiled slot plan, and parity with the simulate runner.
+
+The plan is checked symbolically (every buffer entry an action reads holds the message it needs,
+written by the exchange of an earlier slot and not overwritten since); the executor against the
+simulate runner, as the tick loop is in test_pipeline.py.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+from asyncpp_jax.pipeline import engine, programs, slot_plan
+from asyncpp_jax.pipeline.census import Census, census
+
+from test_pipeline import (assert_params_close, batches, engine_shapes, init_pipeline, make_opt, model_cfg,
+                           run_pipeline, run_simulate, SCHED)
+
+CASES = [(2, 2), (2, 5), (4, 4), (4, 8), (4, 16), (8, 8), (8, 32)]
+
+
+def _replay(plan: slot_plan.SlotPlan, recompute: bool) -> dict:
+    """Run the plan's rows on symbols: each buffer entry holds the ``(stage, microbatch)`` of what was
+    written there.  Asserts every read finds its own message; returns the peak entries per buffer."""
+    p = plan.program
+    P, last = p.devices, p.stages - 1
+    cols = {name: plan.column(name) for name in slot_plan.COLUMNS}
+    held = {name: [dict() for _ in range(P)] for name in ("stash", "fwd", "bwd")}
+    done = set()
+    for k in range(plan.slots):
+        sends = []
+        for d in range(P):
+            op, m, at = cols["op"][k, d], cols["microbatch"][k, d], cols["stash"][k, d]
+            u = cols["chunk"][k, d] * P + d
+            if op == slot_plan.FWD:
+                assert u != last, "the last stage's F takes no slot"
+                if u > 0:
+                    assert held["fwd"][d].pop(cols["fwd_read"][k, d]) == (u - 1, m)
+                if u > 0 or not recompute:
+                    assert at != plan.depth["stash"] - 1, "a stash write into the write-only entry"
+                    held["stash"][d][at] = (u, m)
+                sends.append(("fwd", p.device_of(u + 1), (u, m)))
+            elif op == slot_plan.BWD:
+                if u == last:
+                    assert held["fwd"][d].pop(cols["fwd_read"][k, d]) == (u - 1, m)
+                else:
+                    if u > 0 or not recompute:
+                        assert held["stash"][d].pop(at) == (u, m)
+                    assert held["bwd"][d].pop(cols["bwd_read"][k, d]) == (u + 1, m)
+                if u > 0:
+                    sends.append(("bwd", p.device_of(u - 1), (u, m)))
+            if op != slot_plan.IDLE:
+                done.add((int(op), u, int(m)))
+        for d in range(P):  # the exchange: an arrival lands in its named entry, all else in the write-only one
+            for name in ("fwd", "bwd"):
+                got = [msg for buf, dst, msg in sends if buf == name and dst == d]
+                entry = cols[f"{name}_store"][k, d]
+                if got:
+                    assert entry not in held[name][d], "an arrival overwrote a live entry"
+                    assert entry != plan.depth[name] - 1
+                    held[name][d][entry] = got[0]
+                else:
+                    assert entry == plan.depth[name] - 1
+        for name in held:
+            assert all(len(h) <= plan.held(name) for h in held[name])
+    assert all(not h for name in held for h in held[name]), "a buffer entry left unread at the step's end"
+    # Every action of every stage ran once (the last stage's F takes no slot).
+    want = {(slot_plan.FWD, u, m) for u in range(p.stages - 1) for m in range(p.microbatches)}
+    want |= {(slot_plan.BWD, u, m) for u in range(p.stages) for m in range(p.microbatches)}
+    assert done == want
+    return {name: max(len(h) for h in held[name]) for name in held}
+
+
+@pytest.mark.parametrize("P, M", CASES)
+@pytest.mark.parametrize("recompute", [True, False])
+def test_1f1b_plan_delivers_every_message_and_stashes_at_most_P(P, M, recompute):
+    program = programs.generate("1f1b", P, M)
+    plan = slot_plan.compile_program(program, recompute)
+    _replay(plan, recompute)
+    # 1F1B's memory: stage 0 holds at most P microbatches (P - 1 on stage 1 when stage 0 re-embeds),
+    # against 2P - 1 (2P - 3) in the tick tables' ring.
+    deepest = programs.stash_depth(program)[1 if recompute else 0] if not (recompute and P == 2) else 0
+    assert plan.held("stash") == deepest == (min(P - 1, M) if recompute and P > 2 else 0 if recompute else min(P, M))
+    assert plan.held("fwd") <= 2 and plan.held("bwd") <= 2
+    assert 0 < plan.useful_fraction() < 1 and "F0" in plan.render()
+
+
+def test_program_executor_refuses_what_it_cannot_run_yet():
+    for name, why in (("2bw", "flushed programs"), ("zb-h1", "F and B actions only"),
+                      ("interleaved", "one model chunk")):
+        with pytest.raises(programs.ProgramError, match=why):
+            slot_plan.compile_program(programs.generate(name, 4, 8))
+
+
+def test_slot_costs_at_unit_costs():
+    """Lock-step time is the sum of each slot's costliest row; at P = 2, M = 2: F0 | F1 B0* | B0 B1* | B1,
+    with * the last stage's fused B (F + B = 3)."""
+    plan = slot_plan.compile_program(programs.generate("1f1b", 2, 2))
+    assert [line.split() for line in plan.render().splitlines()[2:]] == [
+        ["0", "F0", "."], ["1", "F1", "B0"], ["2", "B0", "B1"], ["3", "B1", "."]]
+    assert plan.step_time() == 1 + 3 + 3 + 2
+    assert plan.useful_fraction() == pytest.approx((2 * 1 + 2 * 2 + 2 * 3) / (2 * 9))
+
+
+# ------------------------------------------------------------------------------------------ parity
+
+
+@pytest.mark.needs_devices(4)
+@pytest.mark.parametrize("P, M, recompute",
+                         [(2, 2, True), (4, 4, True), pytest.param(4, 8, False, marks=pytest.mark.slow)])
+def test_1f1b_program_equals_simulate(P, M, recompute):
+    cfg, data = model_cfg(), batches(2, M, 2 * M)
+    want, _ = run_simulate(cfg, make_opt("adamw"), data)
+    got, metrics = run_pipeline(cfg, make_opt("adamw"), data, P, "1f1b", recompute=recompute)
+    assert_params_close(engine.to_model_layout(cfg, got.params), want.params)
+    assert np.isfinite(metrics[-1]["loss"]) and metrics[-1]["loss_microbatches"] == M
+
+
+@pytest.mark.needs_devices(2)
+def test_conditionals_per_slot():
+    """Three conds per slot (F, B, the last stage's fused B), with the nested ones of the tick loop's
+    slots: stage 0's embedding in F, its re-embedding in B (recompute): 5 per slot."""
+    cfg, data = model_cfg(), batches(1, 4, 8)
+    mesh = engine.make_pipeline_mesh(1, 2)
+    tx = make_opt("adamw")
+    step = engine.make_pipeline_train_step(cfg, tx, SCHED, mesh, engine_shapes(cfg), 4, "1f1b")
+    state = init_pipeline(cfg, tx, mesh, 4, 8, "1f1b")
+    batch = jax.device_put(data[0], engine.global_batch_sharding(mesh))
+    plan = slot_plan.compile_program(programs.generate("1f1b", 2, 4))
+    assert census(jax.make_jaxpr(step)(state, batch)) == Census(5 * plan.slots, 0)
