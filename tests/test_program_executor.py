@@ -18,63 +18,65 @@ from test_pipeline import (assert_params_close, batches, engine_shapes, init_pip
 CASES = [(2, 2), (2, 5), (4, 4), (4, 8), (4, 16), (8, 8), (8, 32)]
 
 
-def _replay(plan: slot_plan.SlotPlan, recompute: bool) -> dict:
+def _replay(plan: slot_plan.SlotPlan, recompute: bool) -> None:
     """Run the plan's rows on symbols: each buffer entry holds the ``(stage, microbatch)`` of what was
-    written there.  Asserts every read finds its own message; returns the peak entries per buffer."""
+    written there.  Asserts every read finds its own message, every arrival an empty entry, and each
+    action of the program runs once; in a slot the backward reads before the forward writes."""
     p = plan.program
     P, last = p.devices, p.stages - 1
-    cols = {name: plan.column(name) for name in slot_plan.COLUMNS}
+    col = {name: plan.column(name) for name in slot_plan.COLUMNS}
     held = {name: [dict() for _ in range(P)] for name in ("stash", "fwd", "bwd")}
-    done = set()
+    trash = {name: plan.depth[name] - 1 for name in held}
+    saves = lambda u: u < last and (u > 0 or not recompute)  # noqa: E731
+    done = []
     for k in range(plan.slots):
         sends = []
         for d in range(P):
-            op, m, at = cols["op"][k, d], cols["microbatch"][k, d], cols["stash"][k, d]
-            u = cols["chunk"][k, d] * P + d
-            if op == slot_plan.FWD:
-                assert u != last, "the last stage's F takes no slot"
-                if u > 0:
-                    assert held["fwd"][d].pop(cols["fwd_read"][k, d]) == (u - 1, m)
-                if u > 0 or not recompute:
-                    assert at != plan.depth["stash"] - 1, "a stash write into the write-only entry"
-                    held["stash"][d][at] = (u, m)
-                sends.append(("fwd", p.device_of(u + 1), (u, m)))
-            elif op == slot_plan.BWD:
+            m, u = col["b"][k, d], col["b_chunk"][k, d] * P + d
+            if m != slot_plan.IDLE:
                 if u == last:
-                    assert held["fwd"][d].pop(cols["fwd_read"][k, d]) == (u - 1, m)
+                    assert held["fwd"][d].pop(col["b_fwd"][k, d]) == (u - 1, m)
                 else:
-                    if u > 0 or not recompute:
-                        assert held["stash"][d].pop(at) == (u, m)
-                    assert held["bwd"][d].pop(cols["bwd_read"][k, d]) == (u + 1, m)
+                    if saves(u):
+                        assert held["stash"][d].pop(col["b_stash"][k, d]) == (u, m)
+                    assert held["bwd"][d].pop(col["b_bwd"][k, d]) == (u + 1, m)
                 if u > 0:
                     sends.append(("bwd", p.device_of(u - 1), (u, m)))
-            if op != slot_plan.IDLE:
-                done.add((int(op), u, int(m)))
+                done.append(("B", u, int(m)))
+            m, u = col["f"][k, d], col["f_chunk"][k, d] * P + d
+            if m != slot_plan.IDLE:
+                assert u != last, "the last stage's F takes no slot"
+                if u > 0:
+                    assert held["fwd"][d].pop(col["f_fwd"][k, d]) == (u - 1, m)
+                if saves(u):
+                    at = col["f_stash"][k, d]
+                    assert at != trash["stash"] and at not in held["stash"][d]
+                    held["stash"][d][at] = (u, m)
+                sends.append(("fwd", p.device_of(u + 1), (u, m)))
+                done.append(("F", u, int(m)))
         for d in range(P):  # the exchange: an arrival lands in its named entry, all else in the write-only one
             for name in ("fwd", "bwd"):
                 got = [msg for buf, dst, msg in sends if buf == name and dst == d]
-                entry = cols[f"{name}_store"][k, d]
+                entry = col[f"{name}_store"][k, d]
                 if got:
-                    assert entry not in held[name][d], "an arrival overwrote a live entry"
-                    assert entry != plan.depth[name] - 1
+                    assert entry != trash[name] and entry not in held[name][d], "an arrival overwrote a live entry"
                     held[name][d][entry] = got[0]
                 else:
-                    assert entry == plan.depth[name] - 1
+                    assert entry == trash[name]
         for name in held:
             assert all(len(h) <= plan.held(name) for h in held[name])
     assert all(not h for name in held for h in held[name]), "a buffer entry left unread at the step's end"
-    # Every action of every stage ran once (the last stage's F takes no slot).
-    want = {(slot_plan.FWD, u, m) for u in range(p.stages - 1) for m in range(p.microbatches)}
-    want |= {(slot_plan.BWD, u, m) for u in range(p.stages) for m in range(p.microbatches)}
-    assert done == want
-    return {name: max(len(h) for h in held[name]) for name in held}
+    want = [("F", u, m) for u in range(last) for m in range(p.microbatches)]
+    want += [("B", u, m) for u in range(p.stages) for m in range(p.microbatches)]
+    assert sorted(done) == sorted(want)
 
 
 @pytest.mark.parametrize("P, M", CASES)
 @pytest.mark.parametrize("recompute", [True, False])
-def test_1f1b_plan_delivers_every_message_and_stashes_at_most_P(P, M, recompute):
+@pytest.mark.parametrize("paired", [False, True])
+def test_1f1b_plan_delivers_every_message_and_stashes_at_most_P(P, M, recompute, paired):
     program = programs.generate("1f1b", P, M)
-    plan = slot_plan.compile_program(program, recompute)
+    plan = slot_plan.compile_program(program, recompute, paired)
     _replay(plan, recompute)
     # 1F1B's memory: stage 0 holds at most P microbatches (P - 1 on stage 1 when stage 0 re-embeds),
     # against 2P - 1 (2P - 3) in the tick tables' ring.
@@ -82,6 +84,16 @@ def test_1f1b_plan_delivers_every_message_and_stashes_at_most_P(P, M, recompute)
     assert plan.held("stash") == deepest == (min(P - 1, M) if recompute and P > 2 else 0 if recompute else min(P, M))
     assert plan.held("fwd") <= 2 and plan.held("bwd") <= 2
     assert 0 < plan.useful_fraction() < 1 and "F0" in plan.render()
+
+
+def test_the_faster_placement_is_kept():
+    """Unpaired slots let forward-only slots be short; paired ones hide a forward beside a backward.
+    At B = 2F pairing wins for 1F1B at P = 4 and loses at P = 8 (docs/pipeline.md)."""
+    for P, M, paired in ((4, 8, True), (4, 16, True), (8, 16, False), (8, 32, False)):
+        program = programs.generate("1f1b", P, M)
+        times = {x: slot_plan.compile_program(program, paired=x).step_time() for x in (False, True)}
+        assert times[paired] < times[not paired]
+        assert slot_plan.compile_program(program).paired == paired
 
 
 def test_program_executor_refuses_what_it_cannot_run_yet():
@@ -92,13 +104,17 @@ def test_program_executor_refuses_what_it_cannot_run_yet():
 
 
 def test_slot_costs_at_unit_costs():
-    """Lock-step time is the sum of each slot's costliest row; at P = 2, M = 2: F0 | F1 B0* | B0 B1* | B1,
-    with * the last stage's fused B (F + B = 3)."""
-    plan = slot_plan.compile_program(programs.generate("1f1b", 2, 2))
+    """Lock-step time is the sum of each slot's costliest row; at P = 2, M = 2 unpaired:
+    F0 | F1 B0* | B0 B1* | B1, with * the last stage's fused B (F + B = 3)."""
+    plan = slot_plan.compile_program(programs.generate("1f1b", 2, 2), paired=False)
     assert [line.split() for line in plan.render().splitlines()[2:]] == [
         ["0", "F0", "."], ["1", "F1", "B0"], ["2", "B0", "B1"], ["3", "B1", "."]]
     assert plan.step_time() == 1 + 3 + 3 + 2
     assert plan.useful_fraction() == pytest.approx((2 * 1 + 2 * 2 + 2 * 3) / (2 * 9))
+    # Paired at M = 4: d0 runs F0 | F1 | B0/F2 | B1/F3 | B2 | B3 beside d1's fused backwards (3 each).
+    paired = slot_plan.compile_program(programs.generate("1f1b", 2, 4), paired=True)
+    assert [line.split()[1] for line in paired.render().splitlines()[2:]] == ["F0", "F1", "B0/F2", "B1/F3", "B2", "B3"]
+    assert paired.step_time() == 1 + 3 + 3 + 3 + 3 + 2
 
 
 # ------------------------------------------------------------------------------------------ parity

@@ -3,8 +3,8 @@
 :func:`asyncpp_jax.pipeline.slot_plan.compile_program` places the program's actions in lock-step
 slots and assigns every buffer entry; :class:`SlotLoop` is the loop body that
 :func:`asyncpp_jax.pipeline.executor.make_grads_fn` scans over those slots.  In a slot each device
-runs its row's action with the slot computations of the tick loop
-(:class:`~asyncpp_jax.pipeline.executor._Device`):
+runs its row's backward, then its forward (either may be absent), with the slot computations of the
+tick loop (:class:`~asyncpp_jax.pipeline.executor._Device`):
 
 * ``F`` on stages ``0..P-2``: the block on the embedded tokens (stage 0) or on the activation in
   its ``fwd`` entry; the backward's entry goes to its stash entry;
@@ -63,27 +63,36 @@ class SlotLoop:
 
     def body(self, dev):
         n = self.n_stages
+        if not dev.fns.recompute:
+            # The backward runs first in a slot but rebuilds its vjp closure from the layout the
+            # forward's trace records: record it now (the result is dead code, dropped by XLA).
+            b, T = dev.batch.shape[1], dev.batch.shape[2] - 1
+            dev.fns.forward(dev.cur[0], vary(jnp.zeros((b, T, dev.fns.cfg.d_model), dev.act_dtype)), dev.template)
 
         def slot(carry, row):
             stash, fwd, bwd, acc_l, acc_t, sums = carry
-            op, j, _, at, fr, br, fs, bs = (row[i] for i in range(len(slot_plan.COLUMNS)))
-            is_f, is_b = op == slot_plan.FWD, op == slot_plan.BWD
-            x_in, ct_in = fwd[fr], bwd[br]
-            zeros = jnp.zeros_like(x_in)
-            stash, sums, h_out = jax.lax.cond(is_f & ~dev.is_last,
-                                              lambda st, su: dev.forward(j, x_in, at, st, su),
-                                              lambda st, su: (st, su, zeros), stash, sums)
-            acc_l, g_x = jax.lax.cond(is_b & ~dev.is_last, lambda al: dev.backward(j, ct_in, at, stash, al),
+            r = dict(zip(slot_plan.COLUMNS, (row[i] for i in range(len(slot_plan.COLUMNS)))))
+            jf, jb = r["f"], r["b"]
+            has_f, has_b = jf != slot_plan.IDLE, jb != slot_plan.IDLE
+            x_f, x_b, ct_in = fwd[r["f_fwd"]], fwd[r["b_fwd"]], bwd[r["b_bwd"]]
+            zeros = jnp.zeros_like(x_f)
+            # The backward first: the stash entry it reads may be the one the forward writes.
+            acc_l, g_x = jax.lax.cond(has_b & ~dev.is_last,
+                                      lambda al: dev.backward(jb, ct_in, r["b_stash"], stash, al),
                                       lambda al: (al, zeros), acc_l)
-            acc_l, acc_t, sums, g_x = jax.lax.cond(is_b & dev.is_last,
-                                                   lambda al, at_, su, _: dev.last(j, x_in, al, at_, su),
+            acc_l, acc_t, sums, g_x = jax.lax.cond(has_b & dev.is_last,
+                                                   lambda al, at, su, _: dev.last(jb, x_b, al, at, su),
                                                    lambda *a: a, acc_l, acc_t, sums, g_x)
+            stash, sums, h_out = jax.lax.cond(has_f & ~dev.is_last,
+                                              lambda st, su: dev.forward(jf, x_f, r["f_stash"], st, su),
+                                              lambda st, su: (st, su, zeros), stash, sums)
             # As in the tick loop: the embedding's rows are added outside the conds (zeros off stage 0).
-            ct = jnp.where(dev.is_first & is_b, g_x, jnp.zeros_like(g_x)).astype(jnp.float32)
-            acc_t = dev.lookup_transpose_add(acc_t, dev.tokens_of(j)[:, :-1], ct, dev.delay.accumulator(j))
+            ct = jnp.where(dev.is_first & has_b, g_x, jnp.zeros_like(g_x)).astype(jnp.float32)
+            jb_live = jnp.where(has_b, jb, 0)
+            acc_t = dev.lookup_transpose_add(acc_t, dev.tokens_of(jb_live)[:, :-1], ct, dev.delay.accumulator(jb_live))
             with jax.named_scope("pp_send"):
                 h_in = jax.lax.ppermute(h_out, "stage", [(i, i + 1) for i in range(n - 1)])
                 g_in = jax.lax.ppermute(g_x, "stage", [(i + 1, i) for i in range(n - 1)])
-            return (stash, fwd.at[fs].set(h_in), bwd.at[bs].set(g_in), acc_l, acc_t, sums), None
+            return (stash, fwd.at[r["fwd_store"]].set(h_in), bwd.at[r["bwd_store"]].set(g_in), acc_l, acc_t, sums), None
 
         return slot

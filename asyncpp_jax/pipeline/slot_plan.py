@@ -1,12 +1,13 @@
 """A validated program compiled into the static tables the engine's program executor scans.
 
 The executor (:mod:`asyncpp_jax.pipeline.program_executor`) is SPMD: every device runs the same
-code in lock-step slots, each slot one action per device (or none) followed by one exchange of
-activations to the next device and of input gradients to the previous one.  This module places a
-:class:`~asyncpp_jax.pipeline.programs.Program`'s per-device lists into those slots
+code in lock-step slots, each slot at most one backward and one forward per device followed by one
+exchange of activations to the next device and of input gradients to the previous one.  This
+module places a :class:`~asyncpp_jax.pipeline.programs.Program`'s per-device lists into those slots
 (:func:`asyncpp_jax.pipeline.programs.lockstep`'s rule: an action runs in the first slot after
-every action it depends on) and assigns every buffer entry statically, so nothing about the
-schedule is decided while tracing:
+every action it depends on; paired, a device also runs the action after it in the same slot when
+that one is of the other kind and ready) and assigns every buffer entry statically, so nothing
+about the schedule is decided while tracing:
 
 * ``stash``: the stage's saved input (or autodiff residuals) from a microbatch's ``F`` to its ``B``;
   stage 0 with recompute re-embeds the tokens and saves nothing;
@@ -17,10 +18,16 @@ schedule is decided while tracing:
 
 Each buffer's depth is the peak number of entries the plan holds at once on any device, plus one
 write-only entry (the last) that a slot's exchange writes when nothing arrives.  Entries are reused
-as soon as they are read: within a slot the action reads before the exchange writes.
+as soon as they are read: within a slot the backward runs before the forward, and both read before
+the exchange writes.
 
-A table row is ``[op, microbatch, chunk, stash, fwd_read, bwd_read, fwd_store, bwd_store]`` per
-device; ``op`` is an index into :data:`OPS`.
+A slot lasts as long as its costliest device (:meth:`SlotPlan.step_time`).  One action per slot
+(unpaired) lets a forward-only slot be short; pairing lets a forward hide beside a backward, as
+the tick tables do.  :func:`compile_program` keeps whichever placement is faster at ``B = 2F``.
+
+A table row (:data:`COLUMNS`) per device and slot: the forward's microbatch (or ``IDLE``), chunk,
+stash entry and ``fwd`` entry; the backward's microbatch (or ``IDLE``), chunk, stash entry, ``fwd``
+entry (the last stage's input) and ``bwd`` entry; and where the slot's arrivals land.
 """
 
 from __future__ import annotations
@@ -31,26 +38,28 @@ import numpy as np
 
 from asyncpp_jax.pipeline import programs
 
-OPS = ("idle", "F", "B")
-IDLE, FWD, BWD = range(len(OPS))
-COLUMNS = ("op", "microbatch", "chunk", "stash", "fwd_read", "bwd_read", "fwd_store", "bwd_store")
+IDLE = np.iinfo(np.int32).min  # no forward (or no backward) in this slot
+COLUMNS = ("f", "f_chunk", "f_stash", "f_fwd", "b", "b_chunk", "b_stash", "b_fwd", "b_bwd", "fwd_store", "bwd_store")
+_C = {name: i for i, name in enumerate(COLUMNS)}
 
 
 @dataclasses.dataclass(frozen=True)
 class SlotPlan:
     """``rows[k, d]``: device ``d``'s row at slot ``k`` (:data:`COLUMNS`); ``depth``: entries per
-    buffer (``stash``, ``fwd``, ``bwd``), the write-only one included."""
+    buffer (``stash``, ``fwd``, ``bwd``), the write-only one included; ``paired``: whether a slot
+    may hold a forward and a backward."""
 
     program: programs.Program
     rows: np.ndarray  # int32 [slots, devices, len(COLUMNS)]
     depth: dict
+    paired: bool
 
     @property
     def slots(self) -> int:
         return self.rows.shape[0]
 
     def column(self, name: str) -> np.ndarray:
-        return self.rows[..., COLUMNS.index(name)]
+        return self.rows[..., _C[name]]
 
     def held(self, name: str) -> int:
         """Peak entries of buffer ``name`` that hold something (the depth less the write-only one)."""
@@ -58,11 +67,9 @@ class SlotPlan:
 
     def slot_costs(self, costs: dict | None = None) -> np.ndarray:
         """``[slots, devices]``: each row's cost at ``costs`` (``programs.DEFAULT_COSTS``: ``F = 1``,
-        ``B = 2``); the last stage's ``B`` runs its forward too (``F + B``)."""
-        c = {**programs.DEFAULT_COSTS, **(costs or {})}
-        op, d = self.column("op"), np.arange(self.program.devices)[None, :]
-        last = self.column("chunk") * self.program.devices + d == self.program.stages - 1
-        return np.select([op == FWD, (op == BWD) & last, op == BWD], [c["F"], c["F"] + c["B"], c["B"]], 0.0)
+        ``B = 2``), split over an interleaved device's chunks; the last stage's ``B`` runs its
+        forward too (``F + B``)."""
+        return _row_costs(self.program, self.rows, costs)
 
     def step_time(self, costs: dict | None = None) -> float:
         """A lock-step step's length: every slot lasts as long as its costliest row."""
@@ -73,21 +80,33 @@ class SlotPlan:
         return float(self.slot_costs(costs).sum()) / (self.program.devices * self.step_time(costs))
 
     def render(self) -> str:
-        """Slot x device picture: ``F3`` forward of microbatch 3, ``B0c1`` backward on chunk 1, ``.`` idle."""
-        op, mb, ch = self.column("op"), self.column("microbatch"), self.column("chunk")
+        """Slot x device picture: ``F3`` forward of microbatch 3, ``B0c1`` backward on chunk 1,
+        ``B0/F4`` both in one slot, ``.`` idle."""
+        f, b = self.column("f"), self.column("b")
+        fc, bc = self.column("f_chunk"), self.column("b_chunk")
 
         def cell(k, d):
-            if op[k, d] == IDLE:
-                return "."
-            return f"{OPS[op[k, d]]}{mb[k, d]}" + (f"c{ch[k, d]}" if ch[k, d] else "")
+            parts = [f"{kind}{m[k, d]}" + (f"c{c[k, d]}" if c[k, d] else "")
+                     for kind, m, c in (("B", b, bc), ("F", f, fc)) if m[k, d] != IDLE]
+            return "/".join(parts) or "."
 
-        width = max(len(cell(k, d)) for k in range(self.slots) for d in range(op.shape[1])) + 1
-        head = (f"{self.program.name}: P={self.program.devices}, M={self.program.microbatches}, {self.slots} slots, "
-                f"useful {self.useful_fraction():.0%}; entries held: "
+        P = self.program.devices
+        width = max(len(cell(k, d)) for k in range(self.slots) for d in range(P)) + 1
+        head = (f"{self.program.name}: P={P}, M={self.program.microbatches}, {self.slots} "
+                f"{'paired ' if self.paired else ''}slots, useful {self.useful_fraction():.0%}; entries held: "
                 + ", ".join(f"{b} {self.held(b)}" for b in ("stash", "fwd", "bwd")))
-        lines = [head, "slot  " + "".join(f"d{d}".ljust(width) for d in range(op.shape[1]))]
-        lines += [f"{k:<6d}" + "".join(cell(k, d).ljust(width) for d in range(op.shape[1])) for k in range(self.slots)]
+        lines = [head, "slot  " + "".join(f"d{d}".ljust(width) for d in range(P))]
+        lines += [f"{k:<6d}" + "".join(cell(k, d).ljust(width) for d in range(P)) for k in range(self.slots)]
         return "\n".join(lines)
+
+
+def _row_costs(program, rows, costs: dict | None) -> np.ndarray:
+    c = {**programs.DEFAULT_COSTS, **(costs or {})}
+    d = np.arange(program.devices)[None, :]
+    f, b = rows[..., _C["f"]], rows[..., _C["b"]]
+    last = rows[..., _C["b_chunk"]] * program.devices + d == program.stages - 1
+    cost = np.where(f != IDLE, c["F"], 0.0) + np.where(b != IDLE, c["B"] + np.where(last, c["F"], 0.0), 0.0)
+    return cost / program.chunks
 
 
 class _Pool:
@@ -111,11 +130,11 @@ class _Pool:
         return self.where[d].pop(key)
 
 
-def place(program: programs.Program) -> list[list]:
-    """The program's actions in lock-step slots: ``slots[k][d]`` is device ``d``'s action at slot
-    ``k`` (an :class:`~asyncpp_jax.pipeline.programs.Op`) or None.  The last virtual stage's ``F``
-    computes nothing (its ``B`` runs the fused vjp), so it takes no slot: it is done as soon as its
-    input has arrived, and the action after it may run in the same slot."""
+def place(program: programs.Program, paired: bool = False) -> list[list[list]]:
+    """The program's actions in lock-step slots: ``slots[k][d]`` lists device ``d``'s actions at
+    slot ``k`` (:class:`~asyncpp_jax.pipeline.programs.Op`: none, one, or with ``paired`` one
+    backward and one forward).  The last virtual stage's ``F`` computes nothing (its ``B`` runs the
+    fused vjp), so it takes no slot: it is done as soon as its input has arrived."""
     lists = programs.unroll(program, 1)
     nxt, slot_of, slots = [0] * program.devices, {}, []
 
@@ -124,31 +143,34 @@ def place(program: programs.Program) -> list[list]:
                    for dep in programs._deps(op, program.stages))
 
     while any(nxt[d] < len(ops) for d, ops in enumerate(lists)):
-        k, row = len(slots), [None] * program.devices
+        k, row = len(slots), [[] for _ in range(program.devices)]
         for d, ops in enumerate(lists):
-            op = ops[nxt[d]] if nxt[d] < len(ops) else None
-            if op is not None and op.kind == "F" and op.stage == program.stages - 1 and ready(op, k):
-                slot_of[op.key] = k - 0.5  # ended before this slot: what follows may run in it
+            while nxt[d] < len(ops):
+                op = ops[nxt[d]]
+                if op.kind == "F" and op.stage == program.stages - 1 and ready(op, k):
+                    slot_of[op.key] = k - 0.5  # ended before this slot: what follows may run in it
+                elif (len(row[d]) < (2 if paired else 1) and all(o.kind != op.kind for o in row[d])
+                      and ready(op, k)):
+                    row[d].append(op)
+                else:
+                    break
                 nxt[d] += 1
-                op = ops[nxt[d]] if nxt[d] < len(ops) else None
-            if op is not None and ready(op, k):
-                row[d] = op
-                nxt[d] += 1
-        if not any(row) and not any(nxt[d] < len(ops) for d, ops in enumerate(lists)):
-            break  # only a last-stage F was left
-        if not any(row) and all(nxt[d] == len(ops) or not ready(ops[nxt[d]], k + 1) for d, ops in enumerate(lists)):
+        if not any(row):
+            if all(nxt[d] == len(ops) for d, ops in enumerate(lists)):
+                break  # only a last-stage F was left
             raise programs.ProgramError(f"{program.name}: rule 'dataflow': no action can run at slot {k}")
-        for op in filter(None, row):
+        for op in (o for ops in row for o in ops):
             slot_of[op.key] = k
         slots.append(row)
     return slots
 
 
-def compile_program(program: programs.Program, recompute: bool = True) -> SlotPlan:
-    """Validate ``program`` and compile it into a :class:`SlotPlan`.  Flushed programs (``delay = 0``)
-    with ``F`` and ``B`` actions only, for now: a flushless program carries buffers across steps and a
-    split backward (``I``, ``W``) needs the weight-gradient half kept apart from the input-gradient
-    half inside the block's ``vjp``."""
+def compile_program(program: programs.Program, recompute: bool = True, paired: bool | None = None) -> SlotPlan:
+    """Validate ``program`` and compile it into a :class:`SlotPlan`, paired or not as ``paired``
+    says (None: the faster at ``B = 2F``, unpaired on a tie).  Flushed programs (``delay = 0``) with
+    ``F`` and ``B`` actions on one chunk per device, for now: a flushless program carries buffers
+    across steps, a split backward (``I``, ``W``) needs the weight-gradient half kept apart from the
+    input-gradient half inside the block's ``vjp``, and chunks need an interleaved layer layout."""
     programs.validate(program)
     if program.delay:
         raise programs.ProgramError(f"{program.name}: the program executor runs flushed programs (delay 0) only; "
@@ -160,53 +182,59 @@ def compile_program(program: programs.Program, recompute: bool = True) -> SlotPl
     if program.chunks > 1:
         raise programs.ProgramError(f"{program.name}: the program executor runs one model chunk per device, not "
                                     f"{program.chunks} (an interleaved layout of the layer stack is not built)")
+    if paired is None:
+        plans = [_compile(program, recompute, p) for p in (False, True)]
+        return min(plans, key=lambda plan: (plan.step_time(), plan.paired))
+    return _compile(program, recompute, paired)
+
+
+def _compile(program: programs.Program, recompute: bool, paired: bool) -> SlotPlan:
     P, last = program.devices, program.stages - 1
-    slots = place(program)
+    slots = place(program, paired)
     pools = {name: _Pool(P) for name in ("stash", "fwd", "bwd")}
-    rows = np.zeros((len(slots), P, len(COLUMNS)), np.int32)
-    stores = []  # per slot: (buffer, device, key) arrivals, allocated after the slot's reads
+    rows = np.full((len(slots), P, len(COLUMNS)), -1, np.int32)
+    rows[..., _C["f"]] = rows[..., _C["b"]] = IDLE
+    saves = lambda u: u < last and (u > 0 or not recompute)  # noqa: E731  (what a stage's F stashes)
+    stores = []  # per slot: (buffer, device, index) of its arrivals
     for k, row in enumerate(slots):
         frees, arrivals = [], []
-        for d, op in enumerate(row):
-            if op is None:
-                continue
-            u, m = op.stage, op.g
-            r = rows[k, d]
-            r[:3] = (FWD if op.kind == "F" else BWD, m, op.action.chunk)
-            if op.kind == "F":  # never the last stage's (place() gives it no slot)
-                if u > 0:
-                    r[4] = pools["fwd"].index(d, (u - 1, m))
-                    frees.append(("fwd", d, (u - 1, m)))
-                if u > 0 or not recompute:
-                    r[3] = pools["stash"].take(d, (u, m))
-                arrivals.append(("fwd", program.device_of(u + 1), (u, m)))
-            else:
+        # Backward first: an entry it frees may take the forward's write in the same slot.
+        for d, op in sorted(((d, op) for d, ops in enumerate(row) for op in ops), key=lambda x: x[1].kind != "B"):
+            u, m, r = op.stage, op.g, rows[k, d]
+            if op.kind == "B":
+                r[[_C["b"], _C["b_chunk"]]] = m, op.action.chunk
                 if u == last:
-                    r[4] = pools["fwd"].index(d, (u - 1, m))
+                    r[_C["b_fwd"]] = pools["fwd"].index(d, (u - 1, m))
                     frees.append(("fwd", d, (u - 1, m)))
                 else:
-                    if u > 0 or not recompute:
-                        r[3] = pools["stash"].index(d, (u, m))
+                    if saves(u):
+                        r[_C["b_stash"]] = pools["stash"].index(d, (u, m))
                         frees.append(("stash", d, (u, m)))
-                    r[5] = pools["bwd"].index(d, (u + 1, m))
+                    r[_C["b_bwd"]] = pools["bwd"].index(d, (u + 1, m))
                     frees.append(("bwd", d, (u + 1, m)))
                 if u > 0:
                     arrivals.append(("bwd", program.device_of(u - 1), (u, m)))
+                for name, e, key in frees:  # before this device's forward takes an entry
+                    if e == d and name == "stash":
+                        pools[name].give(e, key)
+                frees = [f for f in frees if not (f[1] == d and f[0] == "stash")]
+            else:  # never the last stage's F (place() gives it no slot)
+                r[[_C["f"], _C["f_chunk"]]] = m, op.action.chunk
+                if u > 0:
+                    r[_C["f_fwd"]] = pools["fwd"].index(d, (u - 1, m))
+                    frees.append(("fwd", d, (u - 1, m)))
+                if saves(u):
+                    r[_C["f_stash"]] = pools["stash"].take(d, (u, m))
+                arrivals.append(("fwd", program.device_of(u + 1), (u, m)))
         for name, d, key in frees:
             pools[name].give(d, key)
         stores.append([(name, d, pools[name].take(d, key)) for name, d, key in arrivals])
     depth = {name: pool.peak + 1 for name, pool in pools.items()}
+    for name in ("stash", "fwd", "bwd"):  # unused reads point at the write-only entry
+        cols = [_C[c] for c in COLUMNS if c.endswith("_" + name) and c != f"{name}_store"]
+        rows[..., cols] = np.where(rows[..., cols] < 0, depth[name] - 1, rows[..., cols])
+    rows[..., _C["fwd_store"]], rows[..., _C["bwd_store"]] = depth["fwd"] - 1, depth["bwd"] - 1
     for k, arrived in enumerate(stores):
-        rows[k, :, 6], rows[k, :, 7] = depth["fwd"] - 1, depth["bwd"] - 1  # the write-only entry
         for name, d, i in arrived:
-            rows[k, d, 6 if name == "fwd" else 7] = i
-    rows[..., 3] = np.where((rows[..., 0] == IDLE) | _unstashed(rows, program, recompute), depth["stash"] - 1,
-                            rows[..., 3])
-    return SlotPlan(program, rows, depth)
-
-
-def _unstashed(rows, program, recompute: bool) -> np.ndarray:
-    """The rows whose action saves nothing: the last virtual stage's, and stage 0's under recompute."""
-    d = np.arange(program.devices)[None, :]
-    stage = rows[..., 2] * program.devices + d
-    return (stage == program.stages - 1) | ((stage == 0) & recompute)
+            rows[k, d, _C[f"{name}_store"]] = i
+    return SlotPlan(program, rows, depth, paired)
