@@ -11,7 +11,7 @@ Absolute times on a shared machine are noise, so every figure is a ratio of two 
 side by side in alternating rounds (median of rounds).
 
 * ``work``: with every fake device pinned to the same core, a pipeline step takes the total work
-  of all stages.  Divided by the single-device ``simulate`` step on the same batch it measures
+  of all stages (``sync``, ``2bw`` and the ``1f1b`` program).  Divided by the single-device ``simulate`` step on the same batch it measures
   waste: 1.0 is ideal; recomputing each stage's forward costs at most ``1 + F/(F+B)``.
 * ``overlap``: with one core per stage the stages really run at the same time; ``sync / 2bw``
   is compared with a textbook 1F1B's ceiling ``(M + P - 1)/M`` and with the critical path the
@@ -29,7 +29,8 @@ side by side in alternating rounds (median of rounds).
   branch), for ``sync`` and ``2bw`` at P in {4, 8} and their smallest M, beside the single-device
   ``simulate`` step.  XLA:GPU reads each conditional's predicate on the host, a cost this CPU does
   not show.  Traced only, nothing compiled or run.
-* ``processes``: ``overlap`` where the stages surely run at the same time.  On XLA:CPU the fake
+* ``processes``: ``overlap`` where the stages surely run at the same time, with the ``1f1b``
+  program (lock-step slots, :mod:`asyncpp_jax.pipeline.slot_plan`) timed beside ``sync`` and ``2bw``.  On XLA:CPU the fake
   devices of one process do not (one device's program already uses every core the process may
   use), so this mode starts one process per stage, each pinned to its own core, forming one JAX job
   over gloo (``asyncpp_jax.launch --pin_cpus``), and times ``sync`` and ``2bw`` in alternating
@@ -203,7 +204,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 
 from asyncpp_jax.configs import base_config  # noqa: E402
 from asyncpp_jax.models import dense  # noqa: E402
-from asyncpp_jax.pipeline import engine, make_mesh, tick_tables, stage  # noqa: E402
+from asyncpp_jax.pipeline import engine, make_mesh, slot_plan, tick_tables, stage  # noqa: E402
 from asyncpp_jax import train_state as state_lib  # noqa: E402
 from asyncpp_jax.train import profile  # noqa: E402
 from asyncpp_jax.train import step as step_lib  # noqa: E402
@@ -481,6 +482,18 @@ def predicted_sync_over_2bw(P: int, M: int, c: list) -> float:
 # ------------------------------------------------------------------------------------------ modes
 
 
+def predicted_program_over_2bw(name: str, P: int, M: int, c: list, recompute: bool) -> float:
+    """A program schedule's lock-step step over the ``2bw`` tick table's, from each stage's measured
+    slot costs ``c`` (as :func:`predicted_sync_over_2bw` takes them): a slot lasts as long as its
+    busiest device's forward plus backward (the last stage's fused)."""
+    plan = engine.sync_loop(name, P, M, recompute).schedule
+    f, b = plan.column("f") != slot_plan.IDLE, plan.column("b") != slot_plan.IDLE
+    per_stage = np.array([[c[s]["F"] + (c[s]["embed"] if s == 0 else 0.0),
+                           c[s]["last"] if s == P - 1 else c[s]["bwd_slot"]] for s in range(P)])
+    slots = f * per_stage[None, :, 0] + b * per_stage[None, :, 1]
+    return float(slots.max(axis=1).sum()) / predicted_step_seconds(tick_tables.async_table(P, M), c)
+
+
 def work(args) -> None:
     P, M = 4, 8
     rows = []
@@ -497,20 +510,22 @@ def work(args) -> None:
         runs = {"simulate": Simulated(args, M),
                 "sync": Pipelined(args, P, M, "sync", recompute, stage_layers=args.stage_layers),
                 "2bw": Pipelined(args, P, M, "2bw", recompute, stage_layers=args.stage_layers),
+                "1f1b": Pipelined(args, P, M, "1f1b", recompute, stage_layers=args.stage_layers),
                 "slots sync": SlotWork(args, P, tick_tables.sync_table(P, M), recompute),
                 "slots 2bw": SlotWork(args, P, tick_tables.async_table(P, M), recompute)}
         rounds = time_rounds(runs, args.rounds, args.steps)
         t = {name: float(np.median(r)) for name, r in rounds.items()}
         bound = 1.10 if not recompute else 1 + f_share + 0.10
-        for name in ("sync", "2bw"):
-            slots = t[f"slots {name}"]
+        for name in ("sync", "2bw", "1f1b"):
+            slots = t.get(f"slots {name}")  # the tick tables' slot kinds, timed alone (not for a program)
             per_round = np.array(rounds[name]) / np.array(rounds["simulate"])  # same machine state, round by round
+            shown = (f"{slots / t['simulate']:.3f} | {t[name] / slots:.3f}" if slots else "- | -")
             print(f"| {name} | {recompute} | {t[name] / t['simulate']:.3f} | {per_round.min():.3f}-{per_round.max():.3f} "
-                  f"| {slots / t['simulate']:.3f} | {t[name] / slots:.3f} | <= {bound:.2f} |", flush=True)
+                  f"| {shown} | <= {bound:.2f} |", flush=True)
             rows.append({"schedule": name, "recompute": recompute, "engine_over_simulate": t[name] / t["simulate"],
                          "spread": [float(per_round.min()), float(per_round.max())],
-                         "slot_work_over_simulate": slots / t["simulate"], "engine_over_slot_work": t[name] / slots,
-                         "target": f"≤ {bound:.2f}"})
+                         "slot_work_over_simulate": slots and slots / t["simulate"],
+                         "engine_over_slot_work": slots and t[name] / slots, "target": f"≤ {bound:.2f}"})
         print(f"(simulate step {t['simulate']:.2f} s)", flush=True)
     print(f"\nmeasured F/(F+B) of a {costs['layers']}-layer stage's block = {f_share:.3f} (F {costs['F'] * 1e3:.1f} "
           f"ms, B {costs['B'] * 1e3:.1f} ms, last stage's fused slot {costs['last'] * 1e3:.1f} ms)")
@@ -567,29 +582,34 @@ def processes(args) -> None:
               f"{args.d_model}, {args.layers} layers, P={P}, stage layers {','.join(map(str, split))}, microbatch "
               f"{args.rows} x {args.seq} tokens, {args.rounds} alternating rounds of {args.steps} updates\n")
         print("| P | M | recompute | sync s/update | 2bw s/update | measured sync/2bw | spread over rounds | "
-              "tick-table critical path | textbook (M+P-1)/M |")
-        print("|---|---|---|---|---|---|---|---|---|")
+              "tick-table critical path | textbook (M+P-1)/M | 1f1b s/update | measured 1f1b/2bw | 1f1b plan |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     recomputes, rows = [v.strip() == "True" for v in args.recompute.split(",")], []
     for recompute in recomputes:
         # Every process times the slot kinds of both stages on its own core, at the same time (as
         # in the pipelined run, where both cores are busy): the prediction's per-slot costs.
         costs = stage_costs(args, split, recompute)
         for M in (int(m) for m in args.microbatches.split(",")):
-            runs = {"sync": Pipelined(args, P, M, "sync", recompute, stage_layers=args.stage_layers),
-                    "2bw": Pipelined(args, P, M, "2bw", recompute, stage_layers=args.stage_layers)}
+            runs = {name: Pipelined(args, P, M, name, recompute, stage_layers=args.stage_layers)
+                    for name in ("sync", "2bw", "1f1b")}
             rounds = time_rounds(runs, args.rounds, args.steps)
             ratios = np.array(rounds["sync"]) / np.array(rounds["2bw"])  # round by round: same machine state
+            f1b = np.array(rounds["1f1b"]) / np.array(rounds["2bw"])
             pred = predicted_sync_over_2bw(P, M, costs)
+            plan = predicted_program_over_2bw("1f1b", P, M, costs, recompute)
             if lead:
                 print(f"| {P} | {M} | {recompute} | {np.median(rounds['sync']):.3f} | {np.median(rounds['2bw']):.3f} "
                       f"| {np.median(ratios):.3f} | {ratios.min():.3f}-{ratios.max():.3f} | {pred:.3f} "
-                      f"| {(M + P - 1) / M:.3f} |", flush=True)
+                      f"| {(M + P - 1) / M:.3f} | {np.median(rounds['1f1b']):.3f} | {np.median(f1b):.3f} "
+                      f"| {plan:.3f} |", flush=True)
             rows.append({"rows_per_microbatch": args.rows, "seq": args.seq, "microbatches": M, "recompute": recompute,
                          "sync_s_per_update": float(np.median(rounds["sync"])),
                          "twobw_s_per_update": float(np.median(rounds["2bw"])),
                          "sync_over_2bw": float(np.median(ratios)), "spread": [float(ratios.min()), float(ratios.max())],
                          "tick_table_critical_path": pred, "textbook": (M + P - 1) / M,
-                         "measured_over_textbook": float(np.median(ratios)) / ((M + P - 1) / M)})
+                         "measured_over_textbook": float(np.median(ratios)) / ((M + P - 1) / M),
+                         "f1b_s_per_update": float(np.median(rounds["1f1b"])), "f1b_over_2bw": float(np.median(f1b)),
+                         "f1b_spread": [float(f1b.min()), float(f1b.max())], "f1b_plan_over_2bw": plan})
             for name, r in runs.items() if args.profile else ():
                 out = os.path.join(args.profile, f"{name}_M{M}_recompute{recompute}")
                 prof = profile.StepProfiler(out, start=0, steps=2)
