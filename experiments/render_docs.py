@@ -143,7 +143,8 @@ def glance(doc: pathlib.Path) -> str:
         f"sync / 2bw = {best['sync_over_2bw']:.3f} against the textbook {best['textbook']:.3f} | "
         f"{_link(docs / 'pipeline.md', doc)} |",
         "| Does the engine compute what the simulation does? | yes: equal parameters (fp32 allclose, rtol 2e-5) "
-        "for `sync` and `2bw`, across a synchronous start and cooldown, with MoE and data parallel "
+        "for `sync`, `2bw` and the `1f1b` program, across a synchronous start and cooldown, with MoE and data "
+        "parallel "
         f"(tests) | {_link(docs / 'pipeline.md', doc)} |",
         f"| Do the optimizers cost what optax's own do? (time per update, ours / optax's) | {parity} | "
         f"{_link(docs / 'optimizers.md', doc)} |",

@@ -50,18 +50,13 @@ dependencies and the weight update as a collective at each step's end, from per-
 :func:`bubble_fraction`, :func:`buffers` (peak messages in transit per channel) and
 :func:`min_microbatches` (the smallest ``M`` whose generated program validates).
 
-How the engine's executor would consume a program (not yet wired; asyncpp_jax/pipeline/executor.py
-still runs the tick tables): pad the device lists to a common length ``K`` of slots; give each slot
-an integer opcode per device and its microbatch; after each slot one ``ppermute`` forward and one
-backward carry that slot's sends (the ``channels`` check guarantees the receiver consumes them in
-that order; a receive waits in a buffer whose depth is :func:`buffers`); the stash ring gets
-:func:`stash_depth` slots per chunk; the weight version of a slot is its action's ``version``
-(where ``OneStepDelay`` reads it today), and eval is the forward-only program.  Two measured
-constraints (docs/design.md, section 6.1): lock-step slots last as long as their costliest action
-(:func:`lockstep`), so the actions should cost about the same (``B`` split into ``I`` and ``W``)
-or be paired per slot as the tick tables pair ``F`` and ``B``; and on XLA:CPU a conditional whose
-branches both write the stash ring copies it at every slot, so a slot's dispatch must leave each
-large buffer to one writing branch.
+The engine executes a flushed ``F``/``B`` program on one chunk per device
+(:mod:`asyncpp_jax.pipeline.slot_plan` places it into lock-step slots and assigns every buffer entry;
+:mod:`asyncpp_jax.pipeline.program_executor` runs the rows): ``config.pipeline.schedule=1f1b``.
+Flushless programs, split backwards and chunks are not executed yet; docs/design.md, section 6.1,
+says what constrains them (lock-step slots last as long as their costliest action,
+:func:`lockstep`; a message crosses a device boundary in one slot; on XLA:CPU a conditional whose
+branches both write the stash ring copies it at every slot).
 """
 
 from __future__ import annotations

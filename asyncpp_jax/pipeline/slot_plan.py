@@ -149,8 +149,8 @@ def place(program: programs.Program, paired: bool = False) -> list[list[list]]:
                 op = ops[nxt[d]]
                 if op.kind == "F" and op.stage == program.stages - 1 and ready(op, k):
                     slot_of[op.key] = k - 0.5  # ended before this slot: what follows may run in it
-                elif (len(row[d]) < (2 if paired else 1) and all(o.kind != op.kind for o in row[d])
-                      and ready(op, k)):
+                elif (len(row[d]) < (2 if paired else 1) and ready(op, k)
+                      and all((o.kind == "F") != (op.kind == "F") for o in row[d])):
                     row[d].append(op)
                 else:
                     break
@@ -163,6 +163,19 @@ def place(program: programs.Program, paired: bool = False) -> list[list[list]]:
             slot_of[op.key] = k
         slots.append(row)
     return slots
+
+
+def path(program: programs.Program, paired: bool, costs: dict | None = None) -> float:
+    """The lock-step path of ``program`` placed by :func:`place` (any program: chunks and split
+    backwards too): each slot lasts as long as its busiest device's actions, an interleaved chunk's
+    costing ``1/v`` of the stage's and the last stage's ``B`` its ``F`` too."""
+    c = {**programs.DEFAULT_COSTS, **(costs or {})}
+
+    def cost(op):
+        return (c[op.kind] + (c["F"] if op.kind in programs.BACKWARDS and op.stage == program.stages - 1 else 0.0)
+                ) / program.chunks
+
+    return float(sum(max(sum(cost(op) for op in ops) for ops in row) for row in place(program, paired)))
 
 
 def compile_program(program: programs.Program, recompute: bool = True, paired: bool | None = None) -> SlotPlan:
