@@ -46,7 +46,7 @@ def test_default_config_is_tiny():
         ("optimizer.warmup_steps", 10_000, "config.optimizer.warmup_steps"),
         ("mesh.data", 0, "config.mesh.data"),
         ("runner", "magic", "config.runner"),
-        ("pipeline.schedule", "1f1b", "config.pipeline.schedule='1f1b' is unknown"),
+        ("pipeline.schedule", "gpipe", "config.pipeline.schedule='gpipe' is unknown"),
         ("pipeline.stages", 0, "config.pipeline.stages=0 must be a positive integer"),
         ("pipeline.stages", 3, "config.model.n_layers=4 is not divisible by config.pipeline.stages=3"),
         ("staleness.mode", "async", "config.staleness.mode='async' is unknown"),

@@ -112,6 +112,22 @@ def test_lockstep_paths(P):
     assert plan.step_time() / ticks == pytest.approx({4: 78 / 66, 8: 177 / 138}[P])
 
 
+def test_eval_is_the_forward_only_program():
+    """The pipeline's eval step runs programs.forward_only: stage s runs microbatch m at slot m + s
+    (the last stage's F too, ending in the loss), one activation in transit per device."""
+    P, M = 4, 5
+    plan = slot_plan.compile_program(programs.forward_only(P, M))
+    f = plan.column("f")
+    want = np.array([[k - d if 0 <= k - d < M else slot_plan.IDLE for d in range(P)] for k in range(M + P - 1)])
+    np.testing.assert_array_equal(f, want)
+    assert (plan.column("b") == slot_plan.IDLE).all() and plan.held("fwd") == 1 and plan.held("stash") == 0
+    # forward-only means forward only: a backward in it breaks rule 'once'
+    acts = programs.forward_only(P, M).actions
+    bad = programs.Program("forward", P, M, (acts[0] + (programs.Action("B", 0),),) + acts[1:], training=False)
+    with pytest.raises(programs.ProgramError, match="rule 'once'.*runs one F and nothing else"):
+        programs.validate(bad)
+
+
 def test_program_executor_refuses_what_it_cannot_run_yet():
     for name, why in (("2bw", "flushed programs"), ("zb-h1", "F and B actions only"),
                       ("interleaved", "one model chunk")):

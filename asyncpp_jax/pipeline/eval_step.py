@@ -1,4 +1,4 @@
-"""The pipeline's eval step: forward only, each stage with its own layers."""
+"""The pipeline's eval step: the forward-only program, each stage with its own layers."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 from asyncpp_jax.models import dense
 from asyncpp_jax.models.moe import with_expert_parallel
+from asyncpp_jax.pipeline import programs, slot_plan
 from asyncpp_jax.pipeline.collectives import vary
 from asyncpp_jax.pipeline.layout import check_layout, param_specs
 from asyncpp_jax.pipeline.stage import head_of, lookup, split_params
@@ -19,10 +20,12 @@ def make_pipeline_eval_step(model_cfg, mesh, params_abstract, microbatch_rows: i
     pipeline mesh: forward only, each stage with its own layers (the model is never gathered).
 
     Each data replica's rows are cut into microbatches of ``microbatch_rows`` (the training
-    microbatch, so activations match what training holds) and streamed through the stages: stage
-    ``s`` runs microbatch ``j`` at tick ``j + s``; stage 0 embeds, stage ``P-1`` applies the head
-    and sums the token losses.  Idle slots compute nothing, nor do padded layer rows
-    (``stage_rows``, :func:`stage_split`).
+    microbatch, so activations match what training holds) and streamed through the stages as the
+    forward-only program (:func:`asyncpp_jax.pipeline.programs.forward_only`) compiled into
+    lock-step slots (:mod:`asyncpp_jax.pipeline.slot_plan`: stage ``s`` runs microbatch ``m`` at
+    slot ``m + s``; each activation lands in the entry its row names): stage 0 embeds, stage
+    ``P-1`` applies the head and sums the token losses.  Idle slots compute nothing, nor do padded
+    layer rows (``stage_rows``, :func:`stage_split`).
     """
     n_stages = mesh.shape["stage"]
     check_layout(model_cfg, params_abstract, n_stages, stage_rows)
@@ -30,6 +33,7 @@ def make_pipeline_eval_step(model_cfg, mesh, params_abstract, microbatch_rows: i
         model_cfg = with_expert_parallel(model_cfg, "data", mesh.shape["data"])
     fwd_perm = [(i, i + 1) for i in range(n_stages - 1)]
     act_dtype = dense.dtype_of(model_cfg.compute_dtype)
+    col = {name: i for i, name in enumerate(slot_plan.COLUMNS)}
 
     def local(params, batch):
         s = jax.lax.axis_index("stage")
@@ -40,16 +44,16 @@ def make_pipeline_eval_step(model_cfg, mesh, params_abstract, microbatch_rows: i
         rows, width = batch.shape
         b = min(microbatch_rows, rows)
         mbs = batch.reshape(rows // b, b, width)
-        n_mb = mbs.shape[0]
+        plan = slot_plan.compile_program(programs.forward_only(n_stages, mbs.shape[0]))
 
-        def tick(carry, k):
-            buf, total, count = carry
-            j = k - s
-            tokens = mbs[jnp.clip(j, 0, n_mb - 1)]
+        def slot(carry, row):
+            fwd, total, count = carry
+            j = row[col["f"]]
+            tokens = mbs[jnp.where(j == slot_plan.IDLE, 0, j)]
 
-            def work(buf):
+            def work(fwd):
                 x = jax.lax.cond(is_first, lambda: lookup(model_cfg, top, tokens[:, :-1]).astype(act_dtype),
-                                 lambda: buf)
+                                 lambda: fwd[row[col["f_fwd"]]])
                 h = dense.apply_layers(model_cfg, layers, x, live).astype(act_dtype)
 
                 def loss_sum():
@@ -61,16 +65,17 @@ def make_pipeline_eval_step(model_cfg, mesh, params_abstract, microbatch_rows: i
                 zero = vary(jnp.zeros((), jnp.float32))
                 return jax.lax.cond(is_last, loss_sum, lambda: (h, zero, zero))
 
-            def idle(buf):
+            def idle(fwd):
                 zero = vary(jnp.zeros((), jnp.float32))
-                return jnp.zeros_like(buf), zero, zero
+                return jnp.zeros_like(fwd[0]), zero, zero
 
-            h_out, loss, n = jax.lax.cond((j >= 0) & (j < n_mb), work, idle, buf)
-            return (jax.lax.ppermute(h_out, "stage", fwd_perm), total + loss, count + n), None
+            h_out, loss, n = jax.lax.cond(j != slot_plan.IDLE, work, idle, fwd)
+            h_in = jax.lax.ppermute(h_out, "stage", fwd_perm)
+            return (fwd.at[row[col["fwd_store"]]].set(h_in), total + loss, count + n), None
 
         zero = vary(jnp.zeros((), jnp.float32))
-        buf = vary(jnp.zeros((b, width - 1, model_cfg.d_model), act_dtype))
-        (_, total, count), _ = jax.lax.scan(tick, (buf, zero, zero), jnp.arange(n_mb + n_stages - 1))
+        fwd = vary(jnp.zeros((plan.depth["fwd"], b, width - 1, model_cfg.d_model), act_dtype))
+        (_, total, count), _ = jax.lax.scan(slot, (fwd, zero, zero), jnp.take(plan.rows, s, axis=1))
         return jax.lax.psum(total, ("data", "stage")), jax.lax.psum(count, ("data", "stage"))
 
     fn = jax.shard_map(local, mesh=mesh, in_specs=(param_specs(params_abstract, expert_parallel), P("data")),

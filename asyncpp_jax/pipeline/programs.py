@@ -100,6 +100,7 @@ class Program:
     actions: tuple
     chunks: int = 1
     delay: int = 0
+    training: bool = True  # False: a forward-only program (eval): one F per stage and microbatch, nothing else
 
     @property
     def stages(self) -> int:
@@ -226,6 +227,13 @@ def two_bw(P: int, M: int) -> Program:
     return Program("2bw", P, M, tuple(lists), delay=1)
 
 
+def forward_only(P: int, M: int) -> Program:
+    """Eval: every device runs the forward of each microbatch in turn; the last stage's forward
+    ends in the loss.  In lock-step slots, stage ``s`` runs microbatch ``m`` at slot ``m + s``."""
+    return Program("forward", P, M, tuple(tuple(_act("F", m, M) for m in range(M)) for _ in range(P)),
+                   training=False)
+
+
 def from_tick_table(table) -> Program:
     """A ``tick_tables.TickTable`` as a program: each tick's forward, then its backward, in tick order;
     a negative microbatch reads ``w[t-1]`` (what ``OneStepDelay.run`` does)."""
@@ -250,6 +258,7 @@ GENERATORS = {
     "interleaved": lambda P, M, v=2: interleaved(P, M, v),
     "zb-h1": lambda P, M, v=1: zb_h1(P, M),
     "2bw": lambda P, M, v=1: two_bw(P, M),
+    "forward": lambda P, M, v=1: forward_only(P, M),
     "sync-ticks": lambda P, M, v=1: _tick_program("sync", P, M),
     "2bw-ticks": lambda P, M, v=1: _tick_program("2bw", P, M),
 }
@@ -313,7 +322,8 @@ def _check_versions(p: Program) -> None:
 
 
 def _check_once(p: Program) -> None:
-    """One F and either one B or one I and one W per (virtual stage, microbatch) per step."""
+    """One F and either one B or one I and one W per (virtual stage, microbatch) per step; one F and
+    nothing else in a forward-only program."""
     M, seen = p.microbatches, collections.Counter()
     for d, acts in enumerate(p.actions):
         for a in acts:
@@ -326,6 +336,11 @@ def _check_once(p: Program) -> None:
             u = p.stage_of(d, c)
             for m in range(M):
                 n = {k: seen[(k, u, m)] for k in KINDS}
+                if not p.training:
+                    if n != {"F": 1, "B": 0, "I": 0, "W": 0}:
+                        _fail(p, d, None, "once", f"stage {u} (chunk {c}), microbatch {m}: {n}; a forward-only "
+                              "program runs one F and nothing else")
+                    continue
                 if n["F"] != 1 or not (n["B"] == 1 and n["I"] + n["W"] == 0 or n["B"] == 0 and n["I"] == n["W"] == 1):
                     _fail(p, d, None, "once", f"stage {u} (chunk {c}), microbatch {m}: {n}; needs one F and one B, "
                           "or one F, one I and one W")

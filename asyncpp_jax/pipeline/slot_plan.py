@@ -147,7 +147,7 @@ def place(program: programs.Program, paired: bool = False) -> list[list[list]]:
         for d, ops in enumerate(lists):
             while nxt[d] < len(ops):
                 op = ops[nxt[d]]
-                if op.kind == "F" and op.stage == program.stages - 1 and ready(op, k):
+                if op.kind == "F" and op.stage == program.stages - 1 and program.training and ready(op, k):
                     slot_of[op.key] = k - 0.5  # ended before this slot: what follows may run in it
                 elif (len(row[d]) < (2 if paired else 1) and ready(op, k)
                       and all((o.kind == "F") != (op.kind == "F") for o in row[d])):
@@ -231,14 +231,15 @@ def _compile(program: programs.Program, recompute: bool, paired: bool) -> SlotPl
                     if e == d and name == "stash":
                         pools[name].give(e, key)
                 frees = [f for f in frees if not (f[1] == d and f[0] == "stash")]
-            else:  # never the last stage's F (place() gives it no slot)
+            else:  # the last stage's F only in a forward-only program (place() gives it no slot otherwise)
                 r[[_C["f"], _C["f_chunk"]]] = m, op.action.chunk
                 if u > 0:
                     r[_C["f_fwd"]] = pools["fwd"].index(d, (u - 1, m))
                     frees.append(("fwd", d, (u - 1, m)))
-                if saves(u):
+                if saves(u) and program.training:
                     r[_C["f_stash"]] = pools["stash"].take(d, (u, m))
-                arrivals.append(("fwd", program.device_of(u + 1), (u, m)))
+                if u < last:
+                    arrivals.append(("fwd", program.device_of(u + 1), (u, m)))
         for name, d, key in frees:
             pools[name].give(d, key)
         stores.append([(name, d, pools[name].take(d, key)) for name, d, key in arrivals])
