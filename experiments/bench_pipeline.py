@@ -26,7 +26,7 @@ side by side in alternating rounds (median of rounds).
   ``M`` and the tick tables' formulas beside what their programs give.  Pure Python, no JAX program.
 * ``conditionals``: the ``lax.cond`` / ``lax.switch`` each update executes, counted in the traced
   train step (:mod:`asyncpp_jax.pipeline.census`; an upper bound: each conditional's costliest
-  branch), for ``sync`` and ``2bw`` at P in {4, 8} and their smallest M, beside the single-device
+  branch), for ``sync``, ``2bw`` and ``1f1b`` (its slots) at P in {4, 8} and their smallest M, beside the single-device
   ``simulate`` step.  XLA:GPU reads each conditional's predicate on the host, a cost this CPU does
   not show.  Traced only, nothing compiled or run.
 * ``processes``: ``overlap`` where the stages surely run at the same time, with the ``1f1b``
@@ -647,13 +647,15 @@ def conditionals(args) -> None:
     sim = Simulated(args, 8)
     rows = [{"runner": "simulate", "P": 1, "M": 8, "conditionals": count(sim.step, sim.state, sim.batch)}]
     for P in (4, 8):
-        for schedule in ("sync", "2bw"):
+        for schedule in ("sync", "2bw", "1f1b"):
             M = tick_tables.min_microbatches_2bw(P) if schedule == "2bw" else P
             run = Pipelined(args, P, M, schedule, n_layers=P)
+            plan = (tick_tables.async_table(P, M) if schedule == "2bw"
+                    else engine.sync_loop(schedule, P, M).schedule)  # ticks, or a program's slots
             rows.append({"runner": f"pipeline {schedule}", "P": P, "M": M,
-                         "ticks": (tick_tables.async_table if schedule == "2bw" else tick_tables.sync_table)(P, M).ticks,
+                         "ticks": plan.ticks if schedule != "1f1b" else plan.slots,
                          "conditionals": count(run.step, run.state, run.batch)})
-    print("| runner | P | M | ticks | conditionals per update |")
+    print("| runner | P | M | ticks (slots) | conditionals per update |")
     print("|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['runner']} | {r['P']} | {r['M']} | {r.get('ticks', '')} | {r['conditionals']} |")

@@ -297,7 +297,7 @@ def bench_pipeline_compile(doc: pathlib.Path) -> str:
 
 def bench_pipeline_conditionals(doc: pathlib.Path) -> str:
     rows = records.load("bench_pipeline", "bench_pipeline_conditionals")[-1:]
-    lines = ["| runner | P | M | ticks | conditionals per update |", "|---|---|---|---|---|"]
+    lines = ["| runner | P | M | ticks (a program: slots) | conditionals per update |", "|---|---|---|---|---|"]
     for r in rows[0]["figures"]["rows"]:
         lines.append(f"| {r['runner']} | {r['P']} | {r['M'] if 'ticks' in r else ''} | {r.get('ticks', '')} "
                      f"| {r['conditionals']} |")
