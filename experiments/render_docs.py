@@ -146,6 +146,7 @@ def glance(doc: pathlib.Path) -> str:
         "for `sync`, `2bw` and the `1f1b` program, across a synchronous start and cooldown, with MoE and data "
         "parallel "
         f"(tests) | {_link(docs / 'pipeline.md', doc)} |",
+        _glance_2bw_pays(doc),
         f"| Do the optimizers cost what optax's own do? (time per update, ours / optax's) | {parity} | "
         f"{_link(docs / 'optimizers.md', doc)} |",
     ]
@@ -303,6 +304,21 @@ def bench_pipeline_conditionals(doc: pathlib.Path) -> str:
                      f"| {r['conditionals']} |")
     return "\n".join(lines + ["", f"Command: `{rows[0]['command']}`. "
                                + _provenance(rows, [BENCH_LINK / "bench_pipeline.jsonl"], doc)])
+
+
+def _glance_2bw_pays(doc: pathlib.Path) -> str:
+    """The glance row: 2BW against the best synchronous schedule, from the latest schedules record
+    measured on this CPU (or the latest one, at given costs)."""
+    recs = records.load("bench_pipeline", "bench_pipeline_schedules")
+    rec = ([r for r in recs if "--measure" in r["command"]] or recs)[-1]
+    found = _gains(_schedule_groups(rec))
+    gains = sorted(g for _, g in found.values())
+    names = " / ".join(sorted({b for b, _ in found.values()}))
+    costs = "per-action costs measured on this CPU" if "--measure" in rec["command"] else "given per-action costs"
+    return (f"| When does 2BW beat the best synchronous schedule? (each schedule's program simulated from {costs}, "
+            f"P = 4 and 8, M = P to 4P) | by {gains[0]:.2f}x to {gains[-1]:.2f}x a step (the best synchronous: "
+            f"{names}), shrinking as 1/M; the engine runs 1F1B as a program, not yet {names} | "
+            f"{_link(REPO_ROOT / 'docs' / 'pipeline.md', doc)} |")
 
 
 def _schedule_groups(rec: dict) -> dict:
