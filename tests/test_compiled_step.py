@@ -1,0 +1,112 @@
+"""The engine's compiled train step, read as XLA:CPU's HLO: nothing vocabulary-sized is copied inside the loop.
+
+XLA copies a buffer that a conditional's branch passes through, or that two branches both write
+(docs/pipeline.md, "Work ratio"; docs/design.md, section 6.1); inside the loop over ticks or slots
+such a copy of the head's ``[D, V]`` accumulator (or the table) would run at every slot.  The test
+compiles the step at a vocabulary size no other dimension has and walks every computation the
+loop runs (its body, and the branches of its conditionals, nested): no vocabulary-sized ``copy`` or
+``transpose``, and no fusion that only moves data, may produce a vocabulary-sized array there.
+Fusions that compute (the head's matmuls, the softmax, the accumulator's add) are the step's work.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from asyncpp_jax.pipeline import engine
+
+from test_pipeline import SCHED, T, engine_shapes, init_pipeline, make_opt, model_cfg
+
+V = 97  # no other dimension of the model is 97
+MOVES = {"parameter", "copy", "bitcast", "transpose", "reshape", "tuple", "get-tuple-element", "copy-start",
+         "copy-done"}
+_INSTR = re.compile(r"\s*(?:ROOT )?%([\w.\-]+) = (\S+) ([\w\-]+)\((.*)")
+
+
+def _computations(text: str) -> dict:
+    """HLO module text -> ``{computation name: its instruction lines}``."""
+    comps, name = {}, None
+    for line in text.splitlines():
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if head:
+            name, comps[head.group(1)] = head.group(1), []
+        elif line.startswith("}"):
+            name = None
+        elif name:
+            comps[name].append(line)
+    return comps
+
+
+def _loop_computations(comps: dict) -> set:
+    """Every computation a ``while`` body runs: the bodies, and their conditionals' branches, nested."""
+    edges = r"(?:body|condition|true_computation|false_computation)=%?([\w.\-]+)"
+    todo = [b for lines in comps.values() for line in lines if " while(" in line
+            for b in re.findall(r"body=%?([\w.\-]+)", line)]
+    seen = set()
+    while todo:
+        c = todo.pop()
+        if c in seen or c not in comps:
+            continue
+        seen.add(c)
+        for line in comps[c]:
+            todo += re.findall(edges, line)
+            for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
+                todo += [x.strip().lstrip("%") for x in group.split(",")]
+    return seen
+
+
+def vocab_moves_in_loops(text: str) -> list:
+    """The loop's instructions that only move a vocabulary-sized array."""
+    comps = _computations(text)
+    out = []
+    for c in _loop_computations(comps):
+        for line in comps[c]:
+            m = _INSTR.match(line)
+            if not m or not re.search(rf"[\[,]{V}[\],]", m.group(2)):
+                continue
+            op = m.group(3)
+            if op == "fusion":
+                called = re.search(r"calls=%?([\w.\-]+)", line).group(1)
+                inner = {i.group(3) for i in map(_INSTR.match, comps[called]) if i}
+                if inner <= MOVES:
+                    out.append(f"{c}: {m.group(1)} (a fusion of {sorted(inner)})")
+            elif op in MOVES - {"parameter", "get-tuple-element", "tuple", "bitcast"}:
+                out.append(f"{c}: {m.group(1)} ({op})")
+    return out
+
+
+@pytest.mark.needs_devices(4)
+@pytest.mark.parametrize("schedule, tie", [("sync", False), ("2bw", True), ("2bw", False), ("1f1b", True)])
+def test_nothing_vocabulary_sized_is_copied_inside_the_loop(schedule, tie):
+    cfg = model_cfg()
+    cfg.update(vocab_size=V, tie_embeddings=tie)
+    mesh, tx, M = engine.make_pipeline_mesh(1, 4), make_opt("adamw"), 8
+    step = engine.make_pipeline_train_step(cfg, tx, SCHED, mesh, engine_shapes(cfg), M, schedule)
+    state = init_pipeline(cfg, tx, mesh, M, 16, schedule)
+    tokens = np.random.default_rng(0).integers(0, V, (M, 2, T + 1))
+    batch = jax.device_put(jnp.asarray(tokens, jnp.int32), engine.global_batch_sharding(mesh))
+    text = step.lower(state, batch).compile().as_text()
+    assert _loop_computations(_computations(text)), "no loop found: the walk would check nothing"
+    assert re.search(rf"f32\[16,(1,|2,)?{V}\]", text), "no vocabulary-sized array found"
+    assert vocab_moves_in_loops(text) == []
+
+
+def test_the_walk_finds_a_copy_in_a_branch():
+    """The reader itself: a vocabulary-sized copy in a loop's conditional branch is found."""
+    text = "\n".join([
+        "%branch (p: f32[16,97]) -> f32[16,97] {",
+        "  %p = f32[16,97]{1,0} parameter(0)",
+        "  ROOT %copy.1 = f32[16,97]{0,1} copy(%p)",
+        "}",
+        "%body (s: f32[16,97]) -> f32[16,97] {",
+        "  %s = f32[16,97]{1,0} parameter(0)",
+        "  ROOT %c = f32[16,97]{1,0} conditional(%pred, %s, %s), branch_computations={%branch, %branch}",
+        "}",
+        "ENTRY %main (a: f32[16,97]) -> f32[16,97] {",
+        "  ROOT %w = f32[16,97]{1,0} while(%a), condition=%cond, body=%body",
+        "}",
+    ])
+    assert vocab_moves_in_loops(text) == ["branch: copy.1 (copy)"]
