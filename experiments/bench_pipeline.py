@@ -22,7 +22,8 @@ side by side in alternating rounds (median of rounds).
   validated and simulated from per-action costs (``--costs``, default F=1, B=2, I=W=1): its critical
   path per step, its bubble fraction, its peak stash per device and its lock-step path (the same
   program run by an SPMD executor: one action per device per slot, each slot as long as its
-  costliest action, ``programs.lockstep``); then each schedule's smallest
+  costliest action, ``programs.lockstep``) and, for a flushed program, its path in the engine's
+  slots (``slot_plan.path``: paired and unpaired, the last stage's ``F`` fused into its ``B``); then each schedule's smallest
   ``M`` and the tick tables' formulas beside what their programs give.  Pure Python, no JAX program.
 * ``conditionals``: the ``lax.cond`` / ``lax.switch`` each update executes, counted in the traced
   train step (:mod:`asyncpp_jax.pipeline.census`; an upper bound: each conditional's costliest
@@ -133,10 +134,15 @@ SCHEDULES = (("1f1b", None), ("interleaved", 2), ("zb-h1", None), ("2bw", None))
 def schedule_rows(costs_of, p2p: float) -> list:
     """Every schedule's program at P in {4, 8}, M in {P, 2P, 4P}: critical path, bubble, stash;
     ``costs_of(P)``: the per-action costs of a stage at that P."""
-    from asyncpp_jax.pipeline import programs
+    from asyncpp_jax.pipeline import programs, slot_plan
 
-    return [programs.table_row(name, P, M, v, costs_of(P), p2p)
+    rows = [programs.table_row(name, P, M, v, costs_of(P), p2p)
             for P in (4, 8) for M in (P, 2 * P, 4 * P) for name, v in SCHEDULES]
+    for r, (name, v) in zip(rows, SCHEDULES * 6):
+        program = programs.generate(name, r["P"], r["M"], v)
+        if not program.delay:  # the engine's slot placement (slot_plan), the last stage's F taking no slot
+            r["slots_paired"], r["slots_unpaired"] = (slot_plan.path(program, x, costs_of(r["P"])) for x in (True, False))
+    return rows
 
 
 def formula_rows() -> list:

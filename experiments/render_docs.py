@@ -377,13 +377,16 @@ def bench_pipeline_schedules(doc: pathlib.Path) -> str:
     rec = [r for r in recs if "--costs" not in r["command"] and "--measure" not in r["command"]][-1]
     f, groups = rec["figures"], _schedule_groups(rec)
     lock = "lockstep" in next(iter(next(iter(groups.values())).values()))
+    slots = any("slots_paired" in x for rows in groups.values() for x in rows.values())
     lines = ["| P | M | schedule | critical path | / 2bw | bubble fraction | peak stash per device |"
-             + (" lock-step path |" if lock else ""), "|---|---|---|---|---|---|---|" + ("---|" if lock else "")]
+             + (" lock-step path |" if lock else "") + (" engine slots, paired / unpaired |" if slots else ""),
+             "|---|---|---|---|---|---|---|" + ("---|" if lock else "") + ("---|" if slots else "")]
     for (P, M), rows in sorted(groups.items()):
         for name, x in rows.items():
+            placed = (f" {x['slots_paired']:.1f} / {x['slots_unpaired']:.1f} |" if "slots_paired" in x else " – |")
             lines.append(f"| {P} | {M} | {name} | {x['critical_path']:.1f} | {x['critical_path'] / rows['2bw']['critical_path']:.3f} "
                          f"| {x['bubble_fraction']:.3f} | {' '.join(f'{s:g}' for s in x['stash'])} |"
-                         + (f" {x['lockstep']:.1f} |" if lock else ""))
+                         + (f" {x['lockstep']:.1f} |" if lock else "") + (placed if slots else ""))
     mins = "; ".join(f"P = {m['P']}: " + ", ".join(f"{k.removeprefix('min_M ')} {v}" for k, v in m.items() if k.startswith("min_M"))
                      for m in f["formulas"])
     costs = ", ".join(f"{k} = {v:g}" for k, v in f["costs"].items())
@@ -391,6 +394,10 @@ def bench_pipeline_schedules(doc: pathlib.Path) -> str:
                   f"{f['p2p']:g}, the update a collective over the stages at each step's end"
                   + (". Lock-step path: the same program run by an SPMD executor, one action per device per slot and one "
                      "exchange per slot, each slot as long as its costliest action (`programs.lockstep`)" if lock else "")
+                  + (". Engine slots: the path of a flushed program placed as the engine's program executor places "
+                     "it (`slot_plan.path`: the last stage's F fused into its B, so its B costs F + B; paired, a "
+                     "slot may hold a backward and a forward per device; the tick tables' sync step takes "
+                     "3(M + 2P - 2) at these costs)" if slots else "")
                   + ". Smallest M whose program "
                   f"validates: {mins}. Command: `{rec['command']}`.", "", _two_bw_pays(groups) + _measured_schedules(recs),
               *(["", _lockstep_note(groups)] if lock else []),
