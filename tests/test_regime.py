@@ -61,6 +61,9 @@ def test_ladder_tune_sweeps_every_arm_over_the_same_grid():
     # an extended grid goes on below at its own ratio (sqrt 3, to two significant figures)
     for (updates, opt), k in ladder_tune.EXTEND_DOWN.items():
         grid = sorted(by_prefix[f"u={updates}/{opt}"]["sync"])
+        if updates in ladder_tune.EXTRA_RUNGS:  # its middle three points, extended through the grid's lowest
+            assert k == 1 and grid == sorted(lr_study.grid(opt, "cpu_regime", ladder_tune.EXTRA_RUNGS[updates])[:-1])
+            continue
         assert len(grid) == 5 + k
         assert all(hi / lo == pytest.approx(3 ** 0.5, rel=0.05) for lo, hi in zip(grid[:k], grid[1:k + 1]))
     # the 3,200-update rung's sync arms are the lr study's runs at cpu_regime: the sweep copies them

@@ -13,7 +13,7 @@ A fourth rung keeps the preset's batch and trains on twice the tokens (6,400 upd
 :data:`EXTRA_RUNGS`): against the 3,200-update rung it adds updates without shrinking the batch.
 
 Variants: ``u=UPDATES/OPT/lr=VALUE/ARM``.  153 runs of about 2 min on one core each (SOAP's about 5)
-and 27 of about 4 min (SOAP's about 10): about 9 CPU-hours, 4.5 hours with ``--jobs 2`` on 2 cores; the 3,200-update rung's sync
+and 36 of about 6 min (SOAP's about 10): about 10 CPU-hours, 5 hours with ``--jobs 2`` on 2 cores; the 3,200-update rung's sync
 arms are the ``lr`` study's runs at ``cpu_regime`` (the sweep copies them: run ``lr`` first under
 the same ``--out``).
 """
@@ -49,16 +49,18 @@ def check_preset(name: str, study: str) -> None:
 # for every arm alike, a point per pass, until the picks are inside.  First pass (one seed): at 200
 # updates AdamW's EF arm and Muon's 2BW and EF arms, at 800 AdamW's 2BW arm and all three Muon arms
 # (the linear batch rule puts Muon's grid too high at batch 8), and SOAP's 2BW and EF arms at 200.
-# Second: AdamW's 2BW and EF arms at 200 updates, best again at the new lowest point.
-EXTEND_DOWN = {(200, "adamw"): 2, (200, "muon"): 1, (200, "soap"): 1, (800, "adamw"): 1, (800, "muon"): 1}
+# Second: AdamW's 2BW and EF arms at 200 updates, best again at the new lowest point.  The extra
+# rung (6,400 updates, twice the tokens) runs the grid's middle three points; its first pass put
+# picks on their low edge for all three optimizers, so it goes down through the grid's own lowest.
+EXTEND_DOWN = {(200, "adamw"): 2, (200, "muon"): 1, (200, "soap"): 1, (800, "adamw"): 1, (800, "muon"): 1,
+               (6400, "adamw"): 1, (6400, "muon"): 1, (6400, "soap"): 1}
 
 
 def rung_grid(opt: str, updates: int, batch: int) -> list[float]:
-    grid = lr.grid(opt, "cpu_regime", batch)
-    if updates in EXTRA_RUNGS:
-        return grid[1:-1]
-    below = [float(f"{lr_centre(opt, batch) * lr.FACTORS[0] / math.sqrt(3) ** k:.2g}")
-             for k in range(EXTEND_DOWN.get((updates, opt), 0), 0, -1)]
+    grid, n = lr.grid(opt, "cpu_regime", batch), EXTEND_DOWN.get((updates, opt), 0)
+    if updates in EXTRA_RUNGS:  # the middle three points; extended, the grid's lowest first
+        grid, n = grid[max(1 - n, 0):-1], max(n - 1, 0)
+    below = [float(f"{lr_centre(opt, batch) * lr.FACTORS[0] / math.sqrt(3) ** k:.2g}") for k in range(n, 0, -1)]
     return below + grid
 
 
