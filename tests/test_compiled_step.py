@@ -79,7 +79,9 @@ def vocab_moves_in_loops(text: str) -> list:
 
 
 @pytest.mark.needs_devices(4)
-@pytest.mark.parametrize("schedule, tie", [("sync", False), ("2bw", True), ("2bw", False), ("1f1b", True)])
+@pytest.mark.parametrize("schedule, tie", [pytest.param("sync", False, marks=pytest.mark.slow),
+                                           pytest.param("2bw", True, marks=pytest.mark.slow), ("2bw", False),
+                                           ("1f1b", True)])
 def test_nothing_vocabulary_sized_is_copied_inside_the_loop(schedule, tie):
     cfg = model_cfg()
     cfg.update(vocab_size=V, tie_embeddings=tie)

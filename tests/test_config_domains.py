@@ -147,7 +147,7 @@ BAD = [
     # pipeline
     ("pipeline.stages", 0, {}, "positive integer"),
     ("pipeline.stages", 3, {}, "not divisible"),
-    ("pipeline.schedule", "1f1b", {}, "is unknown"),
+    ("pipeline.schedule", "gpipe", {}, "is unknown"),
     ("pipeline.stages", 4, {"pipeline.schedule": "2bw", "train.microbatches": 4}, "too few"),
     ("pipeline.stage_layers", (3, 1), {}, "runs the simulate runner"),
     ("pipeline.stage_layers", (3, 1), {"pipeline.stages": 2, "runner": "simulate"}, "runs the simulate runner"),

@@ -218,7 +218,8 @@ def test_2bw_parity_across_sync_start_and_cooldown_four_stages():
 
 
 @pytest.mark.needs_devices(2)
-@pytest.mark.parametrize("schedule", [pytest.param("sync", marks=pytest.mark.slow), "2bw", "1f1b"])
+@pytest.mark.parametrize("schedule", [pytest.param("sync", marks=pytest.mark.slow), "2bw",
+                                      pytest.param("1f1b", marks=pytest.mark.slow)])
 def test_moe_model_equals_simulate(schedule):
     """MoE (every other layer, 4 experts top-2, capacity 1.25): aux losses included on every stage."""
     cfg = model_cfg()
@@ -304,7 +305,8 @@ BF16_U = 2.0 ** -8
 
 
 @pytest.mark.needs_devices(2)
-@pytest.mark.parametrize("schedule", [pytest.param("sync", marks=pytest.mark.slow), "2bw", "1f1b"])
+@pytest.mark.parametrize("schedule", [pytest.param("sync", marks=pytest.mark.slow), "2bw",
+                                      pytest.param("1f1b", marks=pytest.mark.slow)])
 def test_bf16_transport_equals_simulate(schedule):
     cfg, data = model_cfg(), batches(3, 4, 8, seed=10)
     cfg.compute_dtype = "bfloat16"
