@@ -33,7 +33,7 @@ def make_pipeline_eval_step(model_cfg, mesh, params_abstract, microbatch_rows: i
         model_cfg = with_expert_parallel(model_cfg, "data", mesh.shape["data"])
     fwd_perm = [(i, i + 1) for i in range(n_stages - 1)]
     act_dtype = dense.dtype_of(model_cfg.compute_dtype)
-    col = {name: i for i, name in enumerate(slot_plan.COLUMNS)}
+    col = slot_plan.INDEX
 
     def local(params, batch):
         s = jax.lax.axis_index("stage")

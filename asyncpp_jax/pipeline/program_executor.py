@@ -71,7 +71,7 @@ class SlotLoop:
 
         def slot(carry, row):
             stash, fwd, bwd, acc_l, acc_t, sums = carry
-            r = dict(zip(slot_plan.COLUMNS, (row[i] for i in range(len(slot_plan.COLUMNS)))))
+            r = {name: row[i] for name, i in slot_plan.INDEX.items()}
             jf, jb = r["f"], r["b"]
             has_f, has_b = jf != slot_plan.IDLE, jb != slot_plan.IDLE
             x_f, x_b, ct_in = fwd[r["f_fwd"]], fwd[r["b_fwd"]], bwd[r["b_bwd"]]

@@ -40,7 +40,7 @@ from asyncpp_jax.pipeline import programs
 
 IDLE = np.iinfo(np.int32).min  # no forward (or no backward) in this slot
 COLUMNS = ("f", "f_chunk", "f_stash", "f_fwd", "b", "b_chunk", "b_stash", "b_fwd", "b_bwd", "fwd_store", "bwd_store")
-_C = {name: i for i, name in enumerate(COLUMNS)}
+INDEX = {name: i for i, name in enumerate(COLUMNS)}  # a column's place in a row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +59,7 @@ class SlotPlan:
         return self.rows.shape[0]
 
     def column(self, name: str) -> np.ndarray:
-        return self.rows[..., _C[name]]
+        return self.rows[..., INDEX[name]]
 
     def held(self, name: str) -> int:
         """Peak entries of buffer ``name`` that hold something (the depth less the write-only one)."""
@@ -103,8 +103,8 @@ class SlotPlan:
 def _row_costs(program, rows, costs: dict | None) -> np.ndarray:
     c = {**programs.DEFAULT_COSTS, **(costs or {})}
     d = np.arange(program.devices)[None, :]
-    f, b = rows[..., _C["f"]], rows[..., _C["b"]]
-    last = rows[..., _C["b_chunk"]] * program.devices + d == program.stages - 1
+    f, b = rows[..., INDEX["f"]], rows[..., INDEX["b"]]
+    last = rows[..., INDEX["b_chunk"]] * program.devices + d == program.stages - 1
     cost = np.where(f != IDLE, c["F"], 0.0) + np.where(b != IDLE, c["B"] + np.where(last, c["F"], 0.0), 0.0)
     return cost / program.chunks
 
@@ -206,7 +206,7 @@ def _compile(program: programs.Program, recompute: bool, paired: bool) -> SlotPl
     slots = place(program, paired)
     pools = {name: _Pool(P) for name in ("stash", "fwd", "bwd")}
     rows = np.full((len(slots), P, len(COLUMNS)), -1, np.int32)
-    rows[..., _C["f"]] = rows[..., _C["b"]] = IDLE
+    rows[..., INDEX["f"]] = rows[..., INDEX["b"]] = IDLE
     saves = lambda u: u < last and (u > 0 or not recompute)  # noqa: E731  (what a stage's F stashes)
     stores = []  # per slot: (buffer, device, index) of its arrivals
     for k, row in enumerate(slots):
@@ -215,29 +215,24 @@ def _compile(program: programs.Program, recompute: bool, paired: bool) -> SlotPl
         for d, op in sorted(((d, op) for d, ops in enumerate(row) for op in ops), key=lambda x: x[1].kind != "B"):
             u, m, r = op.stage, op.g, rows[k, d]
             if op.kind == "B":
-                r[[_C["b"], _C["b_chunk"]]] = m, op.action.chunk
+                r[[INDEX["b"], INDEX["b_chunk"]]] = m, op.action.chunk
                 if u == last:
-                    r[_C["b_fwd"]] = pools["fwd"].index(d, (u - 1, m))
+                    r[INDEX["b_fwd"]] = pools["fwd"].index(d, (u - 1, m))
                     frees.append(("fwd", d, (u - 1, m)))
                 else:
-                    if saves(u):
-                        r[_C["b_stash"]] = pools["stash"].index(d, (u, m))
-                        frees.append(("stash", d, (u, m)))
-                    r[_C["b_bwd"]] = pools["bwd"].index(d, (u + 1, m))
+                    if saves(u):  # freed now: this device's forward may take the entry in this slot
+                        r[INDEX["b_stash"]] = pools["stash"].give(d, (u, m))
+                    r[INDEX["b_bwd"]] = pools["bwd"].index(d, (u + 1, m))
                     frees.append(("bwd", d, (u + 1, m)))
                 if u > 0:
                     arrivals.append(("bwd", program.device_of(u - 1), (u, m)))
-                for name, e, key in frees:  # before this device's forward takes an entry
-                    if e == d and name == "stash":
-                        pools[name].give(e, key)
-                frees = [f for f in frees if not (f[1] == d and f[0] == "stash")]
             else:  # the last stage's F only in a forward-only program (place() gives it no slot otherwise)
-                r[[_C["f"], _C["f_chunk"]]] = m, op.action.chunk
+                r[[INDEX["f"], INDEX["f_chunk"]]] = m, op.action.chunk
                 if u > 0:
-                    r[_C["f_fwd"]] = pools["fwd"].index(d, (u - 1, m))
+                    r[INDEX["f_fwd"]] = pools["fwd"].index(d, (u - 1, m))
                     frees.append(("fwd", d, (u - 1, m)))
                 if saves(u) and program.training:
-                    r[_C["f_stash"]] = pools["stash"].take(d, (u, m))
+                    r[INDEX["f_stash"]] = pools["stash"].take(d, (u, m))
                 if u < last:
                     arrivals.append(("fwd", program.device_of(u + 1), (u, m)))
         for name, d, key in frees:
@@ -245,10 +240,10 @@ def _compile(program: programs.Program, recompute: bool, paired: bool) -> SlotPl
         stores.append([(name, d, pools[name].take(d, key)) for name, d, key in arrivals])
     depth = {name: pool.peak + 1 for name, pool in pools.items()}
     for name in ("stash", "fwd", "bwd"):  # unused reads point at the write-only entry
-        cols = [_C[c] for c in COLUMNS if c.endswith("_" + name) and c != f"{name}_store"]
+        cols = [INDEX[c] for c in COLUMNS if c.endswith("_" + name) and c != f"{name}_store"]
         rows[..., cols] = np.where(rows[..., cols] < 0, depth[name] - 1, rows[..., cols])
-    rows[..., _C["fwd_store"]], rows[..., _C["bwd_store"]] = depth["fwd"] - 1, depth["bwd"] - 1
+    rows[..., INDEX["fwd_store"]], rows[..., INDEX["bwd_store"]] = depth["fwd"] - 1, depth["bwd"] - 1
     for k, arrived in enumerate(stores):
         for name, d, i in arrived:
-            rows[k, d, _C[f"{name}_store"]] = i
+            rows[k, d, INDEX[f"{name}_store"]] = i
     return SlotPlan(program, rows, depth, paired)
