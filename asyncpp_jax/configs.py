@@ -21,7 +21,7 @@ ADAN_DECAY_MODES = ("proximal", "decoupled")
 SCHEDULES = ("constant", "cosine", "linear", "wsd")
 DTYPES = ("float32", "bfloat16")
 RUNNERS = ("auto", "simulate", "pipeline")
-PIPELINE_SCHEDULES = ("sync", "2bw", "1f1b")
+PIPELINE_SCHEDULES = ("sync", "2bw", "1f1b", "interleaved")
 PIPEDREAM_GRADIENTS = ("mixed", "per_leaf")
 STALENESS_MODES = ("sync", "2bw", "pipedream")
 MITIGATIONS = ("none", "ef", "taylor")
@@ -77,13 +77,27 @@ def resolve(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """A copy with the automatic fields filled in (``train.microbatches = -1``); validate after."""
     c = ml_collections.ConfigDict(c.to_dict())
     if c.train.microbatches == -1:
-        want = 1
-        if uses_pipeline(c) and isinstance(c.pipeline.stages, int) and c.pipeline.stages > 1:
-            want = 2 * (c.pipeline.stages - 1)
+        want, step = microbatch_rule(c)
+        if want == 1 and uses_pipeline(c) and isinstance(c.pipeline.stages, int) and c.pipeline.stages > 1:
+            want = 2 * (c.pipeline.stages - 1)  # a flushed schedule: enough to keep its bubble modest
         per_replica = c.train.global_batch_size // max(c.mesh.data, 1) if isinstance(c.mesh.data, int) else 1
-        divisors = [m for m in range(want, max(per_replica, 0) + 1) if per_replica % m == 0]
+        divisors = [m for m in range(want, max(per_replica, 0) + 1, step) if per_replica % m == 0]
         c.train.microbatches = divisors[0] if divisors else want
     return c
+
+
+def microbatch_rule(c) -> tuple[int, int]:
+    """``(smallest, step)``: the microbatch counts the engine's schedule runs are ``smallest,
+    smallest + step, ...`` (``2bw``: at least ``2(P - 1)``; ``interleaved``: multiples of ``P``;
+    otherwise any)."""
+    pipe = c.pipeline
+    if not (uses_pipeline(c) and isinstance(pipe.stages, int) and pipe.stages > 1):
+        return 1, 1
+    if pipe.schedule == "2bw":
+        return 2 * (pipe.stages - 1), 1
+    if pipe.schedule == "interleaved":
+        return pipe.stages, pipe.stages
+    return 1, 1
 
 
 def uses_pipeline(c: ml_collections.ConfigDict) -> bool:
@@ -628,8 +642,13 @@ def _pipeline_defaults() -> ml_collections.ConfigDict:
             stages=1,  # > 1: the pipeline engine, layers split into this many contiguous stages
             # sync (flush every step; the tick tables: a forward and a backward per tick) | 1f1b
             # (textbook 1F1B with a flush, run as a program: stage 0 stashes at most `stages`
-            # microbatches, not 2*stages-1) | 2bw (no flush, one-step delay)
+            # microbatches, not 2*stages-1) | interleaved (Megatron's interleaved 1F1B with a flush:
+            # each device holds `virtual_stages` chunks of layers, the bubble about that many times
+            # smaller) | 2bw (no flush, one-step delay)
             schedule="sync",
+            # Chunks of layers per device under schedule=interleaved (virtual stage c*stages + d on
+            # device d); n_layers must split into stages*virtual_stages equal chunks
+            virtual_stages=2,
             # True: a stage's backward recomputes its forward from the stashed stage input (one
             # activation per in-flight microbatch); False: the forward keeps its autodiff residuals
             # for the backward (no recompute, every intermediate of the block per microbatch)
@@ -650,6 +669,37 @@ def uneven_split(c) -> tuple | None:
     if not (uses_pipeline(c) and c.pipeline.stages > 1) or len(set(split)) <= 1:
         return None
     return split
+
+
+def interleave_of(c) -> tuple | None:
+    """``(stages, virtual_stages)`` when a (valid) config runs the interleaved layout of the layer
+    stack (``pipeline.schedule='interleaved'`` on the engine), else ``None``: what a resume must match."""
+    pipe = c.pipeline
+    if not (uses_pipeline(c) and pipe.stages > 1 and pipe.get("schedule") == "interleaved"):
+        return None
+    return (pipe.stages, pipe.get("virtual_stages", 2))
+
+
+def _interleaved_errors(c, units) -> list[str]:
+    pipe, t, errs = c.pipeline, c.train, []
+    v = pipe.virtual_stages
+    if not (_is_int(v) and v >= 2):
+        return [f"config.pipeline.virtual_stages={v!r} must be an integer >= 2 under "
+                "config.pipeline.schedule='interleaved' (2 is Megatron's usual choice)."]
+    if pipe.stage_layers:
+        errs.append("config.pipeline.stage_layers (an uneven split) cannot be combined with "
+                    "config.pipeline.schedule='interleaved', which splits the layers evenly into stages x "
+                    "virtual_stages chunks: set stage_layers=() or another schedule.")
+    if _is_int(units) and units % (pipe.stages * v):
+        errs.append(f"config.model.n_layers={c.model.n_layers} does not split into config.pipeline.stages={pipe.stages}"
+                    f" x config.pipeline.virtual_stages={v} = {pipe.stages * v} equal chunks"
+                    + (" of scanned groups" if units != c.model.n_layers else "")
+                    + f"; pick n_layers divisible by {pipe.stages * v} or lower virtual_stages.")
+    if _is_int(t.microbatches) and t.microbatches > 0 and t.microbatches % pipe.stages:
+        errs.append(f"config.train.microbatches={t.microbatches} must be a multiple of config.pipeline.stages="
+                    f"{pipe.stages} under config.pipeline.schedule='interleaved' (microbatches go through the "
+                    "chunks in groups of stages).")
+    return errs
 
 
 def stage_layers_errors(c) -> list[str]:
@@ -707,6 +757,8 @@ def _check_pipeline(c) -> list[str]:
                     + (f" x config.model.moe.every={m.moe.every}" if units != m.n_layers else "")
                     + "; each stage holds an equal, contiguous block of layers unless config.pipeline.stage_layers "
                     "gives each stage's count (e.g. --config.pipeline.stage_layers=3,2).")
+    if pipe.schedule == "interleaved":
+        errs += _interleaved_errors(c, units)
     if st.mode not in ("sync", pipe.schedule):
         errs.append(f"config.staleness.mode={st.mode!r} cannot run on the pipeline engine with "
                     f"config.pipeline.schedule={pipe.schedule!r}: the engine's delay is physical. Use "

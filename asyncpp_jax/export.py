@@ -86,7 +86,7 @@ def model_layout(c, params: dict) -> dict:
     if not configs.uses_pipeline(c):
         return params
     stage_rows = engine.stage_split(c.model, c.pipeline.stages, c.pipeline.get("stage_layers", ()))
-    return engine.to_model_layout(c.model, params, stage_rows)
+    return engine.to_model_layout(c.model, params, stage_rows, configs.interleave_of(c))
 
 
 def _write_tokenizer(c, out: pathlib.Path) -> tuple[int | None, str | None]:

@@ -11,7 +11,8 @@ Absolute times on a shared machine are noise, so every figure is a ratio of two 
 side by side in alternating rounds (median of rounds).
 
 * ``work``: with every fake device pinned to the same core, a pipeline step takes the total work
-  of all stages (``sync``, ``2bw`` and the ``1f1b`` program).  Divided by the single-device ``simulate`` step on the same batch it measures
+  of all stages (``sync``, ``2bw`` and the ``1f1b`` and ``interleaved`` programs; interleaved only
+  on an even split).  Divided by the single-device ``simulate`` step on the same batch it measures
   waste: 1.0 is ideal; recomputing each stage's forward costs at most ``1 + F/(F+B)``.
 * ``overlap``: with one core per stage the stages really run at the same time; ``sync / 2bw``
   is compared with a textbook 1F1B's ceiling ``(M + P - 1)/M`` and with the critical path the
@@ -27,7 +28,7 @@ side by side in alternating rounds (median of rounds).
   ``M`` and the tick tables' formulas beside what their programs give.  Pure Python, no JAX program.
 * ``conditionals``: the ``lax.cond`` / ``lax.switch`` each update executes, counted in the traced
   train step (:mod:`asyncpp_jax.pipeline.census`; an upper bound: each conditional's costliest
-  branch), for ``sync``, ``2bw`` and ``1f1b`` (its slots) at P in {4, 8} and their smallest M, beside the single-device
+  branch), for ``sync``, ``2bw``, ``1f1b`` and ``interleaved`` (their slots) at P in {4, 8} and their smallest M, beside the single-device
   ``simulate`` step.  XLA:GPU reads each conditional's predicate on the host, a cost this CPU does
   not show.  Traced only, nothing compiled or run.
 * ``processes``: ``overlap`` where the stages surely run at the same time, with the ``1f1b``
@@ -128,7 +129,8 @@ def _record(args, kind: str, figures: dict) -> None:
         records.append(args.record, records.make(kind, figures, command=command))
 
 
-SCHEDULES = (("1f1b", None), ("interleaved", 2), ("zb-h1", None), ("2bw", None))
+VIRTUAL_STAGES = 2  # the interleaved schedule's chunks per device, in every mode
+SCHEDULES = (("1f1b", None), ("interleaved", VIRTUAL_STAGES), ("zb-h1", None), ("2bw", None))
 
 
 def schedule_rows(costs_of, p2p: float) -> list:
@@ -239,10 +241,11 @@ class Pipelined:
         cfg = model_cfg(args, n_layers)
         mesh = engine.make_pipeline_mesh(1, P)
         rows = engine.stage_split(cfg, P, stage_layers)
-        layout = engine.engine_layout(cfg, rows)
+        v = VIRTUAL_STAGES if schedule == "interleaved" else 1
+        layout = engine.engine_layout(cfg, rows, (P, v) if v > 1 else None)
         abstract = jax.eval_shape(layout, dense.abstract_params(cfg))
         self.step = engine.make_pipeline_train_step(cfg, TX, LR, mesh, abstract, M, schedule, recompute=recompute,
-                                                    stage_rows=rows)
+                                                    stage_rows=rows, virtual_stages=v)
         state = state_lib.init_state(cfg, TX, jax.random.key(0), layout=layout)
         ps = engine.init_pipeline_state(cfg, state.params, mesh, M, M * args.rows, args.seq, schedule, recompute,
                                         stage_rows=rows)
@@ -517,12 +520,13 @@ def work(args) -> None:
                 "sync": Pipelined(args, P, M, "sync", recompute, stage_layers=args.stage_layers),
                 "2bw": Pipelined(args, P, M, "2bw", recompute, stage_layers=args.stage_layers),
                 "1f1b": Pipelined(args, P, M, "1f1b", recompute, stage_layers=args.stage_layers),
+                **({} if args.stage_layers else {"interleaved": Pipelined(args, P, M, "interleaved", recompute)}),
                 "slots sync": SlotWork(args, P, tick_tables.sync_table(P, M), recompute),
                 "slots 2bw": SlotWork(args, P, tick_tables.async_table(P, M), recompute)}
         rounds = time_rounds(runs, args.rounds, args.steps)
         t = {name: float(np.median(r)) for name, r in rounds.items()}
         bound = 1.10 if not recompute else 1 + f_share + 0.10
-        for name in ("sync", "2bw", "1f1b"):
+        for name in (n for n in ("sync", "2bw", "1f1b", "interleaved") if n in runs):
             slots = t.get(f"slots {name}")  # the tick tables' slot kinds, timed alone (not for a program)
             per_round = np.array(rounds[name]) / np.array(rounds["simulate"])  # same machine state, round by round
             shown = (f"{slots / t['simulate']:.3f} | {t[name] / slots:.3f}" if slots else "- | -")
@@ -653,13 +657,14 @@ def conditionals(args) -> None:
     sim = Simulated(args, 8)
     rows = [{"runner": "simulate", "P": 1, "M": 8, "conditionals": count(sim.step, sim.state, sim.batch)}]
     for P in (4, 8):
-        for schedule in ("sync", "2bw", "1f1b"):
+        for schedule in ("sync", "2bw", "1f1b", "interleaved"):
             M = tick_tables.min_microbatches_2bw(P) if schedule == "2bw" else P
-            run = Pipelined(args, P, M, schedule, n_layers=P)
+            v = VIRTUAL_STAGES if schedule == "interleaved" else 1
+            run = Pipelined(args, P, M, schedule, n_layers=P * v)
             plan = (tick_tables.async_table(P, M) if schedule == "2bw"
-                    else engine.sync_loop(schedule, P, M).schedule)  # ticks, or a program's slots
+                    else engine.sync_loop(schedule, P, M, virtual_stages=v).schedule)  # ticks, or a program's slots
             rows.append({"runner": f"pipeline {schedule}", "P": P, "M": M,
-                         "ticks": plan.ticks if schedule != "1f1b" else plan.slots,
+                         "ticks": plan.slots if schedule in engine.PROGRAM_SCHEDULES else plan.ticks,
                          "conditionals": count(run.step, run.state, run.batch)})
     print("| runner | P | M | ticks (slots) | conditionals per update |")
     print("|---|---|---|---|---|")

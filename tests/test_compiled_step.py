@@ -81,13 +81,18 @@ def vocab_moves_in_loops(text: str) -> list:
 @pytest.mark.needs_devices(4)
 @pytest.mark.parametrize("schedule, tie", [pytest.param("sync", False, marks=pytest.mark.slow),
                                            pytest.param("2bw", True, marks=pytest.mark.slow), ("2bw", False),
-                                           ("1f1b", True)])
+                                           ("1f1b", True), pytest.param("interleaved", True, marks=pytest.mark.slow)])
 def test_nothing_vocabulary_sized_is_copied_inside_the_loop(schedule, tie):
     cfg = model_cfg()
     cfg.update(vocab_size=V, tie_embeddings=tie)
     mesh, tx, M = engine.make_pipeline_mesh(1, 4), make_opt("adamw"), 8
-    step = engine.make_pipeline_train_step(cfg, tx, SCHED, mesh, engine_shapes(cfg), M, schedule)
-    state = init_pipeline(cfg, tx, mesh, M, 16, schedule)
+    v = 2 if schedule == "interleaved" else 1
+    if v > 1:
+        cfg.n_layers = 8
+    interleave = (4, v) if v > 1 else None
+    step = engine.make_pipeline_train_step(cfg, tx, SCHED, mesh, engine_shapes(cfg, interleave), M, schedule,
+                                           virtual_stages=v)
+    state = init_pipeline(cfg, tx, mesh, M, 16, schedule, interleave=interleave)
     tokens = np.random.default_rng(0).integers(0, V, (M, 2, T + 1))
     batch = jax.device_put(jnp.asarray(tokens, jnp.int32), engine.global_batch_sharding(mesh))
     text = step.lower(state, batch).compile().as_text()

@@ -149,6 +149,8 @@ BAD = [
     ("pipeline.stages", 3, {}, "not divisible"),
     ("pipeline.schedule", "gpipe", {}, "is unknown"),
     ("pipeline.stages", 4, {"pipeline.schedule": "2bw", "train.microbatches": 4}, "too few"),
+    ("pipeline.virtual_stages", 1, {"pipeline.stages": 2, "pipeline.schedule": "interleaved"}, ">= 2"),
+    ("pipeline.virtual_stages", 3, {"pipeline.stages": 2, "pipeline.schedule": "interleaved"}, "equal chunks"),
     ("pipeline.stage_layers", (3, 1), {}, "runs the simulate runner"),
     ("pipeline.stage_layers", (3, 1), {"pipeline.stages": 2, "runner": "simulate"}, "runs the simulate runner"),
     ("pipeline.stage_layers", (4,), {"pipeline.stages": 2}, "one per stage"),

@@ -57,14 +57,15 @@ def run_simulate(cfg, tx, data, data_size=1):
     return state, metrics
 
 
-def engine_shapes(cfg):
+def engine_shapes(cfg, interleave=None):
     """The params' abstract shapes in the engine's layout (a tied table as the head's [D, V])."""
-    return jax.eval_shape(engine.engine_layout(cfg), dense.abstract_params(cfg))
+    return jax.eval_shape(engine.engine_layout(cfg, None, interleave), dense.abstract_params(cfg))
 
 
-def init_pipeline(cfg, tx, mesh, M, B, schedule, poison=False, ep=False, recompute=True, prediction=None):
-    abstract = engine_shapes(cfg)
-    state = state_lib.init_state(cfg, tx, jax.random.key(0), layout=engine.engine_layout(cfg))
+def init_pipeline(cfg, tx, mesh, M, B, schedule, poison=False, ep=False, recompute=True, prediction=None,
+                  interleave=None):
+    abstract = engine_shapes(cfg, interleave)
+    state = state_lib.init_state(cfg, tx, jax.random.key(0), layout=engine.engine_layout(cfg, None, interleave))
     ps = engine.init_pipeline_state(cfg, state.params, mesh, M, B, T, schedule, recompute, ep, prediction)
     if poison and ps is not None:  # every buffer a bubble slot could read: NaN (tokens stay valid ints)
         ps = ps._replace(**{k: jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), getattr(ps, k))
@@ -73,12 +74,16 @@ def init_pipeline(cfg, tx, mesh, M, B, schedule, poison=False, ep=False, recompu
 
 
 def run_pipeline(cfg, tx, data, P, schedule, data_size=1, dsched=None, poison=False, ep=False, recompute=True,
-                 prediction=None):
+                 prediction=None, virtual_stages=1):
+    """Train on ``data`` with the engine; ``virtual_stages`` > 1: the params held interleaved
+    (``to_model_layout(..., interleave=(P, virtual_stages))`` reads them back)."""
     M, B = data[0].shape[0], data[0].shape[0] * data[0].shape[1]
     mesh = engine.make_pipeline_mesh(data_size, P)
-    step = engine.make_pipeline_train_step(cfg, tx, SCHED, mesh, engine_shapes(cfg), M, schedule, dsched,
-                                           expert_parallel=ep, recompute=recompute, weight_prediction=prediction)
-    state = init_pipeline(cfg, tx, mesh, M, B, schedule, poison, ep, recompute, prediction)
+    interleave = (P, virtual_stages) if virtual_stages > 1 else None
+    step = engine.make_pipeline_train_step(cfg, tx, SCHED, mesh, engine_shapes(cfg, interleave), M, schedule, dsched,
+                                           expert_parallel=ep, recompute=recompute, weight_prediction=prediction,
+                                           virtual_stages=virtual_stages)
+    state = init_pipeline(cfg, tx, mesh, M, B, schedule, poison, ep, recompute, prediction, interleave)
     metrics = []
     for b in data:
         state, m = step(state, jax.device_put(b, engine.global_batch_sharding(mesh)))

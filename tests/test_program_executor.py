@@ -129,8 +129,7 @@ def test_eval_is_the_forward_only_program():
 
 
 def test_program_executor_refuses_what_it_cannot_run_yet():
-    for name, why in (("2bw", "flushed programs"), ("zb-h1", "F and B actions only"),
-                      ("interleaved", "one model chunk")):
+    for name, why in (("2bw", "flushed programs"), ("zb-h1", "F and B actions only")):
         with pytest.raises(programs.ProgramError, match=why):
             slot_plan.compile_program(programs.generate(name, 4, 8))
 

@@ -25,7 +25,10 @@ as in the ``simulate`` runner; a step is ``M + 2P - 2`` ticks of one forward and
 and stage 0 stashes up to ``2P - 1`` microbatches.  ``1f1b`` computes the same update from the
 textbook 1F1B program (:mod:`~asyncpp_jax.pipeline.programs`), compiled into lock-step slots of one
 action each (:mod:`~asyncpp_jax.pipeline.slot_plan`, :mod:`~asyncpp_jax.pipeline.program_executor`):
-stage 0 stashes at most ``P``.
+stage 0 stashes at most ``P``.  ``interleaved`` runs Megatron's interleaved 1F1B the same way, each
+device holding ``v`` chunks of layers (virtual stage ``c P + d``; the layer stack is held in that
+order, :func:`~asyncpp_jax.pipeline.layout.interleave_index`), the last device's chunk ``c``
+feeding device 0's chunk ``c + 1``.
 ``2bw`` never flushes (:class:`~asyncpp_jax.pipeline.tick_tables.OneStepDelay`, beside the
 tick tables, is where its delay lives): the stash ring, the
 activations and cotangents in transit, the in-flight batch's partial gradient and loss sums, the
@@ -61,15 +64,19 @@ from asyncpp_jax.pipeline.state import (PipelineState, global_batch_sharding, in
 from asyncpp_jax.pipeline.program_executor import SlotLoop
 from asyncpp_jax.train_state import TrainState, apply_update
 
-PROGRAM_SCHEDULES = ("1f1b",)  # flushed schedules the program executor runs
+PROGRAM_SCHEDULES = ("1f1b", "interleaved")  # flushed schedules the program executor runs
 
 
-def sync_loop(pipeline_schedule: str, n_stages: int, microbatches: int, recompute: bool = True):
-    """The loop of a flushed step: a schedule's program in lock-step slots (``1f1b``:
-    :mod:`asyncpp_jax.pipeline.program_executor`), or the ``sync`` tick table (also ``2bw``'s
-    synchronous start and cooldown)."""
+def sync_loop(pipeline_schedule: str, n_stages: int, microbatches: int, recompute: bool = True,
+              virtual_stages: int = 1):
+    """The loop of a flushed step: a schedule's program in lock-step slots (``1f1b``,
+    ``interleaved`` with ``virtual_stages`` chunks: :mod:`asyncpp_jax.pipeline.program_executor`),
+    or the ``sync`` tick table (also ``2bw``'s synchronous start and cooldown)."""
+    if pipeline_schedule == "interleaved" and virtual_stages < 2:
+        raise ValueError(f"the interleaved schedule needs virtual_stages >= 2, got {virtual_stages}.")
     if pipeline_schedule in PROGRAM_SCHEDULES:
-        program = programs.generate(pipeline_schedule, n_stages, microbatches)
+        v = virtual_stages if pipeline_schedule == "interleaved" else None
+        program = programs.generate(pipeline_schedule, n_stages, microbatches, v)
         return SlotLoop(slot_plan.compile_program(program, recompute))
     return TickLoop(tick_tables.sync_table(n_stages, microbatches), recompute)
 
@@ -77,7 +84,8 @@ def sync_loop(pipeline_schedule: str, n_stages: int, microbatches: int, recomput
 def make_pipeline_train_step(model_cfg, optimizer, schedule: optax.Schedule, mesh, params_abstract,
                              microbatches: int, pipeline_schedule: str, delay_schedule: DelaySchedule | None = None,
                              expert_parallel: bool = False, recompute: bool = True,
-                             weight_prediction: WeightPrediction | None = None, stage_rows: tuple | None = None):
+                             weight_prediction: WeightPrediction | None = None, stage_rows: tuple | None = None,
+                             virtual_stages: int = 1):
     """Jitted ``train_step(state, batch) -> (state, metrics)`` with ``state.runner_state`` a
     :class:`PipelineState` (``2bw``) or ``None`` (``sync``).  Under ``2bw`` the
     ``delay_schedule`` (``optim.delay_schedule``) says which updates are synchronous (start,
@@ -89,7 +97,9 @@ def make_pipeline_train_step(model_cfg, optimizer, schedule: optax.Schedule, mes
     ``∇L(ŵ_t; batch t)``, exactly the simulate runner's ``delay(1)`` with the same prediction.
 
     ``stage_rows`` (:func:`stage_split`): an uneven split, with ``params_abstract`` and the state
-    in the padded layout of :func:`pad_layers`."""
+    in the padded layout of :func:`pad_layers`.  ``virtual_stages``: chunks per device of the
+    ``interleaved`` schedule, with the params' layer stack in that order
+    (``to_engine_layout(..., interleave=(P, virtual_stages))``)."""
     if weight_prediction is not None and pipeline_schedule != "2bw":
         raise ValueError("weight prediction corrects the 2bw delay: config.pipeline.schedule must be '2bw', "
                          f"not {pipeline_schedule!r} (or set config.staleness.weight_prediction=False).")
@@ -97,13 +107,16 @@ def make_pipeline_train_step(model_cfg, optimizer, schedule: optax.Schedule, mes
     if n_stages < 2:
         raise ValueError(f"the pipeline engine needs config.pipeline.stages >= 2, got {n_stages}.")
     check_layout(model_cfg, params_abstract, n_stages, stage_rows)
+    if (pipeline_schedule == "interleaved") != (virtual_stages > 1):
+        raise ValueError(f"virtual_stages={virtual_stages} with schedule {pipeline_schedule!r}: the interleaved "
+                         "schedule needs virtual_stages >= 2 (and the params in its layout), every other one 1.")
     if expert_parallel:  # experts sharded over ``data``: the MoE layers exchange tokens with all_to_all
         model_cfg = with_expert_parallel(model_cfg, "data", mesh.shape["data"])
     is_2bw = pipeline_schedule == "2bw"
     kw = dict(carries_state=is_2bw, params_abstract=params_abstract, expert_parallel=expert_parallel,
               recompute=recompute, stage_rows=stage_rows)
-    sync_fn = make_grads_fn(model_cfg, mesh, sync_loop(pipeline_schedule, n_stages, microbatches, recompute), False,
-                            **kw)
+    loop = sync_loop(pipeline_schedule, n_stages, microbatches, recompute, virtual_stages)
+    sync_fn = make_grads_fn(model_cfg, mesh, loop, False, **kw)
     async_fn = None
     if is_2bw:
         async_fn = make_grads_fn(model_cfg, mesh, TickLoop(tick_tables.async_table(n_stages, microbatches), recompute),

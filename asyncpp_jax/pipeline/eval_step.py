@@ -11,11 +11,11 @@ from asyncpp_jax.models.moe import with_expert_parallel
 from asyncpp_jax.pipeline import programs, slot_plan
 from asyncpp_jax.pipeline.collectives import vary
 from asyncpp_jax.pipeline.layout import check_layout, param_specs
-from asyncpp_jax.pipeline.stage import head_of, lookup, split_params
+from asyncpp_jax.pipeline.stage import chunk_rows, head_of, lookup, split_params
 
 
 def make_pipeline_eval_step(model_cfg, mesh, params_abstract, microbatch_rows: int, expert_parallel: bool = False,
-                            stage_rows: tuple | None = None):
+                            stage_rows: tuple | None = None, chunks: int = 1):
     """Jitted ``eval_step(params, batch[B, T+1]) -> (sum of token losses, token count)`` on the
     pipeline mesh: forward only, each stage with its own layers (the model is never gathered).
 
@@ -25,36 +25,40 @@ def make_pipeline_eval_step(model_cfg, mesh, params_abstract, microbatch_rows: i
     lock-step slots (:mod:`asyncpp_jax.pipeline.slot_plan`: stage ``s`` runs microbatch ``m`` at
     slot ``m + s``; each activation lands in the entry its row names): stage 0 embeds, stage
     ``P-1`` applies the head and sums the token losses.  Idle slots compute nothing, nor do padded
-    layer rows (``stage_rows``, :func:`stage_split`).
+    layer rows (``stage_rows``, :func:`stage_split`).  With ``chunks`` per device (the
+    ``interleaved`` layout) each microbatch passes every device ``chunks`` times, the last device's
+    chunk ``c`` feeding device 0's chunk ``c + 1``.
     """
     n_stages = mesh.shape["stage"]
     check_layout(model_cfg, params_abstract, n_stages, stage_rows)
     if expert_parallel:
         model_cfg = with_expert_parallel(model_cfg, "data", mesh.shape["data"])
-    fwd_perm = [(i, i + 1) for i in range(n_stages - 1)]
+    fwd_perm = [(i, i + 1) for i in range(n_stages - 1)] + ([(n_stages - 1, 0)] if chunks > 1 else [])
     act_dtype = dense.dtype_of(model_cfg.compute_dtype)
     col = slot_plan.INDEX
 
     def local(params, batch):
         s = jax.lax.axis_index("stage")
-        is_first, is_last = s == 0, s == n_stages - 1
+        on_first, on_last = s == 0, s == n_stages - 1
         live = None if stage_rows is None else jnp.asarray(stage_rows, jnp.int32)[s]
         layers, top = split_params(vary(dense.compute_view(model_cfg, params)))
         head = head_of(model_cfg, top)
         rows, width = batch.shape
         b = min(microbatch_rows, rows)
         mbs = batch.reshape(rows // b, b, width)
-        plan = slot_plan.compile_program(programs.forward_only(n_stages, mbs.shape[0]))
+        plan = slot_plan.compile_program(programs.forward_only(n_stages, mbs.shape[0], chunks))
 
         def slot(carry, row):
             fwd, total, count = carry
-            j = row[col["f"]]
+            j, chunk = row[col["f"]], row[col["f_chunk"]]
             tokens = mbs[jnp.where(j == slot_plan.IDLE, 0, j)]
+            is_first = on_first if chunks == 1 else on_first & (chunk == 0)
+            is_last = on_last if chunks == 1 else on_last & (chunk == chunks - 1)
 
             def work(fwd):
                 x = jax.lax.cond(is_first, lambda: lookup(model_cfg, top, tokens[:, :-1]).astype(act_dtype),
                                  lambda: fwd[row[col["f_fwd"]]])
-                h = dense.apply_layers(model_cfg, layers, x, live).astype(act_dtype)
+                h = dense.apply_layers(model_cfg, chunk_rows(layers, chunk, chunks), x, live).astype(act_dtype)
 
                 def loss_sum():
                     logits = dense.logits_from_head(model_cfg, head, h)

@@ -34,8 +34,8 @@ from asyncpp_jax.models import dense
 from asyncpp_jax.pipeline import tick_tables
 from asyncpp_jax.pipeline.collectives import mean_over_data, reduce_top, vary
 from asyncpp_jax.pipeline.layout import on_data_axis, param_specs, update_specs
-from asyncpp_jax.pipeline.stage import (ResidualTemplate, StageFns, head_of, join_params, residual_shapes,
-                                        split_params, stat_names)
+from asyncpp_jax.pipeline.stage import (ResidualTemplate, StageFns, chunk_rows, head_of, join_params,
+                                        residual_shapes, split_params, stat_names)
 from asyncpp_jax.pipeline.state import PipelineState, pipeline_state_specs
 from asyncpp_jax.pipeline.tick_tables import OneStepDelay
 from asyncpp_jax.train_state import BATCH_SPEC
@@ -106,6 +106,7 @@ class _Device:
     act_dtype: Any
     top_axes: Any  # the replicated leaves' accumulator axes (:func:`_acc_axis`), a tree like their accumulators
     template: ResidualTemplate = dataclasses.field(default_factory=ResidualTemplate)
+    chunks: int = 1  # model chunks on this device (interleaved: virtual stage chunk * P + stage)
 
     @property
     def tied(self) -> bool:
@@ -118,6 +119,30 @@ class _Device:
     @property
     def is_last(self):
         return self.stage == self.n_stages - 1
+
+    def first(self, chunk):
+        """Whether ``chunk`` of this device is the first virtual stage (it embeds the tokens)."""
+        return self.is_first if self.chunks == 1 else self.is_first & (chunk == 0)
+
+    def final(self, chunk):
+        """Whether ``chunk`` of this device is the last virtual stage (head and loss)."""
+        return self.is_last if self.chunks == 1 else self.is_last & (chunk == self.chunks - 1)
+
+    def chunk_of(self, layers, chunk):
+        """The rows of ``chunk`` in this device's layer stack (:func:`layout.interleave_index`)."""
+        return chunk_rows(layers, chunk, self.chunks)
+
+    def add_layers(self, acc_l, i, g, chunk):
+        """``acc_l[i] += g``, a chunk's gradient added to that chunk's rows of the stack."""
+        if self.chunks == 1:
+            return _add_at(acc_l, i, g)
+
+        def one(a, x):
+            start = (i, chunk * x.shape[0]) + (0,) * (x.ndim - 1)
+            return jax.lax.dynamic_update_slice(
+                a, jax.lax.dynamic_slice(a, start, (1,) + x.shape) + x[None].astype(a.dtype), start)
+
+        return jax.tree.map(one, acc_l, g)
 
     def tokens_of(self, j):
         m = jnp.mod(j, self.fns.microbatches)
@@ -134,33 +159,36 @@ class _Device:
         return self.run(j, lambda top: self.fns.embed(top, tokens), 1).astype(self.act_dtype)
 
     @_scoped("pp_fwd")
-    def forward(self, j, fwd_buf, at, stash, sums):
-        """Stages ``0..P-2``: the block on the embedded tokens or the received activation; the
-        backward's entry into entry ``at`` of the stash ring."""
+    def forward(self, j, fwd_buf, at, stash, sums, chunk=0):
+        """Stages ``0..P-2``: the block (of ``chunk``) on the embedded tokens or the received
+        activation; the backward's entry into entry ``at`` of the stash ring."""
         tokens = self.tokens_of(j)
-        x = jax.lax.cond(self.is_first, lambda: self.embed(j, tokens), lambda: fwd_buf)
-        h, entry, stats = self.run(j, lambda lp: self.fns.forward(lp, x, self.template), 0)
+        x = jax.lax.cond(self.first(chunk), lambda: self.embed(j, tokens), lambda: fwd_buf)
+        h, entry, stats = self.run(j, lambda lp: self.fns.forward(self.chunk_of(lp, chunk), x, self.template), 0)
         stash = [ring.at[at].set(e.astype(ring.dtype)) for ring, e in zip(stash, entry)]
         return stash, _add_at(sums, self.delay.accumulator(j), stats), h.astype(self.act_dtype)
 
     @_scoped("pp_bwd")
-    def backward(self, j, bwd_buf, at, stash, acc_l):
-        """Stages ``0..P-2``: the block's vjp from stash entry ``at``; on stage 0 the input
-        cotangent goes into the embedding's gradient (the lookup's transpose, in :meth:`tick`)."""
+    def backward(self, j, bwd_buf, at, stash, acc_l, chunk=0):
+        """Stages ``0..P-2``: the block's (``chunk``'s) vjp from stash entry ``at``; on stage 0 the
+        input cotangent goes into the embedding's gradient (the lookup's transpose, in :meth:`tick`)."""
         tokens, i = self.tokens_of(j), self.delay.accumulator(j)
         entry = [ring[at] for ring in stash]
-        x_again = lambda: jax.lax.cond(self.is_first, lambda: self.embed(j, tokens), lambda: entry[0])  # noqa: E731
-        g_l, g_x = self.run(j, lambda lp: self.fns.backward(lp, entry, x_again, bwd_buf, self.template), 0)
-        return _add_at(acc_l, i, g_l), g_x.astype(self.act_dtype)
+        x_again = lambda: jax.lax.cond(self.first(chunk), lambda: self.embed(j, tokens),  # noqa: E731
+                                       lambda: entry[0])
+        g_l, g_x = self.run(j, lambda lp: self.fns.backward(self.chunk_of(lp, chunk), entry, x_again, bwd_buf,
+                                                            self.template), 0)
+        return self.add_layers(acc_l, i, g_l, chunk), g_x.astype(self.act_dtype)
 
     @_scoped("pp_last")
     def last(self, j, fwd_buf, acc_l, acc_t, sums):
-        """Stage ``P-1``: block, final norm, head and loss of microbatch ``j`` as one fused vjp."""
-        i, tokens = self.delay.accumulator(j), self.tokens_of(j)
-        g_l, g_h, g_x, stats = self.delay.run(j, lambda w: self.fns.last(w[0], w[2], fwd_buf, tokens),
-                                              self.cur, self.prev)
+        """Stage ``P-1`` (its last chunk): block, final norm, head and loss of microbatch ``j`` as
+        one fused vjp."""
+        i, tokens, c = self.delay.accumulator(j), self.tokens_of(j), self.chunks - 1
+        g_l, g_h, g_x, stats = self.delay.run(
+            j, lambda w: self.fns.last(self.chunk_of(w[0], c), w[2], fwd_buf, tokens), self.cur, self.prev)
         acc_t = {**acc_t, "head": _add_at(acc_t["head"], i, g_h, self.top_axes["head"])}
-        return _add_at(acc_l, i, g_l), acc_t, _add_at(sums, i, stats), g_x.astype(self.act_dtype)
+        return self.add_layers(acc_l, i, g_l, c), acc_t, _add_at(sums, i, stats), g_x.astype(self.act_dtype)
 
     @_scoped("pp_embed_grad")
     def lookup_transpose_add(self, acc_t, tokens, ct, i):
@@ -232,6 +260,10 @@ class TickLoop:
     def schedule(self) -> tick_tables.TickTable:
         return self.table
 
+    @property
+    def chunks(self) -> int:
+        return 1
+
     def rows(self) -> np.ndarray:
         """``[ticks, P, 2]``: each tick's (forward, backward) microbatch per stage."""
         return np.stack([self.table.forward, self.table.backward], axis=-1)
@@ -285,7 +317,8 @@ def make_grads_fn(model_cfg, mesh, loop, is_async: bool, carries_state: bool, pa
         acc_l = vary(jax.tree.map(lambda x: stacked(x, 0), cur_v[0]))
         acc_t = vary(jax.tree.map(stacked, top_acc, top_axes))
         slots = stash[0].shape[0]
-        dev = _Device(fns, delay, s, n_stages, cur_v, prev_v, batch, prev_batch, step, slots, act_dtype, top_axes)
+        dev = _Device(fns, delay, s, n_stages, cur_v, prev_v, batch, prev_batch, step, slots, act_dtype, top_axes,
+                      chunks=loop.chunks)
         sums0 = vary({k: jnp.zeros((n_acc,), jnp.float32) for k in stat_names(model_cfg)})
         carry = (stash, fwd_buf, bwd_buf, acc_l, acc_t, sums0)
         carry, _ = jax.lax.scan(loop.body(dev), carry, jnp.take(rows, s, axis=1))

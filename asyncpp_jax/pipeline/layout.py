@@ -138,22 +138,62 @@ def _pad_index(stage_rows: tuple) -> tuple[np.ndarray, int]:
     return dst, lmax * len(stage_rows)
 
 
-def pad_layers(params, stage_rows: tuple | None):
-    """The model's params -> the engine's layout: each stacked layer leaf ``[L, ...]`` becomes
-    ``[P * Lmax, ...]`` with stage ``s``'s layers at rows ``[s Lmax, s Lmax + stage_rows[s])`` and
-    exact zeros elsewhere.  Identity for ``None``.  Works on abstract shapes under ``jax.eval_shape``."""
-    if stage_rows is None:
+def interleave_index(rows: int, n_stages: int, chunks: int) -> np.ndarray:
+    """Row ``i`` of the model's stack -> its row in the interleaved layout of ``chunks`` virtual
+    stages per device (Megatron's: virtual stage ``u = c P + d`` on device ``d``, chunk ``c``).
+    Each of the ``P v`` virtual stages holds ``rows / (P v)`` consecutive model rows; device ``d``'s
+    shard of the stack (``rows / P`` rows, the ``stage`` split) holds its chunks in order, so chunk
+    ``c`` is the local rows ``[c rows/(P v), (c+1) rows/(P v))``."""
+    per = rows // (n_stages * chunks)
+    u, offset = np.divmod(np.arange(rows), per)
+    chunk, device = np.divmod(u, n_stages)
+    return (device * chunks * per + chunk * per + offset).astype(np.int32)
+
+
+def check_interleave(rows: int, n_stages: int, chunks: int, stage_rows: tuple | None = None) -> None:
+    """An interleaved layout needs an even split into ``P v`` virtual stages."""
+    if stage_rows is not None:
+        raise ValueError("config.pipeline.stage_layers (an uneven split) and config.pipeline.schedule='interleaved' "
+                         "cannot be combined: the interleaved layout splits the layers evenly over "
+                         "stages x virtual_stages. Set stage_layers=() or another schedule.")
+    if rows % (n_stages * chunks):
+        raise ValueError(f"{rows} rows of the layer stack do not split into config.pipeline.stages={n_stages} x "
+                         f"config.pipeline.virtual_stages={chunks} equal chunks; pick n_layers (in scanned units) "
+                         f"divisible by {n_stages * chunks}.")
+
+
+def _stack_index(params, stage_rows: tuple | None, interleave: tuple | None):
+    """``(dst, rows)`` of the engine's layer stack (model row ``i`` at row ``dst[i]`` of ``rows``),
+    or None when the engine holds the model's stack as it is."""
+    if stage_rows is not None:
+        return _pad_index(stage_rows)
+    if interleave is None or interleave[1] == 1:
+        return None
+    rows = jax.tree.leaves(params["layers"])[0].shape[0]
+    check_interleave(rows, *interleave)
+    return interleave_index(rows, *interleave), rows
+
+
+def pad_layers(params, stage_rows: tuple | None, interleave: tuple | None = None):
+    """The model's params -> the engine's layer stack: for an uneven split each stacked layer leaf
+    ``[L, ...]`` becomes ``[P * Lmax, ...]`` with stage ``s``'s layers at rows
+    ``[s Lmax, s Lmax + stage_rows[s])`` and exact zeros elsewhere; for ``interleave = (P, v)`` its
+    rows are permuted by :func:`interleave_index`.  Identity for neither.  Works on abstract shapes
+    under ``jax.eval_shape``."""
+    index = _stack_index(params, stage_rows, interleave)
+    if index is None:
         return params
-    dst, rows = _pad_index(stage_rows)
+    dst, rows = index
     pad = lambda x: jnp.zeros((rows,) + x.shape[1:], x.dtype).at[dst].set(x)  # noqa: E731
     return join_params(jax.tree.map(pad, params["layers"]), split_params(params)[1])
 
 
-def unpad_layers(params, stage_rows: tuple | None):
+def unpad_layers(params, stage_rows: tuple | None, interleave: tuple | None = None):
     """Inverse of :func:`pad_layers`: the engine's params (or a tree laid out like them) -> the model's."""
-    if stage_rows is None:
+    index = _stack_index(params, stage_rows, interleave)
+    if index is None:
         return params
-    dst, _ = _pad_index(stage_rows)
+    dst, _ = index
     return join_params(jax.tree.map(lambda x: x[dst], params["layers"]), split_params(params)[1])
 
 
@@ -163,9 +203,10 @@ def _transpose_tied_table(model_cfg, params):
     return {**params, "embed": {**params["embed"], "embedding": params["embed"]["embedding"].T}}
 
 
-def to_engine_layout(model_cfg, params, stage_rows: tuple | None = None):
+def to_engine_layout(model_cfg, params, stage_rows: tuple | None = None, interleave: tuple | None = None):
     """The model's params (or a tree laid out like them: abstract shapes under ``jax.eval_shape``
-    too) -> the engine's layout: the layer stack padded for an uneven split (:func:`pad_layers`),
+    too) -> the engine's layout: the layer stack padded for an uneven split, or ordered by virtual
+    stage for ``interleave = (P, v)`` (:func:`pad_layers`),
     and a tied embedding table held as the head's ``[D, V]`` matrix, the layout its heaviest user,
     the last stage's head, reads (:func:`stage.head_of`).  The lookup then takes the table's
     columns (:func:`stage.lookup`), and its gradient, its optimizer state and their reduction over
@@ -174,18 +215,18 @@ def to_engine_layout(model_cfg, params, stage_rows: tuple | None = None):
     device per step, and a reduction split along ``V`` copies the gradient into columns first).
     The values are the model's: every optimizer here treats a matrix and its transpose alike
     (the table is on the AdamW side of Muon, SOAP and MARS)."""
-    return _transpose_tied_table(model_cfg, pad_layers(params, stage_rows))
+    return _transpose_tied_table(model_cfg, pad_layers(params, stage_rows, interleave))
 
 
-def to_model_layout(model_cfg, params, stage_rows: tuple | None = None):
+def to_model_layout(model_cfg, params, stage_rows: tuple | None = None, interleave: tuple | None = None):
     """Inverse of :func:`to_engine_layout`: the engine's params -> the model's (the simulate
     runner's, ``dense.init_params``')."""
-    return unpad_layers(_transpose_tied_table(model_cfg, params), stage_rows)
+    return unpad_layers(_transpose_tied_table(model_cfg, params), stage_rows, interleave)
 
 
-def engine_layout(model_cfg, stage_rows: tuple | None = None):
+def engine_layout(model_cfg, stage_rows: tuple | None = None, interleave: tuple | None = None):
     """:func:`to_engine_layout` as a one-argument function (``train_state.init_state``'s ``layout``)."""
-    return functools.partial(to_engine_layout, model_cfg, stage_rows=stage_rows)
+    return functools.partial(to_engine_layout, model_cfg, stage_rows=stage_rows, interleave=interleave)
 
 
 def padding_of(params, stage_rows: tuple | None):

@@ -51,23 +51,33 @@ class SlotLoop:
     def schedule(self) -> slot_plan.SlotPlan:
         return self.plan
 
+    @property
+    def chunks(self) -> int:
+        return self.plan.program.chunks
+
     def rows(self) -> np.ndarray:
         return self.plan.rows
 
     def buffers(self, fns: StageFns, layers, x):
         """``(stash, fwd, bwd)``, each with the plan's depth of entries; ``x`` one activation."""
         d = self.plan.depth
+        layers = jax.tree.map(lambda a: a[: a.shape[0] // self.chunks], layers)  # one chunk's rows
         stash = [vary(jnp.zeros((d["stash"],) + e.shape, e.dtype)) for e in residual_shapes(fns, layers, x)]
         entries = lambda n: jnp.zeros((n,) + x.shape, x.dtype)  # noqa: E731
         return stash, vary(entries(d["fwd"])), vary(entries(d["bwd"]))
 
     def body(self, dev):
         n = self.n_stages
+        # An interleaved device's chunks are a ring: the last device's chunk c feeds device 0's c + 1.
+        ring = [(n - 1, 0)] if self.chunks > 1 else []
+        fwd_perm, bwd_perm = [(i, i + 1) for i in range(n - 1)] + ring, [(i + 1, i) for i in range(n - 1)] + [
+            (b, a) for a, b in ring]
         if not dev.fns.recompute:
             # The backward runs first in a slot but rebuilds its vjp closure from the layout the
             # forward's trace records: record it now (the result is dead code, dropped by XLA).
             b, T = dev.batch.shape[1], dev.batch.shape[2] - 1
-            dev.fns.forward(dev.cur[0], vary(jnp.zeros((b, T, dev.fns.cfg.d_model), dev.act_dtype)), dev.template)
+            dev.fns.forward(dev.chunk_of(dev.cur[0], 0), vary(jnp.zeros((b, T, dev.fns.cfg.d_model), dev.act_dtype)),
+                            dev.template)
 
         def slot(carry, row):
             stash, fwd, bwd, acc_l, acc_t, sums = carry
@@ -77,22 +87,24 @@ class SlotLoop:
             x_f, x_b, ct_in = fwd[r["f_fwd"]], fwd[r["b_fwd"]], bwd[r["b_bwd"]]
             zeros = jnp.zeros_like(x_f)
             # The backward first: the stash entry it reads may be the one the forward writes.
-            acc_l, g_x = jax.lax.cond(has_b & ~dev.is_last,
-                                      lambda al: dev.backward(jb, ct_in, r["b_stash"], stash, al),
+            b_last = dev.final(r["b_chunk"])
+            acc_l, g_x = jax.lax.cond(has_b & ~b_last,
+                                      lambda al: dev.backward(jb, ct_in, r["b_stash"], stash, al, r["b_chunk"]),
                                       lambda al: (al, zeros), acc_l)
-            acc_l, acc_t, sums, g_x = jax.lax.cond(has_b & dev.is_last,
+            acc_l, acc_t, sums, g_x = jax.lax.cond(has_b & b_last,
                                                    lambda al, at, su, _: dev.last(jb, x_b, al, at, su),
                                                    lambda *a: a, acc_l, acc_t, sums, g_x)
-            stash, sums, h_out = jax.lax.cond(has_f & ~dev.is_last,
-                                              lambda st, su: dev.forward(jf, x_f, r["f_stash"], st, su),
-                                              lambda st, su: (st, su, zeros), stash, sums)
+            stash, sums, h_out = jax.lax.cond(
+                has_f & ~dev.final(r["f_chunk"]),
+                lambda st, su: dev.forward(jf, x_f, r["f_stash"], st, su, r["f_chunk"]),
+                lambda st, su: (st, su, zeros), stash, sums)
             # As in the tick loop: the embedding's rows are added outside the conds (zeros off stage 0).
-            ct = jnp.where(dev.is_first & has_b, g_x, jnp.zeros_like(g_x)).astype(jnp.float32)
+            ct = jnp.where(dev.first(r["b_chunk"]) & has_b, g_x, jnp.zeros_like(g_x)).astype(jnp.float32)
             jb_live = jnp.where(has_b, jb, 0)
             acc_t = dev.lookup_transpose_add(acc_t, dev.tokens_of(jb_live)[:, :-1], ct, dev.delay.accumulator(jb_live))
             with jax.named_scope("pp_send"):
-                h_in = jax.lax.ppermute(h_out, "stage", [(i, i + 1) for i in range(n - 1)])
-                g_in = jax.lax.ppermute(g_x, "stage", [(i + 1, i) for i in range(n - 1)])
+                h_in = jax.lax.ppermute(h_out, "stage", fwd_perm)
+                g_in = jax.lax.ppermute(g_x, "stage", bwd_perm)
             return (stash, fwd.at[r["fwd_store"]].set(h_in), bwd.at[r["bwd_store"]].set(g_in), acc_l, acc_t, sums), None
 
         return slot

@@ -227,11 +227,17 @@ def two_bw(P: int, M: int) -> Program:
     return Program("2bw", P, M, tuple(lists), delay=1)
 
 
-def forward_only(P: int, M: int) -> Program:
+def forward_only(P: int, M: int, v: int = 1) -> Program:
     """Eval: every device runs the forward of each microbatch in turn; the last stage's forward
-    ends in the loss.  In lock-step slots, stage ``s`` runs microbatch ``m`` at slot ``m + s``."""
-    return Program("forward", P, M, tuple(tuple(_act("F", m, M) for m in range(M)) for _ in range(P)),
-                   training=False)
+    ends in the loss.  In lock-step slots, stage ``s`` runs microbatch ``m`` at slot ``m + s``.
+    With ``v`` chunks per device, microbatches go through the chunks in groups of ``P``, as in
+    :func:`interleaved`'s forwards (any ``M``: the last group may be short)."""
+    if v == 1:
+        order = [(m, 0) for m in range(M)]
+    else:
+        order = [mc for k in range(-(-M // P) * P * v) if (mc := _interleaved_order(k, P, v, False))[0] < M]
+    lists = tuple(tuple(_act("F", m, M, c) for m, c in order) for _ in range(P))
+    return Program("forward" if v == 1 else f"forward v={v}", P, M, lists, chunks=v, training=False)
 
 
 def from_tick_table(table) -> Program:
@@ -258,7 +264,7 @@ GENERATORS = {
     "interleaved": lambda P, M, v=2: interleaved(P, M, v),
     "zb-h1": lambda P, M, v=1: zb_h1(P, M),
     "2bw": lambda P, M, v=1: two_bw(P, M),
-    "forward": lambda P, M, v=1: forward_only(P, M),
+    "forward": lambda P, M, v=1: forward_only(P, M, v),
     "sync-ticks": lambda P, M, v=1: _tick_program("sync", P, M),
     "2bw-ticks": lambda P, M, v=1: _tick_program("2bw", P, M),
 }

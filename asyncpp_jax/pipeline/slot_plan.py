@@ -181,9 +181,9 @@ def path(program: programs.Program, paired: bool, costs: dict | None = None) -> 
 def compile_program(program: programs.Program, recompute: bool = True, paired: bool | None = None) -> SlotPlan:
     """Validate ``program`` and compile it into a :class:`SlotPlan`, paired or not as ``paired``
     says (None: the faster at ``B = 2F``, unpaired on a tie).  Flushed programs (``delay = 0``) with
-    ``F`` and ``B`` actions on one chunk per device, for now: a flushless program carries buffers
-    across steps, a split backward (``I``, ``W``) needs the weight-gradient half kept apart from the
-    input-gradient half inside the block's ``vjp``, and chunks need an interleaved layer layout."""
+    ``F`` and ``B`` actions, on any number of chunks per device, for now: a flushless program
+    carries buffers across steps, and a split backward (``I``, ``W``) needs the weight-gradient
+    half kept apart from the input-gradient half inside the block's ``vjp``."""
     programs.validate(program)
     if program.delay:
         raise programs.ProgramError(f"{program.name}: the program executor runs flushed programs (delay 0) only; "
@@ -192,9 +192,6 @@ def compile_program(program: programs.Program, recompute: bool = True, paired: b
     if not kinds <= {"F", "B"}:
         raise programs.ProgramError(f"{program.name}: the program executor runs F and B actions only, not "
                                     f"{', '.join(sorted(kinds - {'F', 'B'}))}")
-    if program.chunks > 1:
-        raise programs.ProgramError(f"{program.name}: the program executor runs one model chunk per device, not "
-                                    f"{program.chunks} (an interleaved layout of the layer stack is not built)")
     if paired is None:
         plans = [_compile(program, recompute, p) for p in (False, True)]
         return min(plans, key=lambda plan: (plan.step_time(), plan.paired))

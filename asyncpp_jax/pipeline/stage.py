@@ -66,6 +66,15 @@ def lookup(cfg, top: dict, tokens: Array) -> Array:
     return jnp.moveaxis(jnp.take(table, tokens, axis=1), 0, -1)
 
 
+def chunk_rows(layers, chunk, chunks: int):
+    """Rows ``[chunk n, (chunk+1) n)`` of each stacked layer leaf (``n`` = rows / ``chunks``): one
+    chunk of an interleaved device's stack (the whole stack when ``chunks`` is 1)."""
+    if chunks == 1:
+        return layers
+    return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, chunk * (x.shape[0] // chunks),
+                                                               x.shape[0] // chunks), layers)
+
+
 @dataclasses.dataclass(frozen=True)
 class StageFns:
     """The per-slot computations of one stage for a model config.

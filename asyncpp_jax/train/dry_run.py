@@ -26,7 +26,7 @@ from asyncpp_jax import configs
 from asyncpp_jax.models import count_params
 from asyncpp_jax.models.flops import active_matmul_params, flops_per_token
 from asyncpp_jax.models.moe import with_expert_parallel
-from asyncpp_jax.pipeline import tick_tables
+from asyncpp_jax.pipeline import engine, tick_tables
 from asyncpp_jax.pipeline import state as pipeline_state
 from asyncpp_jax.train import fit
 from asyncpp_jax.train import runner as runner_lib
@@ -67,19 +67,27 @@ def _eval_memory(runner, state) -> dict:
 
 
 def _stash_bytes(runner) -> dict:
-    """Per device, the stash ring under each ``pipeline.recompute`` setting (shapes only)."""
+    """Per device, the stash under each ``pipeline.recompute`` setting (shapes only): the tick
+    tables' ring of ``stash_slots`` entries (``sync``, ``2bw``), or the depth a program's slot plan
+    derives (``1f1b``, ``interleaved``: an entry holds one chunk's input, or its residuals, ``1/v``
+    of a stage's)."""
     c = runner.config
-    if not runner.pipelined or c.pipeline.schedule != "2bw":
+    if not runner.pipelined:
         return {}
     out = {}
     b = c.train.global_batch_size // c.train.microbatches // runner.data_size
     model = with_expert_parallel(c.model, "data", runner.data_size) if c.mesh.expert_parallel else c.model
+    v = (runner.interleave or (0, 1))[1]
     for recompute in (True, False):
         entry = pipeline_state.ring_shapes(model, runner.mesh, runner.shapes, b, c.data.seq_len, recompute,
                                            c.mesh.expert_parallel, runner.stage_rows)
-        slots = tick_tables.stash_slots(c.pipeline.stages, first_stage_stashes=not recompute)
-        out["recompute" if recompute else "keep_residuals"] = slots * sum(
-            int(np.prod(e.shape)) * jnp.dtype(e.dtype).itemsize for e in entry)
+        per_entry = sum(int(np.prod(e.shape)) * jnp.dtype(e.dtype).itemsize for e in entry)
+        if c.pipeline.schedule in engine.PROGRAM_SCHEDULES:
+            plan = engine.sync_loop(c.pipeline.schedule, c.pipeline.stages, c.train.microbatches, recompute, v).schedule
+            slots, per_entry = plan.depth["stash"], per_entry // (1 if recompute else v)
+        else:
+            slots = tick_tables.stash_slots(c.pipeline.stages, first_stage_stashes=not recompute)
+        out["recompute" if recompute else "keep_residuals"] = slots * per_entry
     return out
 
 

@@ -90,10 +90,8 @@ def microbatch_candidates(c) -> list[int]:
     """Microbatch counts the config's batch, mesh and runner allow, smallest first."""
     data = max(c.mesh.data, 1)
     per_replica = c.train.global_batch_size // data
-    low = 1
-    if configs.uses_pipeline(c) and c.pipeline.stages > 1 and c.pipeline.schedule == "2bw":
-        low = 2 * (c.pipeline.stages - 1)
-    return [m for m in range(low, per_replica + 1) if per_replica % m == 0]
+    low, step = configs.microbatch_rule(c)
+    return [m for m in range(low, per_replica + 1, step) if per_replica % m == 0]
 
 
 class Search:
@@ -225,10 +223,10 @@ def suggest(decision: Decision, max_devices: int | None = None) -> list[str]:
             s = with_fields(c, pipeline__stages=stages)
             if max_devices is not None and configs.devices_needed(s) > max_devices:
                 break
-            low = 2 * (stages - 1) if c.pipeline.schedule == "2bw" else 1
-            if c.train.microbatches < low:
+            allowed = microbatch_candidates(s)
+            if c.train.microbatches not in allowed:
                 s = with_fields(s, train__microbatches=next(
-                    (x for x in microbatch_candidates(s) if x >= low), c.train.microbatches))
+                    (x for x in allowed if x >= c.train.microbatches), c.train.microbatches))
             if configs.validate_errors(s):
                 continue
             if search.fits(s):

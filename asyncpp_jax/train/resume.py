@@ -42,24 +42,36 @@ def saved_config(workdir: pathlib.Path) -> dict | None:
 
 
 def _check_split(workdir: pathlib.Path, old: dict | None, config) -> None:
-    """Two uneven splits can pad to the same shapes ((3, 1) and (1, 3)), so the layout check alone
-    would restore stage 0's layers into stage 1's rows: compare the splits themselves."""
+    """Two uneven splits can pad to the same shapes ((3, 1) and (1, 3)), and an interleaved layer
+    stack has the shapes of a contiguous one, so the layout check alone would restore one stage's
+    (or chunk's) layers into another's rows: compare the arrangements themselves."""
     if old is None:
         return
     try:
-        saved = configs.uneven_split(ml_collections.ConfigDict(old))
+        old = ml_collections.ConfigDict(old)
+        saved = (configs.uneven_split(old), configs.interleave_of(old))
     except Exception:  # noqa: BLE001 - an old or hand-edited config.json: the layout check decides
         return
-    now = configs.uneven_split(config)
-    if saved != now:
+    now = (configs.uneven_split(config), configs.interleave_of(config))
+    if saved[0] != now[0]:
         show = lambda s: "an even split" if s is None else f"stage_layers={s}"  # noqa: E731
         raise ResumeRefused(
             f"refusing to resume the run in {workdir}: its checkpoints hold the layer stack split as "
-            f"{show(saved)}, this config asks for {show(now)} (config.pipeline.stage_layers); the padded "
+            f"{show(saved[0])}, this config asks for {show(now[0])} (config.pipeline.stage_layers); the padded "
             "layouts do not map onto each other.\n"
-            f"Fix: rerun with config.pipeline.stage_layers={','.join(map(str, saved)) if saved else '()'} "
+            f"Fix: rerun with config.pipeline.stage_layers={','.join(map(str, saved[0])) if saved[0] else '()'} "
             "(as in config.json) to resume, or pass a new --workdir to start a new run. Nothing in the "
             "workdir was changed.")
+    if saved[1] != now[1]:
+        show = lambda s: "in model order" if s is None else f"interleaved, {s[1]} chunks per stage"  # noqa: E731
+        raise ResumeRefused(
+            f"refusing to resume the run in {workdir}: its checkpoints hold the layer stack {show(saved[1])}, "
+            f"this config asks for it {show(now[1])} (config.pipeline.schedule and virtual_stages); the rows "
+            "would be restored into other layers.\n"
+            f"Fix: rerun with config.pipeline.schedule={old.pipeline.schedule}"
+            + (f" and virtual_stages={saved[1][1]}" if saved[1] else "")
+            + " (as in config.json) to resume, or export the weights (python -m asyncpp_jax.export) and "
+            "start a new --workdir from them. Nothing in the workdir was changed.")
 
 
 def check_resume(workdir: pathlib.Path, config, abstract_state) -> list[str]:

@@ -42,6 +42,11 @@ class Runner:
         if self.model_shapes is None:
             self.model_shapes = self.shapes
 
+    @property
+    def interleave(self) -> tuple | None:
+        """``(stages, virtual_stages)`` of an interleaved layer stack (``configs.interleave_of``), or None."""
+        return configs.interleave_of(self.config) if self.pipelined else None
+
     def schedule_plan(self) -> tick_tables.TickTable | slot_plan.SlotPlan | None:
         """What the engine's step runs, printable (``render()``, ``useful_fraction()``): the tick
         table of ``sync`` or ``2bw``, or a program schedule's lock-step slots."""
@@ -50,7 +55,8 @@ class Runner:
             return None
         if c.pipeline.schedule == "2bw":
             return tick_tables.async_table(c.pipeline.stages, c.train.microbatches)
-        loop = engine.sync_loop(c.pipeline.schedule, c.pipeline.stages, c.train.microbatches, c.pipeline.recompute)
+        loop = engine.sync_loop(c.pipeline.schedule, c.pipeline.stages, c.train.microbatches, c.pipeline.recompute,
+                                (self.interleave or (0, 1))[1])
         return loop.schedule
 
     def init_fn(self) -> Callable:
@@ -70,7 +76,7 @@ class Runner:
             # from a checkpoint, then put in the engine's layout; the optimizer is initialised on that layout.
             state = state_lib.init_state(c.model, self.optimizer, key,
                                          None if self.pipelined else self.weight_versions,
-                                         layout=engine.engine_layout(c.model, self.stage_rows) if self.pipelined
+                                         layout=engine.engine_layout(c.model, self.stage_rows, self.interleave) if self.pipelined
                                          else None, params=pretrained() if pretrained is not None else None)
             if self.pipelined:
                 state = state.replace(runner_state=engine.init_pipeline_state(
@@ -99,7 +105,7 @@ class Runner:
         if self.pipelined:
             rows = c.train.global_batch_size // c.train.microbatches // self.data_size
             return engine.make_pipeline_eval_step(c.model, self.mesh, self.shapes, rows, c.mesh.expert_parallel,
-                                                  stage_rows=self.stage_rows)
+                                                  stage_rows=self.stage_rows, chunks=(self.interleave or (0, 1))[1])
         return step_lib.make_eval_step(c.model, self.mesh)
 
     def eval_group(self) -> int:
@@ -121,7 +127,9 @@ def build(c, devices) -> Runner:
     model_shapes = abstract_params(c.model)
     stage_rows = engine.stage_split(c.model, c.pipeline.stages, c.pipeline.stage_layers) if pipelined else None
     # The optimizer is built on the shapes the state holds (Muon's routing reads them).
-    shapes = jax.eval_shape(engine.engine_layout(c.model, stage_rows), model_shapes) if pipelined else model_shapes
+    interleave = configs.interleave_of(c)
+    shapes = (jax.eval_shape(engine.engine_layout(c.model, stage_rows, interleave), model_shapes) if pipelined
+              else model_shapes)
     staleness = configs.effective_staleness(c)
     optimizer, schedule = build_optimizer(c.optimizer, c.train.steps, staleness, shapes,
                                           delay_in_chain=not pipelined)
@@ -131,7 +139,8 @@ def build(c, devices) -> Runner:
         train_step = engine.make_pipeline_train_step(
             c.model, optimizer, schedule, mesh, shapes, c.train.microbatches, c.pipeline.schedule,
             delay_schedule(staleness, c.train.steps), expert_parallel=c.mesh.expert_parallel,
-            recompute=c.pipeline.recompute, weight_prediction=prediction, stage_rows=stage_rows)
+            recompute=c.pipeline.recompute, weight_prediction=prediction, stage_rows=stage_rows,
+            virtual_stages=(interleave or (0, 1))[1])
         versions = prediction  # the engine keeps δ in its in-flight state, not in a versions tree
     else:
         versions = weight_versions(staleness, c.train.steps, shapes)
