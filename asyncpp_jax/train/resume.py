@@ -54,24 +54,25 @@ def _check_split(workdir: pathlib.Path, old: dict | None, config) -> None:
         return
     now = (configs.uneven_split(config), configs.interleave_of(config))
     if saved[0] != now[0]:
-        show = lambda s: "an even split" if s is None else f"stage_layers={s}"  # noqa: E731
-        raise ResumeRefused(
-            f"refusing to resume the run in {workdir}: its checkpoints hold the layer stack split as "
-            f"{show(saved[0])}, this config asks for {show(now[0])} (config.pipeline.stage_layers); the padded "
-            "layouts do not map onto each other.\n"
-            f"Fix: rerun with config.pipeline.stage_layers={','.join(map(str, saved[0])) if saved[0] else '()'} "
-            "(as in config.json) to resume, or pass a new --workdir to start a new run. Nothing in the "
-            "workdir was changed.")
+        show = lambda s: "split as an even split" if s is None else f"split as stage_layers={s}"  # noqa: E731
+        _refuse(workdir, show(saved[0]), show(now[0]), "config.pipeline.stage_layers",
+                "the padded layouts do not map onto each other",
+                f"config.pipeline.stage_layers={','.join(map(str, saved[0])) if saved[0] else '()'}")
     if saved[1] != now[1]:
         show = lambda s: "in model order" if s is None else f"interleaved, {s[1]} chunks per stage"  # noqa: E731
-        raise ResumeRefused(
-            f"refusing to resume the run in {workdir}: its checkpoints hold the layer stack {show(saved[1])}, "
-            f"this config asks for it {show(now[1])} (config.pipeline.schedule and virtual_stages); the rows "
-            "would be restored into other layers.\n"
-            f"Fix: rerun with config.pipeline.schedule={old.pipeline.schedule}"
-            + (f" and virtual_stages={saved[1][1]}" if saved[1] else "")
-            + " (as in config.json) to resume, or export the weights (python -m asyncpp_jax.export) and "
-            "start a new --workdir from them. Nothing in the workdir was changed.")
+        _refuse(workdir, show(saved[1]), show(now[1]), "config.pipeline.schedule and virtual_stages",
+                "the rows would be restored into other layers",
+                f"config.pipeline.schedule={old.pipeline.schedule}"
+                + (f" and virtual_stages={saved[1][1]}" if saved[1] else ""),
+                " export the weights (python -m asyncpp_jax.export) to start from them in a new --workdir,")
+
+
+def _refuse(workdir, saved: str, now: str, settings: str, why: str, fix: str, other: str = "") -> None:
+    raise ResumeRefused(
+        f"refusing to resume the run in {workdir}: its checkpoints hold the layer stack {saved}, this config "
+        f"asks for it {now} ({settings}); {why}.\n"
+        f"Fix: rerun with {fix} (as in config.json) to resume,{other} or pass a new --workdir to start a new run. "
+        "Nothing in the workdir was changed.")
 
 
 def check_resume(workdir: pathlib.Path, config, abstract_state) -> list[str]:
