@@ -491,15 +491,21 @@ def predicted_sync_over_2bw(P: int, M: int, c: list) -> float:
 # ------------------------------------------------------------------------------------------ modes
 
 
-def predicted_program_over_2bw(name: str, P: int, M: int, c: list, recompute: bool) -> float:
+def predicted_program_over_2bw(name: str, P: int, M: int, c: list, recompute: bool, chunk_costs: list | None = None
+                               ) -> float:
     """A program schedule's lock-step step over the ``2bw`` tick table's, from each stage's measured
     slot costs ``c`` (as :func:`predicted_sync_over_2bw` takes them): a slot lasts as long as its
-    busiest device's forward plus backward (the last stage's fused)."""
-    plan = engine.sync_loop(name, P, M, recompute).schedule
+    busiest device's forward plus backward (the last virtual stage's fused; the embedding in the
+    first's forward).  ``interleaved`` reads ``chunk_costs``, the same measured for one chunk's layers."""
+    v = VIRTUAL_STAGES if name == "interleaved" else 1
+    plan = engine.sync_loop(name, P, M, recompute, v).schedule
+    cc = chunk_costs or c
+    kind = lambda k: np.array([x[k] for x in cc])[None, :]  # noqa: E731  ([1, P]: one per device)
+    d = np.arange(P)[None, :]
     f, b = plan.column("f") != slot_plan.IDLE, plan.column("b") != slot_plan.IDLE
-    per_stage = np.array([[c[s]["F"] + (c[s]["embed"] if s == 0 else 0.0),
-                           c[s]["last"] if s == P - 1 else c[s]["bwd_slot"]] for s in range(P)])
-    slots = f * per_stage[None, :, 0] + b * per_stage[None, :, 1]
+    first = (d == 0) & (plan.column("f_chunk") == 0)
+    last = (d == P - 1) & (plan.column("b_chunk") == v - 1)
+    slots = f * (kind("F") + first * kind("embed")) + b * np.where(last, kind("last"), kind("bwd_slot"))
     return float(slots.max(axis=1).sum()) / predicted_step_seconds(tick_tables.async_table(P, M), c)
 
 
@@ -599,19 +605,24 @@ def processes(args) -> None:
         # Every process times the slot kinds of both stages on its own core, at the same time (as
         # in the pipelined run, where both cores are busy): the prediction's per-slot costs.
         costs = stage_costs(args, split, recompute)
+        # Interleaved (an even split only): each chunk's slot costs, measured as the stages' are.
+        chunks = None if args.stage_layers else stage_costs(args, tuple(n // VIRTUAL_STAGES for n in split), recompute)
         for M in (int(m) for m in args.microbatches.split(",")):
-            runs = {name: Pipelined(args, P, M, name, recompute, stage_layers=args.stage_layers)
-                    for name in ("sync", "2bw", "1f1b")}
+            names = ("sync", "2bw", "1f1b") + (("interleaved",) if chunks and M % P == 0 else ())
+            runs = {name: Pipelined(args, P, M, name, recompute, stage_layers=args.stage_layers) for name in names}
             rounds = time_rounds(runs, args.rounds, args.steps)
             ratios = np.array(rounds["sync"]) / np.array(rounds["2bw"])  # round by round: same machine state
             f1b = np.array(rounds["1f1b"]) / np.array(rounds["2bw"])
             pred = predicted_sync_over_2bw(P, M, costs)
             plan = predicted_program_over_2bw("1f1b", P, M, costs, recompute)
+            il = np.array(rounds["interleaved"]) / np.array(rounds["2bw"]) if "interleaved" in runs else None
+            il_plan = predicted_program_over_2bw("interleaved", P, M, costs, recompute, chunks) if il is not None else None
             if lead:
                 print(f"| {P} | {M} | {recompute} | {np.median(rounds['sync']):.3f} | {np.median(rounds['2bw']):.3f} "
                       f"| {np.median(ratios):.3f} | {ratios.min():.3f}-{ratios.max():.3f} | {pred:.3f} "
                       f"| {(M + P - 1) / M:.3f} | {np.median(rounds['1f1b']):.3f} | {np.median(f1b):.3f} "
-                      f"| {plan:.3f} |", flush=True)
+                      f"| {plan:.3f} |" + (f" interleaved/2bw {np.median(il):.3f} (plan {il_plan:.3f})"
+                                           if il is not None else ""), flush=True)
             rows.append({"rows_per_microbatch": args.rows, "seq": args.seq, "microbatches": M, "recompute": recompute,
                          "sync_s_per_update": float(np.median(rounds["sync"])),
                          "twobw_s_per_update": float(np.median(rounds["2bw"])),
@@ -619,7 +630,10 @@ def processes(args) -> None:
                          "tick_table_critical_path": pred, "textbook": (M + P - 1) / M,
                          "measured_over_textbook": float(np.median(ratios)) / ((M + P - 1) / M),
                          "f1b_s_per_update": float(np.median(rounds["1f1b"])), "f1b_over_2bw": float(np.median(f1b)),
-                         "f1b_spread": [float(f1b.min()), float(f1b.max())], "f1b_plan_over_2bw": plan})
+                         "f1b_spread": [float(f1b.min()), float(f1b.max())], "f1b_plan_over_2bw": plan,
+                         **({} if il is None else {"interleaved_over_2bw": float(np.median(il)),
+                                                   "interleaved_spread": [float(il.min()), float(il.max())],
+                                                   "interleaved_plan_over_2bw": il_plan})})
             for name, r in runs.items() if args.profile else ():
                 out = os.path.join(args.profile, f"{name}_M{M}_recompute{recompute}")
                 prof = profile.StepProfiler(out, start=0, steps=2)
