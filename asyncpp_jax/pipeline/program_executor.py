@@ -13,6 +13,10 @@ tick loop (:class:`~asyncpp_jax.pipeline.executor._Device`):
 * ``F`` on the last stage computes nothing (its input waits in its ``fwd`` entry); its ``B`` runs
   the fused block + head + loss vjp, as the tick loop's last slot does.
 
+With ``v`` chunks per device (``interleaved``) an action runs on the layer rows of the chunk its
+row names (``stage.chunk_rows``), "stage 0" and "the last stage" mean the first and last virtual
+stage, and the exchange is a ring: the last device's chunk ``c`` feeds device 0's chunk ``c + 1``.
+
 Each kind runs under its own ``lax.cond`` taking only the buffers it writes (on XLA:CPU a buffer
 that several branches write, or that a branch passes through, is copied at every slot:
 docs/design.md, section 6.1).  After the slot, one ``ppermute`` carries the activation to the
