@@ -8,9 +8,9 @@ sync-tuned learning rate.  Three seeds; seed 0 of every variant is the tuning ru
 copies it from ``ladder_tune`` when both are under one ``--out``).
 
 Variants are the tuning study's names, ``u=UPDATES/OPT/lr=VALUE/ARM``: at most 5 per rung and
-optimizer (sync at its pick; 2BW and 2BW + EF at their own picks and at sync's), 60 in all with the
-6,400-update rung (twice the tokens at the preset's batch), 180 runs, 60 of them copied: about 5
-CPU-hours, 2.5 hours with ``--jobs 2``.
+optimizer (sync at its pick; 2BW and 2BW + EF at their own picks and at sync's), fewer where picks
+coincide: 51 with the picks in ``common.TUNED_LADDER``, 153 runs, 51 of them copied, so 102 to
+run: about 5.4 CPU-hours, 2.7 hours with ``--jobs 2``.
 """
 
 from experiments.studies import ladder_tune, lr
@@ -42,4 +42,4 @@ def study(name: str) -> Study:
     ladder_tune.check_preset(name, "ladder")
     config, base, _, note = preset(name)
     return Study("ladder", config, variants(TUNED_LADDER), seeds=CPU_REGIME_SEEDS, base=base,
-                 note="the ladder at each arm's picks, 3 seeds: up to 135 runs (seed 0 copied from ladder_tune)")
+                 note="the ladder at each arm's picks, 3 seeds (seed 0 copied from ladder_tune)")
