@@ -264,22 +264,23 @@ def bench_pipeline_work(doc: pathlib.Path) -> str:
 
 
 def bench_pipeline_processes(doc: pathlib.Path) -> str:
-    """One row per (microbatch size, M): the latest record that measured it."""
+    """One row per (stage split, microbatch size, M): the latest record that measured it."""
     latest = {}
     for r in records.load("bench_pipeline", "bench_pipeline_processes"):
+        split = ",".join(map(str, r["figures"]["stage_layers"]))
         for x in r["figures"]["rows"]:
-            latest[(x["rows_per_microbatch"], x["microbatches"])] = (x, r)
-    lines = ["| microbatch | M | sync s/update | 2bw s/update | measured sync / 2bw | spread over rounds | "
+            latest[(split, x["rows_per_microbatch"], x["microbatches"])] = (x, r)
+    lines = ["| split | microbatch | M | sync s/update | 2bw s/update | measured sync / 2bw | spread over rounds | "
              "tick-table critical path | textbook (M+P-1)/M | measured / textbook | measured 1f1b / 2bw "
              "| 1f1b plan's path | measured interleaved / 2bw | interleaved plan's path |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for key in sorted(latest, key=lambda k: (-k[0], k[1])):
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for key in sorted(latest, key=lambda k: (len(set(k[0].split(","))) == 1, -k[1], k[2])):  # uneven splits first
         x, _ = latest[key]
         f1b = " | ".join(
             (f"**{x[f'{k}_over_2bw']:.3f}** ({x[f'{k}_spread'][0]:.2f}–{x[f'{k}_spread'][1]:.2f}) | "
              f"{x[f'{k}_plan_over_2bw']:.3f}") if f"{k}_over_2bw" in x else "not timed | –"
             for k in ("f1b", "interleaved"))
-        lines.append(f"| {x['rows_per_microbatch']} × {x['seq']} | {x['microbatches']} | {x['sync_s_per_update']:.2f} | "
+        lines.append(f"| {key[0]} | {x['rows_per_microbatch']} × {x['seq']} | {x['microbatches']} | {x['sync_s_per_update']:.2f} | "
                      f"{x['twobw_s_per_update']:.2f} | **{x['sync_over_2bw']:.3f}** | {x['spread'][0]:.2f}–"
                      f"{x['spread'][1]:.2f} | {x['tick_table_critical_path']:.3f} | {x['textbook']:.3f} | "
                      f"{x['measured_over_textbook']:.3f} | {f1b} |")
