@@ -210,3 +210,25 @@ def test_export_reads_the_interleaved_order_back():
     held = engine.to_engine_layout(c.model, params, None, configs.interleave_of(c))
     assert not np.array_equal(held["layers"]["attn"]["q"]["kernel"], params["layers"]["attn"]["q"]["kernel"])
     jax.tree.map(np.testing.assert_array_equal, export.model_layout(c, held), params)
+
+
+@pytest.mark.slow
+@pytest.mark.needs_devices(4)
+def test_interleaved_with_data_parallel_equals_one_device():
+    cfg, data = _cfg(4), batches(2, 2, 8)
+    want, _ = run_simulate(cfg, make_opt("adamw"), data, data_size=1)
+    got, _ = run_pipeline(cfg, make_opt("adamw"), data, 2, "interleaved", data_size=2, virtual_stages=2)
+    assert_params_close(engine.to_model_layout(cfg, got.params, None, (2, 2)), want.params)
+
+
+@pytest.mark.slow
+@pytest.mark.needs_devices(2)
+def test_interleaved_moe_equals_simulate():
+    """MoE every other layer: 8 layers are 4 scanned rows, one per virtual stage at P = 2, v = 2."""
+    cfg = _cfg(8)
+    cfg.moe.update(num_experts=4, top_k=2, expert_d_ff=8, every=2, capacity_factor=1.25)
+    data = batches(3, 2, 4, seed=5)
+    want, want_m = run_simulate(cfg, make_opt("adamw"), data)
+    got, metrics = run_pipeline(cfg, make_opt("adamw"), data, 2, "interleaved", virtual_stages=2)
+    assert_params_close(engine.to_model_layout(cfg, got.params, None, (2, 2)), want.params)
+    assert metrics[-1]["loss"] == pytest.approx(float(want_m[-1]["loss"]), rel=1e-5)
