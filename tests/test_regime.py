@@ -39,11 +39,12 @@ def test_lr_grid_at_cpu_regime_is_centred_by_the_batch_scaling_rules():
     for opt in lr_study.NAMES:
         for batch in (2, 8, 32):
             g = lr_study.grid(opt, "cpu_regime", batch)
-            assert len(g) == 5 and g == sorted(g)
+            assert len(g) == 5 + len(lr_study.EXTEND_REGIME.get(opt, ())) and g == sorted(g)
             scale = batch / 16 if opt in ("muon", "lion") else math.sqrt(batch / 16)  # fixed-size updates: linear
             assert g[2] == pytest.approx(common.TUNED_LR["cpu"][opt] * scale, rel=0.05)  # two significant figures
     assert lr_study.grid("adamw") == [0.001, 0.0017, 0.003, 0.0052, 0.009]  # cpu unchanged
-    assert len(sweep.expand(lr_study.study("cpu_regime"))) == 30  # tuned on one seed
+    assert lr_study.grid("lion", "cpu_regime")[-2:] == [0.00034, 0.00058]  # one point past the first top pick
+    assert len(sweep.expand(lr_study.study("cpu_regime"))) == 31  # tuned on one seed
 
 
 def test_ladder_tune_sweeps_every_arm_over_the_same_grid():
@@ -219,12 +220,13 @@ def test_headline_studies_tune_every_arm_on_one_grid_then_measure_the_picks():
     assert {"adamw/ef", "muon/ef", "soap/ef"} <= set(base.variants) and "lion/ef" not in base.variants
     tune = sweep.load_study("optimizers_tune", "cpu_regime")
     assert tune.name == "optimizers_tune" and tune.seeds == lr_study.TUNE_SEEDS
-    assert len(tune.variants) == len(base.variants) * 5
+    assert len(tune.variants) == sum(len(lr_study.grid(o["optimizer.name"], "cpu_regime")) for o in base.variants.values())
     assert tune.variants["adamw/lr=0.0011/2bw"] == {**base.variants["adamw/2bw"], "optimizer.lr": 0.0011}
     with pytest.raises(ValueError, match="cpu_regime"):
         sweep.load_study("optimizers_tune", "cpu")
-    with pytest.raises(ValueError, match="optimizers_tune"):
-        sweep.load_study("optimizers", "cpu_regime")  # no picks yet: the error names the step to run
+    with pytest.raises(ValueError, match="momentum_tune"):
+        sweep.load_study("momentum", "cpu_regime")  # no picks yet: the error names the step to run
+    assert len(sweep.load_study("optimizers", "cpu_regime").variants) == 22  # its picks are in TUNED_ARMS
 
     picks = {v: lr_study.grid(o["optimizer.name"], "cpu_regime")[2] for v, o in base.variants.items()}
     picks["adamw/2bw"] = 0.00061  # a delayed arm whose own pick (on its grid) differs from its sync arm's

@@ -102,7 +102,13 @@ WD = {"lion": 1.0}
 # Per preset and study, every arm's learning rate, tuned on one grid per arm ({variant: lr}; see
 # experiments/studies/tuned.py): the picks (experiments.tuning.pick_arm_lrs) of the STUDY_tune rows
 # committed in experiments/results/<preset>/results.jsonl, which tests/test_regime.py holds it to.
-TUNED_ARMS: dict[str, dict[str, dict[str, float]]] = {"cpu_regime": {}}
+TUNED_ARMS: dict[str, dict[str, dict[str, float]]] = {"cpu_regime": {
+    "optimizers": {"adamw/sync": 0.0011, "adamw/2bw": 0.00061, "adamw/ef": 0.00061,
+                   "muon/sync": 0.0012, "muon/2bw": 0.002, "muon/ef": 0.002,
+                   "soap/sync": 0.0018, "soap/2bw": 0.0018, "soap/ef": 0.0032,
+                   "adan/sync": 0.0018, "adan/2bw": 0.0018, "lion/sync": 0.00034, "lion/2bw": 0.00019,
+                   "mars/sync": 0.0018, "mars/2bw": 0.0011},
+}}
 # The ladder's per-arm picks: {'u=UPDATES/OPT': {arm: lr}} from the `ladder_tune` study's rows
 # (experiments.tuning.complete_picks; tests/test_regime.py holds the table to the committed rows).
 # The `ladder` study refuses to expand until every rung has its picks.
