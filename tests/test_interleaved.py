@@ -232,3 +232,10 @@ def test_interleaved_moe_equals_simulate():
     got, metrics = run_pipeline(cfg, make_opt("adamw"), data, 2, "interleaved", virtual_stages=2)
     assert_params_close(engine.to_model_layout(cfg, got.params, None, (2, 2)), want.params)
     assert metrics[-1]["loss"] == pytest.approx(float(want_m[-1]["loss"]), rel=1e-5)
+
+
+def test_the_layout_refuses_an_uneven_split_with_chunks():
+    cfg = _cfg(8)
+    params = dense.init_params(cfg, jax.random.key(0))
+    with pytest.raises(ValueError, match="cannot be combined"):
+        engine.to_engine_layout(cfg, params, (3, 1), (2, 2))

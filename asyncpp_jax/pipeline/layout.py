@@ -1,6 +1,7 @@
 """The engine's layout: the ``('data', 'stage')`` mesh, where each leaf lives on it (parameters,
 updates, 2bw's in-flight partial gradient), the padded layer stack of an uneven split, and the
-engine's parameter layout (a tied table held as the head's ``[D, V]``).
+engine's parameter layout (a tied table held as the head's ``[D, V]``; the layer stack ordered
+by virtual stage under the ``interleaved`` schedule, :func:`interleave_index`).
 
 Stage ``s`` holds layers ``[s L/P, (s+1) L/P)``: the stacked layer leaves are sharded on their
 leading axis over ``stage``.  The embedding, final norm and head are replicated; their updates are
@@ -165,13 +166,11 @@ def check_interleave(rows: int, n_stages: int, chunks: int, stage_rows: tuple | 
 def _stack_index(params, stage_rows: tuple | None, interleave: tuple | None):
     """``(dst, rows)`` of the engine's layer stack (model row ``i`` at row ``dst[i]`` of ``rows``),
     or None when the engine holds the model's stack as it is."""
-    if stage_rows is not None:
-        return _pad_index(stage_rows)
-    if interleave is None or interleave[1] == 1:
-        return None
-    rows = jax.tree.leaves(params["layers"])[0].shape[0]
-    check_interleave(rows, *interleave)
-    return interleave_index(rows, *interleave), rows
+    if interleave is not None and interleave[1] > 1:
+        rows = jax.tree.leaves(params["layers"])[0].shape[0]
+        check_interleave(rows, *interleave, stage_rows)
+        return interleave_index(rows, *interleave), rows
+    return None if stage_rows is None else _pad_index(stage_rows)
 
 
 def pad_layers(params, stage_rows: tuple | None, interleave: tuple | None = None):
