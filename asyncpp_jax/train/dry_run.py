@@ -77,7 +77,7 @@ def _stash_bytes(runner) -> dict:
     out = {}
     b = c.train.global_batch_size // c.train.microbatches // runner.data_size
     model = with_expert_parallel(c.model, "data", runner.data_size) if c.mesh.expert_parallel else c.model
-    v = (runner.interleave or (0, 1))[1]
+    v = runner.chunks
     for recompute in (True, False):
         entry = pipeline_state.ring_shapes(model, runner.mesh, runner.shapes, b, c.data.seq_len, recompute,
                                            c.mesh.expert_parallel, runner.stage_rows)

@@ -47,6 +47,11 @@ class Runner:
         """``(stages, virtual_stages)`` of an interleaved layer stack (``configs.interleave_of``), or None."""
         return configs.interleave_of(self.config) if self.pipelined else None
 
+    @property
+    def chunks(self) -> int:
+        """Layer chunks per device: ``virtual_stages`` under ``interleaved``, else 1."""
+        return (self.interleave or (0, 1))[1]
+
     def schedule_plan(self) -> tick_tables.TickTable | slot_plan.SlotPlan | None:
         """What the engine's step runs, printable (``render()``, ``useful_fraction()``): the tick
         table of ``sync`` or ``2bw``, or a program schedule's lock-step slots."""
@@ -56,7 +61,7 @@ class Runner:
         if c.pipeline.schedule == "2bw":
             return tick_tables.async_table(c.pipeline.stages, c.train.microbatches)
         loop = engine.sync_loop(c.pipeline.schedule, c.pipeline.stages, c.train.microbatches, c.pipeline.recompute,
-                                (self.interleave or (0, 1))[1])
+                                self.chunks)
         return loop.schedule
 
     def init_fn(self) -> Callable:
@@ -76,7 +81,8 @@ class Runner:
             # from a checkpoint, then put in the engine's layout; the optimizer is initialised on that layout.
             state = state_lib.init_state(c.model, self.optimizer, key,
                                          None if self.pipelined else self.weight_versions,
-                                         layout=engine.engine_layout(c.model, self.stage_rows, self.interleave) if self.pipelined
+                                         layout=engine.engine_layout(c.model, self.stage_rows, self.interleave)
+                                         if self.pipelined
                                          else None, params=pretrained() if pretrained is not None else None)
             if self.pipelined:
                 state = state.replace(runner_state=engine.init_pipeline_state(
@@ -105,7 +111,7 @@ class Runner:
         if self.pipelined:
             rows = c.train.global_batch_size // c.train.microbatches // self.data_size
             return engine.make_pipeline_eval_step(c.model, self.mesh, self.shapes, rows, c.mesh.expert_parallel,
-                                                  stage_rows=self.stage_rows, chunks=(self.interleave or (0, 1))[1])
+                                                  stage_rows=self.stage_rows, chunks=self.chunks)
         return step_lib.make_eval_step(c.model, self.mesh)
 
     def eval_group(self) -> int:
