@@ -1,5 +1,6 @@
-"""Collectives inside the engine's ``shard_map``: device-varying casts, the reduction of the
-replicated leaves' gradients over ``stage`` and of every gradient over ``data``."""
+"""Collectives inside the engine's ``shard_map``: device-varying casts, the ``ppermute`` pairs of
+one hop over ``stage``, the reduction of the replicated leaves' gradients over ``stage`` and of
+every gradient over ``data``."""
 
 from __future__ import annotations
 
@@ -15,6 +16,13 @@ def vary(tree, axes=("data", "stage")):
         missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
         return jax.lax.pcast(x, missing, to="varying") if missing else x
     return jax.tree.map(one, tree)
+
+
+def hop_perms(n_stages: int, ring: bool = False) -> tuple[list, list]:
+    """``ppermute`` pairs of one hop over ``stage``: forward (``s -> s+1``) and backward (``s+1 -> s``);
+    with ``ring`` the last device also feeds device 0 (an interleaved device's next chunk) and back."""
+    fwd = [(i, i + 1) for i in range(n_stages - 1)] + ([(n_stages - 1, 0)] if ring else [])
+    return fwd, [(b, a) for a, b in fwd]
 
 
 def reduce_top(acc, spec, axis: int):

@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 from asyncpp_jax.models import dense
 from asyncpp_jax.models.moe import with_expert_parallel
 from asyncpp_jax.pipeline import programs, slot_plan
-from asyncpp_jax.pipeline.collectives import vary
+from asyncpp_jax.pipeline.collectives import hop_perms, vary
 from asyncpp_jax.pipeline.layout import check_layout, param_specs
 from asyncpp_jax.pipeline.stage import chunk_rows, head_of, lookup, split_params
 
@@ -33,7 +33,7 @@ def make_pipeline_eval_step(model_cfg, mesh, params_abstract, microbatch_rows: i
     check_layout(model_cfg, params_abstract, n_stages, stage_rows)
     if expert_parallel:
         model_cfg = with_expert_parallel(model_cfg, "data", mesh.shape["data"])
-    fwd_perm = [(i, i + 1) for i in range(n_stages - 1)] + ([(n_stages - 1, 0)] if chunks > 1 else [])
+    fwd_perm, _ = hop_perms(n_stages, ring=chunks > 1)
     act_dtype = dense.dtype_of(model_cfg.compute_dtype)
     col = slot_plan.INDEX
 

@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from asyncpp_jax.models import dense
 from asyncpp_jax.pipeline import tick_tables
-from asyncpp_jax.pipeline.collectives import mean_over_data, reduce_top, vary
+from asyncpp_jax.pipeline.collectives import hop_perms, mean_over_data, reduce_top, vary
 from asyncpp_jax.pipeline.layout import on_data_axis, param_specs, update_specs
 from asyncpp_jax.pipeline.stage import (ResidualTemplate, StageFns, chunk_rows, head_of, join_params,
                                         residual_shapes, split_params, stat_names)
@@ -225,8 +225,9 @@ class _Device:
         ct = jnp.where(self.is_first, g_x, jnp.zeros_like(g_x)).astype(jnp.float32)
         acc_t = self.lookup_transpose_add(acc_t, self.tokens_of(jb)[:, :-1], ct, self.delay.accumulator(jb))
         with jax.named_scope("pp_send"):
-            fwd_buf = jax.lax.ppermute(h_out, "stage", [(i, i + 1) for i in range(self.n_stages - 1)])
-            bwd_buf = jax.lax.ppermute(g_x, "stage", [(i + 1, i) for i in range(self.n_stages - 1)])
+            fwd_perm, bwd_perm = hop_perms(self.n_stages)
+            fwd_buf = jax.lax.ppermute(h_out, "stage", fwd_perm)
+            bwd_buf = jax.lax.ppermute(g_x, "stage", bwd_perm)
         return (stash, fwd_buf, bwd_buf, acc_l, acc_t, sums), None
 
 

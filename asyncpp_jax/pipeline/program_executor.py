@@ -33,8 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from asyncpp_jax.pipeline import slot_plan
-from asyncpp_jax.pipeline.collectives import vary
-from asyncpp_jax.pipeline.stage import StageFns, residual_shapes
+from asyncpp_jax.pipeline.collectives import hop_perms, vary
+from asyncpp_jax.pipeline.stage import StageFns, chunk_rows, residual_shapes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +65,7 @@ class SlotLoop:
     def buffers(self, fns: StageFns, layers, x):
         """``(stash, fwd, bwd)``, each with the plan's depth of entries; ``x`` one activation."""
         d = self.plan.depth
-        layers = jax.tree.map(lambda a: a[: a.shape[0] // self.chunks], layers)  # one chunk's rows
+        layers = chunk_rows(layers, 0, self.chunks)  # every chunk's entries have one chunk's shapes
         stash = [vary(jnp.zeros((d["stash"],) + e.shape, e.dtype)) for e in residual_shapes(fns, layers, x)]
         entries = lambda n: jnp.zeros((n,) + x.shape, x.dtype)  # noqa: E731
         return stash, vary(entries(d["fwd"])), vary(entries(d["bwd"]))
@@ -73,9 +73,7 @@ class SlotLoop:
     def body(self, dev):
         n = self.n_stages
         # An interleaved device's chunks are a ring: the last device's chunk c feeds device 0's c + 1.
-        ring = [(n - 1, 0)] if self.chunks > 1 else []
-        fwd_perm, bwd_perm = [(i, i + 1) for i in range(n - 1)] + ring, [(i + 1, i) for i in range(n - 1)] + [
-            (b, a) for a, b in ring]
+        fwd_perm, bwd_perm = hop_perms(n, ring=self.chunks > 1)
         if not dev.fns.recompute:
             # The backward runs first in a slot but rebuilds its vjp closure from the layout the
             # forward's trace records: record it now (the result is dead code, dropped by XLA).
