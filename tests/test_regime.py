@@ -242,6 +242,29 @@ def test_headline_studies_tune_every_arm_on_one_grid_then_measure_the_picks():
     assert all(sweep.run_signature(measured, r) in tune_sigs for r in seed0)
 
 
+def test_momentum_mitigations_and_schemes_tune_on_three_grid_points_around_the_sync_pick():
+    from experiments.studies import tuned
+
+    picks = common.TUNED_ARMS["cpu_regime"]["optimizers"]
+    for name in tuned.LOCAL_GRID:
+        tune = sweep.load_study(f"{name}_tune", "cpu_regime")
+        by_arm = {}
+        for variant, overrides in tune.variants.items():
+            prefix, arm = tuned.split(variant)
+            by_arm.setdefault((prefix.rpartition("/lr=")[0], arm), []).append(overrides["optimizer.lr"])
+        for (prefix, arm), lrs in by_arm.items():
+            opt = prefix.split("/")[0]
+            full = lr_study.grid(opt, "cpu_regime")
+            k = full.index(picks[f"{opt}/sync"])
+            # the same three points for every arm of the optimizer, and points of its full grid, so a
+            # run the optimizers' tuning made is the same run (reused, not rerun)
+            assert sorted(lrs) == full[k - 1:k + 2], (name, prefix, arm)
+    assert lr_study.local_grid("adamw", 0.0011) == [0.00061, 0.0011, 0.0018]
+    assert lr_study.local_grid("lion", 0.00034, steps=(0, 1, 2)) == [0.00034, 0.00058, 0.001]
+    with pytest.raises(ValueError, match="not a point of adamw's learning-rate grid"):
+        lr_study.local_grid("adamw", 0.001)
+
+
 def test_sync_of_names_the_arm_each_gap_is_taken_against():
     from experiments.studies import momentum, schemes, tuned
 

@@ -44,6 +44,20 @@ EXTEND = {opt: (3 * math.sqrt(3), 9.0) for opt in ("muon", "soap", "lion")}
 EXTEND_REGIME = {"lion": (3 * math.sqrt(3),)}
 
 
+def local_grid(opt: str, around: float, preset_name: str = "cpu_regime", batch: int | None = None,
+               steps: tuple[int, ...] = (-1, 0, 1)) -> list[float]:
+    """The points ``around x sqrt(3)^k`` (``k`` in ``steps``) of ``opt``'s grid lattice at ``preset_name``
+    (``centre x sqrt(3)^k``, rounded as :func:`grid` rounds): the same values :func:`grid` gives, so a
+    run on both is one run.  ``around`` must be a lattice point (a pick from a grid)."""
+    centre = lr_centre(opt, batch) if preset_name == "cpu_regime" else LR[opt]
+    lattice = {float(f"{centre * math.sqrt(3) ** k:.2g}"): k for k in range(-8, 9)}
+    if around not in lattice:
+        raise ValueError(f"{around:g} is not a point of {opt}'s learning-rate grid at {preset_name} "
+                         f"(its points near it: {sorted(lattice)}); give a pick from that grid")
+    k0 = lattice[around]
+    return sorted(float(f"{centre * math.sqrt(3) ** (k0 + k):.2g}") for k in steps)
+
+
 def grid(opt: str, preset_name: str = "cpu", batch: int | None = None) -> list[float]:
     """``opt``'s learning rates at ``preset_name`` (a ``cpu_regime`` rung: at ``batch``), ascending,
     rounded to two significant figures."""

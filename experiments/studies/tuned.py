@@ -5,7 +5,8 @@ A headline study (``optimizers``, ``momentum``, ``mitigations``, ``schemes``) de
 untuned (``base_study``).  At ``cpu_regime`` it runs in two steps:
 
 1. ``STUDY_tune`` (:func:`tune_study`): each variant ``PREFIX/ARM`` over its optimizer's grid
-   (``lr.grid`` at the preset's batch), one seed (``lr.TUNE_SEEDS``), as ``PREFIX/lr=VALUE/ARM``;
+   (``lr.grid`` at the preset's batch; for ``momentum``, ``mitigations`` and ``schemes`` its three
+   points around the optimizer's synchronous pick, :func:`tune_grid`), one seed (``lr.TUNE_SEEDS``), as ``PREFIX/lr=VALUE/ARM``;
    the sweep copies the runs another study already made with the same config (the ``lr`` study's
    sync arms, the ladder's 3,200-update rung).
 2. ``STUDY`` (:func:`measured_study`): each variant at its own pick, under its own name, so the
@@ -45,13 +46,31 @@ def sync_of(variants, variant: str) -> str | None:
     return next((c for c in (f"{prefix}/sync", f"{variant.split('/')[0]}/sync") if c in variants), None)
 
 
+# These studies tune on three points of the optimizer's grid, around its synchronous pick in the
+# optimizers' tuning (TUNED_ARMS[preset]["optimizers"]): there every delayed arm's pick sat within one
+# point of it, and five points for each of 16-18 arms would take a study several hours on 2 cores.
+# An arm whose pick lands on this grid's edge gets further points (LOCAL_EXTEND: {study: {variant: k}}).
+LOCAL_GRID = ("momentum", "mitigations", "schemes")
+LOCAL_EXTEND: dict[str, dict[str, tuple[int, ...]]] = {}
+
+
+def tune_grid(study_name: str, variant: str, opt: str, preset_name: str, batch: int | None) -> list[float]:
+    """The learning rates ``variant`` of ``study_name`` is tuned over: the optimizer's grid, or for a
+    :data:`LOCAL_GRID` study its three points around the optimizer's synchronous pick."""
+    if study_name not in LOCAL_GRID:
+        return lr.grid(opt, preset_name, batch)
+    around = common.TUNED_ARMS[preset_name]["optimizers"][f"{opt}/sync"]
+    steps = (-1, 0, 1) + LOCAL_EXTEND.get(study_name, {}).get(variant, ())
+    return lr.local_grid(opt, around, preset_name, batch, steps)
+
+
 def tune_study(study: Study, preset_name: str) -> Study:
-    """``study``'s variants over each optimizer's learning-rate grid at ``preset_name``, one seed."""
+    """``study``'s variants over their learning-rate grids (:func:`tune_grid`) at ``preset_name``, one seed."""
     batch = study.base.get("train.global_batch_size")
     variants = {}
     for variant, overrides in study.variants.items():
         prefix, arm = split(variant)
-        for value in lr.grid(overrides["optimizer.name"], preset_name, batch):
+        for value in tune_grid(study.name, variant, overrides["optimizer.name"], preset_name, batch):
             variants[f"{prefix}/lr={value:g}/{arm}"] = {**overrides, "optimizer.lr": value}
     return dataclasses.replace(study, name=f"{study.name}_tune", variants=variants, seeds=lr.TUNE_SEEDS,
                                note=f"{study.name}'s tuning: {len(variants)} runs, one seed")
