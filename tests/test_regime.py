@@ -3,6 +3,7 @@ studies, per-arm tuning and the ladder's report section, on fabricated rows (no 
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 
@@ -242,7 +243,7 @@ def test_headline_studies_tune_every_arm_on_one_grid_then_measure_the_picks():
     assert all(sweep.run_signature(measured, r) in tune_sigs for r in seed0)
 
 
-def test_momentum_mitigations_and_schemes_tune_on_three_grid_points_around_the_sync_pick():
+def test_momentum_mitigations_and_schemes_tune_on_three_grid_points_around_the_sync_pick(monkeypatch):
     from experiments.studies import tuned
 
     picks = common.TUNED_ARMS["cpu_regime"]["optimizers"]
@@ -260,6 +261,11 @@ def test_momentum_mitigations_and_schemes_tune_on_three_grid_points_around_the_s
             # run the optimizers' tuning made is the same run (reused, not rerun)
             assert sorted(lrs) == full[k - 1:k + 2], (name, prefix, arm)
     assert lr_study.local_grid("adamw", 0.0011) == [0.00061, 0.0011, 0.0018]
+    # a setting extended past an edge pick: every arm of it gets the new point, no other setting does
+    monkeypatch.setattr(tuned, "LOCAL_EXTEND", {"momentum": {"adamw/beta=0.98": (2,)}})
+    lrs = collections.Counter(v.rpartition("/lr=")[0] + "|" + str(o["optimizer.lr"])
+                              for v, o in sweep.load_study("momentum_tune", "cpu_regime").variants.items())
+    assert lrs["adamw/beta=0.98|0.0032"] == 2 and "adamw/beta=0.95|0.0032" not in lrs
     assert lr_study.local_grid("lion", 0.00034, steps=(0, 1, 2)) == [0.00034, 0.00058, 0.001]
     with pytest.raises(ValueError, match="not a point of adamw's learning-rate grid"):
         lr_study.local_grid("adamw", 0.001)

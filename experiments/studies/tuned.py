@@ -49,7 +49,8 @@ def sync_of(variants, variant: str) -> str | None:
 # These studies tune on three points of the optimizer's grid, around its synchronous pick in the
 # optimizers' tuning (TUNED_ARMS[preset]["optimizers"]): there every delayed arm's pick sat within one
 # point of it, and five points for each of 16-18 arms would take a study several hours on 2 cores.
-# An arm whose pick lands on this grid's edge gets further points (LOCAL_EXTEND: {study: {variant: k}}).
+# Where an arm's pick lands on this grid's edge, every arm of that setting gets the next points, so
+# that they still share one grid (LOCAL_EXTEND: {study: {setting: (k, ...)}}, k in grid steps).
 LOCAL_GRID = ("momentum", "mitigations", "schemes")
 LOCAL_EXTEND: dict[str, dict[str, tuple[int, ...]]] = {}
 
@@ -60,7 +61,7 @@ def tune_grid(study_name: str, variant: str, opt: str, preset_name: str, batch: 
     if study_name not in LOCAL_GRID:
         return lr.grid(opt, preset_name, batch)
     around = common.TUNED_ARMS[preset_name]["optimizers"][f"{opt}/sync"]
-    steps = (-1, 0, 1) + LOCAL_EXTEND.get(study_name, {}).get(variant, ())
+    steps = (-1, 0, 1) + LOCAL_EXTEND.get(study_name, {}).get(split(variant)[0], ())
     return lr.local_grid(opt, around, preset_name, batch, steps)
 
 
