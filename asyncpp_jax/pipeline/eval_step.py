@@ -11,7 +11,8 @@ from asyncpp_jax.models.moe import with_expert_parallel
 from asyncpp_jax.pipeline import programs, slot_plan
 from asyncpp_jax.pipeline.collectives import hop_perms, vary
 from asyncpp_jax.pipeline.layout import check_layout, param_specs
-from asyncpp_jax.pipeline.stage import chunk_rows, head_of, lookup, split_params
+from asyncpp_jax.pipeline.stage import (chunk_rows, head_of, is_first_virtual, is_last_virtual, lookup,
+                                        split_params)
 
 
 def make_pipeline_eval_step(model_cfg, mesh, params_abstract, microbatch_rows: int, expert_parallel: bool = False,
@@ -39,7 +40,6 @@ def make_pipeline_eval_step(model_cfg, mesh, params_abstract, microbatch_rows: i
 
     def local(params, batch):
         s = jax.lax.axis_index("stage")
-        on_first, on_last = s == 0, s == n_stages - 1
         live = None if stage_rows is None else jnp.asarray(stage_rows, jnp.int32)[s]
         layers, top = split_params(vary(dense.compute_view(model_cfg, params)))
         head = head_of(model_cfg, top)
@@ -52,8 +52,7 @@ def make_pipeline_eval_step(model_cfg, mesh, params_abstract, microbatch_rows: i
             fwd, total, count = carry
             j, chunk = row[col["f"]], row[col["f_chunk"]]
             tokens = mbs[jnp.where(j == slot_plan.IDLE, 0, j)]
-            is_first = on_first if chunks == 1 else on_first & (chunk == 0)
-            is_last = on_last if chunks == 1 else on_last & (chunk == chunks - 1)
+            is_first, is_last = is_first_virtual(s, chunk, chunks), is_last_virtual(s, n_stages, chunk, chunks)
 
             def work(fwd):
                 x = jax.lax.cond(is_first, lambda: lookup(model_cfg, top, tokens[:, :-1]).astype(act_dtype),

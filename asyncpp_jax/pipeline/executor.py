@@ -34,8 +34,8 @@ from asyncpp_jax.models import dense
 from asyncpp_jax.pipeline import tick_tables
 from asyncpp_jax.pipeline.collectives import hop_perms, mean_over_data, reduce_top, vary
 from asyncpp_jax.pipeline.layout import on_data_axis, param_specs, update_specs
-from asyncpp_jax.pipeline.stage import (ResidualTemplate, StageFns, chunk_rows, head_of, join_params,
-                                        residual_shapes, split_params, stat_names)
+from asyncpp_jax.pipeline.stage import (ResidualTemplate, StageFns, chunk_rows, head_of, is_first_virtual,
+                                        is_last_virtual, join_params, residual_shapes, split_params, stat_names)
 from asyncpp_jax.pipeline.state import PipelineState, pipeline_state_specs
 from asyncpp_jax.pipeline.tick_tables import OneStepDelay
 from asyncpp_jax.train_state import BATCH_SPEC
@@ -122,11 +122,11 @@ class _Device:
 
     def first(self, chunk):
         """Whether ``chunk`` of this device is the first virtual stage (it embeds the tokens)."""
-        return self.is_first if self.chunks == 1 else self.is_first & (chunk == 0)
+        return is_first_virtual(self.stage, chunk, self.chunks)
 
     def final(self, chunk):
         """Whether ``chunk`` of this device is the last virtual stage (head and loss)."""
-        return self.is_last if self.chunks == 1 else self.is_last & (chunk == self.chunks - 1)
+        return is_last_virtual(self.stage, self.n_stages, chunk, self.chunks)
 
     def chunk_of(self, layers, chunk):
         """The rows of ``chunk`` in this device's layer stack (:func:`layout.interleave_index`)."""

@@ -75,6 +75,16 @@ def chunk_rows(layers, chunk, chunks: int):
                                                                x.shape[0] // chunks), layers)
 
 
+def is_first_virtual(stage, chunk, chunks: int):
+    """Whether ``chunk`` of device ``stage`` is the first virtual stage (it embeds the tokens)."""
+    return stage == 0 if chunks == 1 else (stage == 0) & (chunk == 0)
+
+
+def is_last_virtual(stage, n_stages: int, chunk, chunks: int):
+    """Whether ``chunk`` of device ``stage`` is the last virtual stage (head and loss)."""
+    return stage == n_stages - 1 if chunks == 1 else (stage == n_stages - 1) & (chunk == chunks - 1)
+
+
 @dataclasses.dataclass(frozen=True)
 class StageFns:
     """The per-slot computations of one stage for a model config.
