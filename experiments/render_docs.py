@@ -510,13 +510,54 @@ def paper_regime(doc: pathlib.Path) -> str:
                      + " | ".join(cell(updates, o, "ef_share_best", pct=True) for o in opts) + " |")
     lines.append("| the paper, 360M, ~10^4 updates | " + " | ".join(paper.gap(o) for o in opts) + " | "
                  + " | ".join(paper.ef_share(o) for o in opts) + " |")
-    seeds = sorted({r["seed"] for r in (measured or rows)})
+    seeds = sorted({r["seed"] for r in (measured or [r for r in rows if r["study"] == "ladder_tune"])})
     done = {study: sum(1 for r in rows if r["study"] == study) for study in ("lr", "ladder_tune", "ladder")}
     note = (f"Gap = 2bw minus sync in nats/byte (the paper's in nats/token), best arm against best arm, each arm at "
             f"its own learning rate from one grid; EF share = the fraction of the gap 2bw + EF recovers. "
             f"{'Three seeds, paired standard errors' if measured else 'One seed (the tuning runs), no standard errors yet'}; "
             f"seeds {seeds}. Runs committed: {done['lr']} of the `lr` study, {done['ladder_tune']} of "
             f"`ladder_tune`'s {len(ladder_tune.variants())}, {done['ladder']} of `ladder`'s; a `-` is a rung not yet run.")
+    return "\n".join(lines + ["", f"_{note} Rows: {_link(REGIME_RESULTS, doc)}._"])
+
+
+def paper_optimizers(doc: pathlib.Path) -> str:
+    """Table 1 and 2 beside the ``optimizers`` study at ``cpu_regime`` (3,200 updates, three seeds):
+    each optimizer's gap both ways and EF's share, with paired standard errors."""
+    from experiments import paper, stats, sweep
+    from experiments.studies import tuned
+
+    rows = [json.loads(line) for line in REGIME_RESULTS.read_text().splitlines() if line.strip()] \
+        if REGIME_RESULTS.is_file() else []
+    arms = stats.arms_of([r for r in rows if r["study"] == "optimizers"])
+    if not arms:
+        return "_The `optimizers` study at `cpu_regime` has no committed rows yet._"
+
+    def est(e, pct=False):
+        if e is None:
+            return "-"
+        text = f"{e.value:.0%}" if pct else f"{e.value:+.3f}"
+        return text + (("" if e.n < 2 else f" ± {e.se:.0%}" if pct else f" ± {e.se:.3f}") + f" ({e.n})")
+
+    lines = ["| optimizer | sync (nats/byte) | gap, best vs best | gap at sync's lr | the paper's gap | EF share | "
+             "the paper's EF share |", "|---|---|---|---|---|---|---|"]
+    for opt, name in OPT_NAMES.items():
+        if f"{opt}/sync" not in arms:
+            continue
+        sync = [v for _, v in arms[f"{opt}/sync"]]
+        at_sync = f"{opt}/2bw{tuned.AT_SYNC}" if f"{opt}/2bw{tuned.AT_SYNC}" in arms else f"{opt}/2bw"
+        lines.append(f"| {name} | {sum(sync) / len(sync):.3f} | {est(stats.gap(arms, f'{opt}/2bw', f'{opt}/sync'))} | "
+                     f"{est(stats.gap(arms, at_sync, f'{opt}/sync'))} | {paper.gap(opt)} | "
+                     f"{est(stats.recovered(arms, f'{opt}/ef', f'{opt}/2bw', f'{opt}/sync'), pct=True)} | "
+                     f"{paper.ef_share(opt)} |")
+    q = stats.ratio(arms, {"adamw/2bw": 1.0, "adamw/sync": -1.0}, {"muon/2bw": 1.0, "muon/sync": -1.0})
+    ratio = "-" if q is None else f"{q.value:.1f}" + ("" if q.n < 2 else f" ± {q.se:.1f}")
+    seeds = sorted({s for runs in arms.values() for s, _ in runs})
+    note = (f"3,200 updates of 2 x 128 bytes; each arm at its own learning rate from one grid (`optimizers_tune`), "
+            f"and each delayed arm again at its synchronous arm's (\"at sync's lr\"); mean over seeds {seeds} ± paired "
+            f"standard error (seeds in brackets). AdamW's gap over Muon's: {ratio} (the paper: "
+            f"{paper.gap_ratio():.0f}). Gaps in nats/byte (the paper's in nats/token of its tokenizer: compare "
+            f"ratios and shares, not sizes). {sum(len(v) for v in arms.values())} runs committed of "
+            f"`optimizers`' {len(sweep.expand(sweep.load_study('optimizers', 'cpu_regime')))}.")
     return "\n".join(lines + ["", f"_{note} Rows: {_link(REGIME_RESULTS, doc)}._"])
 
 
@@ -553,7 +594,7 @@ def bench_prepare(doc: pathlib.Path) -> str:
     return "\n".join(lines)
 
 
-RENDERERS = {f.__name__: f for f in (paper_regime, bench_small_updates, bench_prepare, notebooks, glance, main_job, main_job_summary, tiny_optimizers, bench_optimizers, optimizers_study,
+RENDERERS = {f.__name__: f for f in (paper_regime, paper_optimizers, bench_small_updates, bench_prepare, notebooks, glance, main_job, main_job_summary, tiny_optimizers, bench_optimizers, optimizers_study,
                                       bench_pipeline_work, bench_pipeline_processes, bench_pipeline_compile, bench_pipeline_conditionals, bench_pipeline_schedules,
                                       moe10b_dry_run, llama3_8b_dry_run, fit_table, ci)}
 
