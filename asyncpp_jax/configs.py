@@ -21,7 +21,7 @@ ADAN_DECAY_MODES = ("proximal", "decoupled")
 SCHEDULES = ("constant", "cosine", "linear", "wsd")
 DTYPES = ("float32", "bfloat16")
 RUNNERS = ("auto", "simulate", "pipeline")
-PIPELINE_SCHEDULES = ("sync", "2bw", "1f1b", "interleaved")
+PIPELINE_SCHEDULES = ("sync", "2bw", "1f1b", "interleaved", "zb-h1")
 PIPEDREAM_GRADIENTS = ("mixed", "per_leaf")
 STALENESS_MODES = ("sync", "2bw", "pipedream")
 MITIGATIONS = ("none", "ef", "taylor")
@@ -644,7 +644,9 @@ def _pipeline_defaults() -> ml_collections.ConfigDict:
             # (textbook 1F1B with a flush, run as a program: stage 0 stashes at most `stages`
             # microbatches, not 2*stages-1) | interleaved (Megatron's interleaved 1F1B with a flush:
             # each device holds `virtual_stages` chunks of layers, the bubble about that many times
-            # smaller) | 2bw (no flush, one-step delay)
+            # smaller) | zb-h1 (zero bubble H1: 1f1b with each backward split into its input-gradient
+            # and weight-gradient halves, the latter deferred into the bubble; dense models) | 2bw
+            # (no flush, one-step delay)
             schedule="sync",
             # Chunks of layers per device under schedule=interleaved (virtual stage c*stages + d on
             # device d); n_layers must split into stages*virtual_stages equal chunks
@@ -678,6 +680,20 @@ def interleave_of(c) -> tuple | None:
     if not (uses_pipeline(c) and pipe.stages > 1 and pipe.get("schedule") == "interleaved"):
         return None
     return (pipe.stages, pipe.get("virtual_stages", 2))
+
+
+def _zero_bubble_errors(c) -> list[str]:
+    """zb-h1 splits each backward at the dense layers' matmuls (asyncpp_jax/models/taps.py)."""
+    errs = []
+    if c.model.moe.num_experts:
+        errs.append(f"config.pipeline.schedule='zb-h1' splits each backward at the dense layers' weights, and the "
+                    f"MoE layers (config.model.moe.num_experts={c.model.moe.num_experts}) hold their experts' "
+                    "weights outside them: use config.pipeline.schedule=1f1b or interleaved for an MoE model.")
+    if c.pipeline.stage_layers:
+        errs.append(f"config.pipeline.stage_layers={tuple(c.pipeline.stage_layers)} cannot be combined with "
+                    "config.pipeline.schedule='zb-h1', which runs an even split: set stage_layers=() or use "
+                    "schedule=1f1b.")
+    return errs
 
 
 def _interleaved_errors(c, units) -> list[str]:
@@ -759,6 +775,8 @@ def _check_pipeline(c) -> list[str]:
                     "gives each stage's count (e.g. --config.pipeline.stage_layers=3,2).")
     if pipe.schedule == "interleaved":
         errs += _interleaved_errors(c, units)
+    if pipe.schedule == "zb-h1":
+        errs += _zero_bubble_errors(c)
     if st.mode not in ("sync", pipe.schedule):
         errs.append(f"config.staleness.mode={st.mode!r} cannot run on the pipeline engine with "
                     f"config.pipeline.schedule={pipe.schedule!r}: the engine's delay is physical. Use "

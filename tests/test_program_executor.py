@@ -7,12 +7,13 @@ simulate runner, as the tick loop is in test_pipeline.py.
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 from asyncpp_jax.pipeline import engine, programs, slot_plan
 from asyncpp_jax.pipeline.census import Census, census
 
-from test_pipeline import (assert_params_close, batches, engine_shapes, init_pipeline, make_opt, model_cfg,
+from test_pipeline import (BF16_U, assert_params_close, batches, engine_shapes, init_pipeline, make_opt, model_cfg,
                            run_pipeline, run_simulate, SCHED)
 
 CASES = [(2, 2), (2, 5), (4, 4), (4, 8), (4, 16), (8, 8), (8, 32)]
@@ -25,7 +26,7 @@ def _replay(plan: slot_plan.SlotPlan, recompute: bool) -> None:
     p = plan.program
     P, last = p.devices, p.stages - 1
     col = {name: plan.column(name) for name in slot_plan.COLUMNS}
-    held = {name: [dict() for _ in range(P)] for name in ("stash", "fwd", "bwd")}
+    held = {name: [dict() for _ in range(P)] for name in slot_plan.BUFFERS if name != "save" or plan.split}
     trash = {name: plan.depth[name] - 1 for name in held}
     saves = lambda u: u < last and (u > 0 or not recompute)  # noqa: E731
     done = []
@@ -42,7 +43,15 @@ def _replay(plan: slot_plan.SlotPlan, recompute: bool) -> None:
                     assert held["bwd"][d].pop(col["b_bwd"][k, d]) == (u + 1, m)
                 if u > 0:
                     sends.append(("bwd", p.device_of(u - 1), (u, m)))
-                done.append(("B", u, int(m)))
+                if plan.split:  # an I: what its W needs goes into a free save entry
+                    at = col["b_save"][k, d]
+                    assert at != trash["save"] and at not in held["save"][d]
+                    held["save"][d][at] = (u, m)
+                done.append(("I" if plan.split else "B", u, int(m)))
+            m, u = col["w"][k, d], col["w_chunk"][k, d] * P + d
+            if m != slot_plan.IDLE:
+                assert held["save"][d].pop(col["w_save"][k, d]) == (u, m)
+                done.append(("W", u, int(m)))
             m, u = col["f"][k, d], col["f_chunk"][k, d] * P + d
             if m != slot_plan.IDLE:
                 assert u != last, "the last stage's F takes no slot"
@@ -67,7 +76,8 @@ def _replay(plan: slot_plan.SlotPlan, recompute: bool) -> None:
             assert all(len(h) <= plan.held(name) for h in held[name])
     assert all(not h for name in held for h in held[name]), "a buffer entry left unread at the step's end"
     want = [("F", u, m) for u in range(last) for m in range(p.microbatches)]
-    want += [("B", u, m) for u in range(p.stages) for m in range(p.microbatches)]
+    want += [(kind, u, m) for kind in (("I", "W") if plan.split else ("B",))
+             for u in range(p.stages) for m in range(p.microbatches)]
     assert sorted(done) == sorted(want)
 
 
@@ -84,6 +94,22 @@ def test_1f1b_plan_delivers_every_message_and_stashes_at_most_P(P, M, recompute,
     assert plan.held("stash") == deepest == (min(P - 1, M) if recompute and P > 2 else 0 if recompute else min(P, M))
     assert plan.held("fwd") <= 2 and plan.held("bwd") <= 2
     assert 0 < plan.useful_fraction() < 1 and "F0" in plan.render()
+
+
+@pytest.mark.parametrize("P, M", CASES)
+@pytest.mark.parametrize("recompute", [True, False])
+def test_zb_h1_plan_delivers_every_message_and_keeps_each_w_input_until_its_w(P, M, recompute):
+    """zb-h1's I takes the B's place and fills a save entry that its W, later, empties; the stash
+    entry is freed at the I, so the stash is 1F1B's; no device keeps more than P W inputs (device s
+    defers s of its W's)."""
+    program = programs.generate("zb-h1", P, M)
+    plan = slot_plan.compile_program(program, recompute)
+    assert plan.split and not slot_plan.compile_program(programs.generate("1f1b", P, M), recompute).split
+    _replay(plan, recompute)
+    f1b = slot_plan.compile_program(programs.generate("1f1b", P, M), recompute, plan.paired)
+    assert plan.held("stash") <= max(f1b.held("stash"), min(P, M))
+    assert 1 <= plan.held("save") <= min(P, M)
+    assert "W0" in plan.render() and "I0" in plan.render() and "save" in plan.render()
 
 
 def test_the_faster_placement_is_kept():
@@ -162,6 +188,33 @@ def test_1f1b_program_equals_simulate(P, M, recompute):
     assert np.isfinite(metrics[-1]["loss"]) and metrics[-1]["loss_microbatches"] == M
 
 
+@pytest.mark.needs_devices(4)
+@pytest.mark.parametrize("P, M, recompute", [(2, 4, True), pytest.param(4, 4, False, marks=pytest.mark.slow),
+                                              pytest.param(4, 8, True, marks=pytest.mark.slow)])
+def test_zb_h1_program_equals_simulate(P, M, recompute):
+    """zb-h1's I and W (the backward split at every dense leaf, asyncpp_jax/models/taps.py) compute
+    the synchronous update of the simulate runner."""
+    cfg, data = model_cfg(), batches(2, M, 2 * M)
+    want, _ = run_simulate(cfg, make_opt("adamw"), data)
+    got, metrics = run_pipeline(cfg, make_opt("adamw"), data, P, "zb-h1", recompute=recompute)
+    assert_params_close(engine.to_model_layout(cfg, got.params), want.params)
+    assert np.isfinite(metrics[-1]["loss"]) and metrics[-1]["loss_microbatches"] == M
+
+
+@pytest.mark.slow
+@pytest.mark.needs_devices(4)
+def test_zb_h1_bf16_equals_simulate():
+    """As test_pipeline's bf16 transport test: the bound of a few bf16 roundings per gradient entry."""
+    cfg, data = model_cfg(), batches(3, 4, 8, seed=10)
+    cfg.compute_dtype = "bfloat16"
+    lr = 0.5
+    tx = optax.sgd(lr)
+    want, want_m = run_simulate(cfg, tx, data)
+    got, _ = run_pipeline(cfg, tx, data, 4, "zb-h1")
+    tol = lr * len(data) * 8 * BF16_U * max(float(m["grad_norm"]) for m in want_m)
+    assert_params_close(engine.to_model_layout(cfg, got.params), want.params, rtol=0, atol=tol)
+
+
 @pytest.mark.needs_devices(2)
 def test_conditionals_per_slot():
     """Three conds per slot (F, B, the last stage's fused B), with the nested ones of the tick loop's
@@ -174,3 +227,17 @@ def test_conditionals_per_slot():
     batch = jax.device_put(data[0], engine.global_batch_sharding(mesh))
     plan = slot_plan.compile_program(programs.generate("1f1b", 2, 4))
     assert census(jax.make_jaxpr(step)(state, batch)) == Census(5 * plan.slots, 0)
+
+
+@pytest.mark.needs_devices(2)
+def test_zb_h1_conditionals_per_slot():
+    """zb-h1: four conds per slot (F, I, the last stage's I, W), with the nested ones of F and I
+    (stage 0's embedding, its re-embedding under recompute): 6 per slot."""
+    cfg, data = model_cfg(), batches(1, 4, 8)
+    mesh = engine.make_pipeline_mesh(1, 2)
+    tx = make_opt("adamw")
+    step = engine.make_pipeline_train_step(cfg, tx, SCHED, mesh, engine_shapes(cfg), 4, "zb-h1")
+    state = init_pipeline(cfg, tx, mesh, 4, 8, "zb-h1")
+    batch = jax.device_put(data[0], engine.global_batch_sharding(mesh))
+    plan = slot_plan.compile_program(programs.generate("zb-h1", 2, 4))
+    assert census(jax.make_jaxpr(step)(state, batch)) == Census(6 * plan.slots, 0)

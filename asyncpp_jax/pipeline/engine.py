@@ -64,7 +64,7 @@ from asyncpp_jax.pipeline.state import (PipelineState, global_batch_sharding, in
 from asyncpp_jax.pipeline.program_executor import SlotLoop
 from asyncpp_jax.train_state import TrainState, apply_update
 
-PROGRAM_SCHEDULES = ("1f1b", "interleaved")  # flushed schedules the program executor runs
+PROGRAM_SCHEDULES = ("1f1b", "interleaved", "zb-h1")  # flushed schedules the program executor runs
 
 
 def sync_loop(pipeline_schedule: str, n_stages: int, microbatches: int, recompute: bool = True,

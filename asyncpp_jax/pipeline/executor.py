@@ -62,6 +62,11 @@ def _acc_axis(spec, ndim: int) -> int:
     return 0
 
 
+def _put(ring: list, at, entry: list) -> list:
+    """``ring[i][at] = entry[i]`` for each array of a buffer entry."""
+    return [r.at[at].set(e.astype(r.dtype)) for r, e in zip(ring, entry)]
+
+
 def _lookup_transpose_add(acc, tokens, ct, i, axis: int, tied: bool):
     """``acc[i] += (d lookup / d table)^T ct``: each cotangent row added to its token's row of an
     untied ``[V, D]`` table, or column of a tied table held as the head's ``[D, V]``; ``b x T``
@@ -165,7 +170,7 @@ class _Device:
         tokens = self.tokens_of(j)
         x = jax.lax.cond(self.first(chunk), lambda: self.embed(j, tokens), lambda: fwd_buf)
         h, entry, stats = self.run(j, lambda lp: self.fns.forward(self.chunk_of(lp, chunk), x, self.template), 0)
-        stash = [ring.at[at].set(e.astype(ring.dtype)) for ring, e in zip(stash, entry)]
+        stash = _put(stash, at, entry)
         return stash, _add_at(sums, self.delay.accumulator(j), stats), h.astype(self.act_dtype)
 
     @_scoped("pp_bwd")
@@ -179,6 +184,35 @@ class _Device:
         g_l, g_x = self.run(j, lambda lp: self.fns.backward(self.chunk_of(lp, chunk), entry, x_again, bwd_buf,
                                                             self.template), 0)
         return self.add_layers(acc_l, i, g_l, chunk), g_x.astype(self.act_dtype)
+
+    @_scoped("pp_bwd")
+    def input_grad(self, j, bwd_buf, at, stash, save, save_at, chunk=0):
+        """``I`` on stages ``0..P-2``: the input cotangent from stash entry ``at``, no weight
+        gradient; what its ``W`` needs goes into entry ``save_at`` of the ``save`` ring."""
+        tokens = self.tokens_of(j)
+        entry = [ring[at] for ring in stash]
+        x_again = lambda: jax.lax.cond(self.first(chunk), lambda: self.embed(j, tokens),  # noqa: E731
+                                       lambda: entry[0])
+        g_x, kept = self.run(j, lambda lp: self.fns.input_grad(self.chunk_of(lp, chunk), entry, x_again, bwd_buf,
+                                                               self.template), 0)
+        return _put(save, save_at, kept), g_x.astype(self.act_dtype)
+
+    @_scoped("pp_last")
+    def last_input(self, j, fwd_buf, acc_t, sums, save, save_at):
+        """``I`` on the last stage: block, head and loss as one vjp (the head's gradient included);
+        the layers' ``W`` input into entry ``save_at``."""
+        i, tokens, c = self.delay.accumulator(j), self.tokens_of(j), self.chunks - 1
+        g_h, g_x, kept, stats = self.delay.run(
+            j, lambda w: self.fns.last_input(self.chunk_of(w[0], c), w[2], fwd_buf, tokens), self.cur, self.prev)
+        acc_t = {**acc_t, "head": _add_at(acc_t["head"], i, g_h, self.top_axes["head"])}
+        return acc_t, _add_at(sums, i, stats), _put(save, save_at, kept), g_x.astype(self.act_dtype)
+
+    @_scoped("pp_bwd")
+    def weight_grad(self, j, save, at, acc_l, chunk=0):
+        """``W``: the layers' gradient from entry ``at`` of the ``save`` ring, into ``acc_l``."""
+        entry = [ring[at] for ring in save]
+        g_l = self.run(j, lambda lp: self.fns.weight_grad(self.chunk_of(lp, chunk), entry), 0)
+        return self.add_layers(acc_l, self.delay.accumulator(j), g_l, chunk)
 
     @_scoped("pp_last")
     def last(self, j, fwd_buf, acc_l, acc_t, sums):
@@ -265,6 +299,10 @@ class TickLoop:
     def chunks(self) -> int:
         return 1
 
+    @property
+    def split(self) -> bool:
+        return False
+
     def rows(self) -> np.ndarray:
         """``[ticks, P, 2]``: each tick's (forward, backward) microbatch per stage."""
         return np.stack([self.table.forward, self.table.backward], axis=-1)
@@ -287,7 +325,7 @@ def make_grads_fn(model_cfg, mesh, loop, is_async: bool, carries_state: bool, pa
     (:class:`asyncpp_jax.pipeline.program_executor.SlotLoop`): its ``rows()`` are scanned, each
     stage taking its column, through ``body(dev)``, from the buffers ``buffers(...)`` makes."""
     n_stages, M = loop.n_stages, loop.microbatches
-    fns = StageFns(model_cfg, M, recompute, stage_rows)
+    fns = StageFns(model_cfg, M, recompute, stage_rows, split=loop.split)
     act_dtype = dense.dtype_of(model_cfg.compute_dtype)
     pspec = param_specs(params_abstract, expert_parallel)
     uspec = update_specs(params_abstract, n_stages, expert_parallel)

@@ -34,7 +34,7 @@ import numpy as np
 
 from asyncpp_jax.pipeline import slot_plan
 from asyncpp_jax.pipeline.collectives import hop_perms, vary
-from asyncpp_jax.pipeline.stage import StageFns, chunk_rows, residual_shapes
+from asyncpp_jax.pipeline.stage import StageFns, chunk_rows, residual_shapes, save_shapes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,54 +59,94 @@ class SlotLoop:
     def chunks(self) -> int:
         return self.plan.program.chunks
 
+    @property
+    def split(self) -> bool:
+        """Whether the backward runs as ``I`` and ``W`` (``zb-h1``)."""
+        return self.plan.split
+
     def rows(self) -> np.ndarray:
         return self.plan.rows
 
     def buffers(self, fns: StageFns, layers, x):
-        """``(stash, fwd, bwd)``, each with the plan's depth of entries; ``x`` one activation."""
+        """``(stash, fwd, bwd)``, each with the plan's depth of entries; ``x`` one activation.  For
+        a split backward the ``save`` ring's arrays follow the stash's in ``stash``
+        (:meth:`stash_arrays` of them are the stash)."""
         d = self.plan.depth
         layers = chunk_rows(layers, 0, self.chunks)  # every chunk's entries have one chunk's shapes
         stash = [vary(jnp.zeros((d["stash"],) + e.shape, e.dtype)) for e in residual_shapes(fns, layers, x)]
+        if self.split:
+            stash += [vary(jnp.zeros((d["save"],) + e.shape, e.dtype)) for e in save_shapes(fns, layers, x)]
         entries = lambda n: jnp.zeros((n,) + x.shape, x.dtype)  # noqa: E731
         return stash, vary(entries(d["fwd"])), vary(entries(d["bwd"]))
+
+    def stash_arrays(self, fns: StageFns, layers, x) -> int:
+        """How many of :meth:`buffers`' ``stash`` arrays are the stash (the rest: the ``save`` ring)."""
+        return len(residual_shapes(fns, chunk_rows(layers, 0, self.chunks), x))
 
     def body(self, dev):
         n = self.n_stages
         # An interleaved device's chunks are a ring: the last device's chunk c feeds device 0's c + 1.
         fwd_perm, bwd_perm = hop_perms(n, ring=self.chunks > 1)
+        b, T = dev.batch.shape[1], dev.batch.shape[2] - 1
+        x = vary(jnp.zeros((b, T, dev.fns.cfg.d_model), dev.act_dtype))
         if not dev.fns.recompute:
             # The backward runs first in a slot but rebuilds its vjp closure from the layout the
             # forward's trace records: record it now (the result is dead code, dropped by XLA).
-            b, T = dev.batch.shape[1], dev.batch.shape[2] - 1
-            dev.fns.forward(dev.chunk_of(dev.cur[0], 0), vary(jnp.zeros((b, T, dev.fns.cfg.d_model), dev.act_dtype)),
-                            dev.template)
+            dev.fns.forward(dev.chunk_of(dev.cur[0], 0), x, dev.template)
+        n_stash = self.stash_arrays(dev.fns, dev.cur[0], x)
+        backward = self._split_backward if self.split else self._backward
 
         def slot(carry, row):
             stash, fwd, bwd, acc_l, acc_t, sums = carry
+            stash, save = stash[:n_stash], stash[n_stash:]
             r = {name: row[i] for name, i in slot_plan.INDEX.items()}
-            jf, jb = r["f"], r["b"]
-            has_f, has_b = jf != slot_plan.IDLE, jb != slot_plan.IDLE
-            x_f, x_b, ct_in = fwd[r["f_fwd"]], fwd[r["b_fwd"]], bwd[r["b_bwd"]]
+            jf, has_f = r["f"], r["f"] != slot_plan.IDLE
+            x_f = fwd[r["f_fwd"]]
             zeros = jnp.zeros_like(x_f)
             # The backward first: the stash entry it reads may be the one the forward writes.
-            b_last = dev.final(r["b_chunk"])
-            acc_l, g_x = jax.lax.cond(has_b & ~b_last,
-                                      lambda al: dev.backward(jb, ct_in, r["b_stash"], stash, al, r["b_chunk"]),
-                                      lambda al: (al, zeros), acc_l)
-            acc_l, acc_t, sums, g_x = jax.lax.cond(has_b & b_last,
-                                                   lambda al, at, su, _: dev.last(jb, x_b, al, at, su),
-                                                   lambda *a: a, acc_l, acc_t, sums, g_x)
+            acc_l, acc_t, sums, save, g_x = backward(dev, r, stash, save, fwd, bwd, acc_l, acc_t, sums, zeros)
             stash, sums, h_out = jax.lax.cond(
                 has_f & ~dev.final(r["f_chunk"]),
                 lambda st, su: dev.forward(jf, x_f, r["f_stash"], st, su, r["f_chunk"]),
                 lambda st, su: (st, su, zeros), stash, sums)
             # As in the tick loop: the embedding's rows are added outside the conds (zeros off stage 0).
+            jb, has_b = r["b"], r["b"] != slot_plan.IDLE
             ct = jnp.where(dev.first(r["b_chunk"]) & has_b, g_x, jnp.zeros_like(g_x)).astype(jnp.float32)
             jb_live = jnp.where(has_b, jb, 0)
             acc_t = dev.lookup_transpose_add(acc_t, dev.tokens_of(jb_live)[:, :-1], ct, dev.delay.accumulator(jb_live))
             with jax.named_scope("pp_send"):
                 h_in = jax.lax.ppermute(h_out, "stage", fwd_perm)
                 g_in = jax.lax.ppermute(g_x, "stage", bwd_perm)
-            return (stash, fwd.at[r["fwd_store"]].set(h_in), bwd.at[r["bwd_store"]].set(g_in), acc_l, acc_t, sums), None
+            return (stash + save, fwd.at[r["fwd_store"]].set(h_in), bwd.at[r["bwd_store"]].set(g_in), acc_l, acc_t,
+                    sums), None
 
         return slot
+
+    @staticmethod
+    def _backward(dev, r, stash, save, fwd, bwd, acc_l, acc_t, sums, zeros):
+        """A slot's ``B``: the block's vjp (stages ``0..P-2``), or the fused last-stage vjp."""
+        jb, has_b, b_last = r["b"], r["b"] != slot_plan.IDLE, dev.final(r["b_chunk"])
+        acc_l, g_x = jax.lax.cond(has_b & ~b_last,
+                                  lambda al: dev.backward(jb, bwd[r["b_bwd"]], r["b_stash"], stash, al, r["b_chunk"]),
+                                  lambda al: (al, zeros), acc_l)
+        acc_l, acc_t, sums, g_x = jax.lax.cond(has_b & b_last,
+                                               lambda al, at, su, _: dev.last(jb, fwd[r["b_fwd"]], al, at, su),
+                                               lambda *a: a, acc_l, acc_t, sums, g_x)
+        return acc_l, acc_t, sums, save, g_x
+
+    @staticmethod
+    def _split_backward(dev, r, stash, save, fwd, bwd, acc_l, acc_t, sums, zeros):
+        """A slot's ``I`` (into the ``save`` ring; on the last stage with the head's gradient) and
+        ``W`` (from it, into the layers' accumulator), each under its own cond."""
+        jb, has_b, b_last = r["b"], r["b"] != slot_plan.IDLE, dev.final(r["b_chunk"])
+        save, g_x = jax.lax.cond(
+            has_b & ~b_last,
+            lambda sv: dev.input_grad(jb, bwd[r["b_bwd"]], r["b_stash"], stash, sv, r["b_save"], r["b_chunk"]),
+            lambda sv: (sv, zeros), save)
+        acc_t, sums, save, g_x = jax.lax.cond(
+            has_b & b_last, lambda at, su, sv, _: dev.last_input(jb, fwd[r["b_fwd"]], at, su, sv, r["b_save"]),
+            lambda *a: a, acc_t, sums, save, g_x)
+        jw = r["w"]
+        acc_l = jax.lax.cond(jw != slot_plan.IDLE, lambda al: dev.weight_grad(jw, save, r["w_save"], al, r["w_chunk"]),
+                             lambda al: al, acc_l)
+        return acc_l, acc_t, sums, save, g_x

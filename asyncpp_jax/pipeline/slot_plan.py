@@ -14,7 +14,11 @@ about the schedule is decided while tracing:
 * ``fwd``: an activation from the previous device, from its arrival to the ``F`` that reads it; the
   last virtual stage keeps it until its ``B``, which runs the fused block + head + loss ``vjp``
   (its ``F`` computes nothing: the full-vocabulary logits exist in one slot only);
-* ``bwd``: an input gradient from the next device, from its arrival to the ``B`` that reads it.
+* ``bwd``: an input gradient from the next device, from its arrival to the ``B`` that reads it;
+* ``save`` (a split backward, ``zb-h1``): what an ``I`` keeps for its ``W``, every leaf call's input
+  and output cotangent (:mod:`asyncpp_jax.models.taps`), from the ``I`` to the ``W``.  The ``I``
+  takes the ``B``'s columns (and frees the stash entry); the last stage's ``I`` runs the fused vjp
+  with respect to the head, the input and the taps.
 
 Each buffer's depth is the peak number of entries the plan holds at once on any device, plus one
 write-only entry (the last) that a slot's exchange writes when nothing arrives.  Entries are reused
@@ -27,7 +31,8 @@ the tick tables do.  :func:`compile_program` keeps whichever placement is faster
 
 A table row (:data:`COLUMNS`) per device and slot: the forward's microbatch (or ``IDLE``), chunk,
 stash entry and ``fwd`` entry; the backward's microbatch (or ``IDLE``), chunk, stash entry, ``fwd``
-entry (the last stage's input) and ``bwd`` entry; and where the slot's arrivals land.
+entry (the last stage's input) and ``bwd`` entry; and where the slot's arrivals land; for a split
+backward, the ``I``'s ``save`` entry and the ``W``'s microbatch (or ``IDLE``), chunk and ``save`` entry.
 """
 
 from __future__ import annotations
@@ -39,7 +44,9 @@ import numpy as np
 from asyncpp_jax.pipeline import programs
 
 IDLE = np.iinfo(np.int32).min  # no forward (or no backward) in this slot
-COLUMNS = ("f", "f_chunk", "f_stash", "f_fwd", "b", "b_chunk", "b_stash", "b_fwd", "b_bwd", "fwd_store", "bwd_store")
+COLUMNS = ("f", "f_chunk", "f_stash", "f_fwd", "b", "b_chunk", "b_stash", "b_fwd", "b_bwd", "fwd_store", "bwd_store",
+           "b_save", "w", "w_chunk", "w_save")
+BUFFERS = ("stash", "fwd", "bwd", "save")
 INDEX = {name: i for i, name in enumerate(COLUMNS)}  # a column's place in a row
 
 
@@ -79,33 +86,45 @@ class SlotPlan:
         """The devices' busy share of a lock-step step (1 - the bubble)."""
         return float(self.slot_costs(costs).sum()) / (self.program.devices * self.step_time(costs))
 
+    @property
+    def split(self) -> bool:
+        """Whether the program's backward is split into ``I`` and ``W`` actions."""
+        return is_split(self.program)
+
     def render(self) -> str:
-        """Slot x device picture: ``F3`` forward of microbatch 3, ``B0c1`` backward on chunk 1,
-        ``B0/F4`` both in one slot, ``.`` idle."""
-        f, b = self.column("f"), self.column("b")
-        fc, bc = self.column("f_chunk"), self.column("b_chunk")
+        """Slot x device picture: ``F3`` forward of microbatch 3, ``B0c1`` backward on chunk 1
+        (``I``/``W`` for a split backward), ``B0/F4`` both in one slot, ``.`` idle."""
+        f, b, w = self.column("f"), self.column("b"), self.column("w")
+        fc, bc, wc = self.column("f_chunk"), self.column("b_chunk"), self.column("w_chunk")
+        b_kind = "I" if self.split else "B"
 
         def cell(k, d):
             parts = [f"{kind}{m[k, d]}" + (f"c{c[k, d]}" if c[k, d] else "")
-                     for kind, m, c in (("B", b, bc), ("F", f, fc)) if m[k, d] != IDLE]
+                     for kind, m, c in ((b_kind, b, bc), ("W", w, wc), ("F", f, fc)) if m[k, d] != IDLE]
             return "/".join(parts) or "."
 
         P = self.program.devices
         width = max(len(cell(k, d)) for k in range(self.slots) for d in range(P)) + 1
         head = (f"{self.program.name}: P={P}, M={self.program.microbatches}, {self.slots} "
                 f"{'paired ' if self.paired else ''}slots, useful {self.useful_fraction():.0%}; entries held: "
-                + ", ".join(f"{b} {self.held(b)}" for b in ("stash", "fwd", "bwd")))
+                + ", ".join(f"{b} {self.held(b)}" for b in BUFFERS if b != "save" or self.split))
         lines = [head, "slot  " + "".join(f"d{d}".ljust(width) for d in range(P))]
         lines += [f"{k:<6d}" + "".join(cell(k, d).ljust(width) for d in range(P)) for k in range(self.slots)]
         return "\n".join(lines)
 
 
+def is_split(program: programs.Program) -> bool:
+    return any(a.kind == "I" for acts in program.actions for a in acts)
+
+
 def _row_costs(program, rows, costs: dict | None) -> np.ndarray:
     c = {**programs.DEFAULT_COSTS, **(costs or {})}
     d = np.arange(program.devices)[None, :]
-    f, b = rows[..., INDEX["f"]], rows[..., INDEX["b"]]
+    f, b, w = rows[..., INDEX["f"]], rows[..., INDEX["b"]], rows[..., INDEX["w"]]
     last = rows[..., INDEX["b_chunk"]] * program.devices + d == program.stages - 1
-    cost = np.where(f != IDLE, c["F"], 0.0) + np.where(b != IDLE, c["B"] + np.where(last, c["F"], 0.0), 0.0)
+    backward = c["I"] if is_split(program) else c["B"]
+    cost = (np.where(f != IDLE, c["F"], 0.0) + np.where(b != IDLE, backward + np.where(last, c["F"], 0.0), 0.0)
+            + np.where(w != IDLE, c["W"], 0.0))
     return cost / program.chunks
 
 
@@ -180,18 +199,18 @@ def path(program: programs.Program, paired: bool, costs: dict | None = None) -> 
 
 def compile_program(program: programs.Program, recompute: bool = True, paired: bool | None = None) -> SlotPlan:
     """Validate ``program`` and compile it into a :class:`SlotPlan`, paired or not as ``paired``
-    says (None: the faster at ``B = 2F``, unpaired on a tie).  Flushed programs (``delay = 0``) with
-    ``F`` and ``B`` actions, on any number of chunks per device, for now: a flushless program
-    carries buffers across steps, and a split backward (``I``, ``W``) needs the weight-gradient
-    half kept apart from the input-gradient half inside the block's ``vjp``."""
+    says (None: the faster at the default costs, unpaired on a tie).  Flushed programs
+    (``delay = 0``) with ``F`` and ``B`` actions, or ``F``, ``I`` and ``W`` (a split backward), on
+    any number of chunks per device; a flushless program carries buffers across steps, which the
+    executor does not yet do."""
     programs.validate(program)
     if program.delay:
         raise programs.ProgramError(f"{program.name}: the program executor runs flushed programs (delay 0) only; "
                                     "2bw runs on the tick tables (config.pipeline.schedule=2bw)")
     kinds = {a.kind for acts in program.actions for a in acts}
-    if not kinds <= {"F", "B"}:
-        raise programs.ProgramError(f"{program.name}: the program executor runs F and B actions only, not "
-                                    f"{', '.join(sorted(kinds - {'F', 'B'}))}")
+    if not (kinds <= {"F", "B"} or kinds <= {"F", "I", "W"}):
+        raise programs.ProgramError(f"{program.name}: the program executor runs F with either B or I and W "
+                                    f"actions, not {', '.join(sorted(kinds))} in one program")
     if paired is None:
         plans = [_compile(program, recompute, p) for p in (False, True)]
         return min(plans, key=lambda plan: (plan.step_time(), plan.paired))
@@ -201,17 +220,23 @@ def compile_program(program: programs.Program, recompute: bool = True, paired: b
 def _compile(program: programs.Program, recompute: bool, paired: bool) -> SlotPlan:
     P, last = program.devices, program.stages - 1
     slots = place(program, paired)
-    pools = {name: _Pool(P) for name in ("stash", "fwd", "bwd")}
+    pools = {name: _Pool(P) for name in BUFFERS}
     rows = np.full((len(slots), P, len(COLUMNS)), -1, np.int32)
-    rows[..., INDEX["f"]] = rows[..., INDEX["b"]] = IDLE
+    rows[..., INDEX["f"]] = rows[..., INDEX["b"]] = rows[..., INDEX["w"]] = IDLE
     saves = lambda u: u < last and (u > 0 or not recompute)  # noqa: E731  (what a stage's F stashes)
     stores = []  # per slot: (buffer, device, index) of its arrivals
     for k, row in enumerate(slots):
         frees, arrivals = [], []
         # Backward first: an entry it frees may take the forward's write in the same slot.
-        for d, op in sorted(((d, op) for d, ops in enumerate(row) for op in ops), key=lambda x: x[1].kind != "B"):
+        for d, op in sorted(((d, op) for d, ops in enumerate(row) for op in ops), key=lambda x: x[1].kind == "F"):
             u, m, r = op.stage, op.g, rows[k, d]
-            if op.kind == "B":
+            if op.kind == "W":
+                r[[INDEX["w"], INDEX["w_chunk"]]] = m, op.action.chunk
+                r[INDEX["w_save"]] = pools["save"].index(d, (u, m))
+                frees.append(("save", d, (u, m)))
+            elif op.kind in programs.BACKWARDS:
+                if op.kind == "I":
+                    r[INDEX["b_save"]] = pools["save"].take(d, (u, m))
                 r[[INDEX["b"], INDEX["b_chunk"]]] = m, op.action.chunk
                 if u == last:
                     r[INDEX["b_fwd"]] = pools["fwd"].index(d, (u - 1, m))
@@ -236,7 +261,7 @@ def _compile(program: programs.Program, recompute: bool, paired: bool) -> SlotPl
             pools[name].give(d, key)
         stores.append([(name, d, pools[name].take(d, key)) for name, d, key in arrivals])
     depth = {name: pool.peak + 1 for name, pool in pools.items()}
-    for name in ("stash", "fwd", "bwd"):  # unused reads point at the write-only entry
+    for name in BUFFERS:  # unused reads point at the write-only entry
         cols = [INDEX[c] for c in COLUMNS if c.endswith("_" + name) and c != f"{name}_store"]
         rows[..., cols] = np.where(rows[..., cols] < 0, depth[name] - 1, rows[..., cols])
     rows[..., INDEX["fwd_store"]], rows[..., INDEX["bwd_store"]] = depth["fwd"] - 1, depth["bwd"] - 1

@@ -29,7 +29,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from asyncpp_jax.models import dense
+from asyncpp_jax.models import dense, taps
 
 Array = jax.Array
 
@@ -99,6 +99,9 @@ class StageFns:
     # Uneven split (:func:`asyncpp_jax.pipeline.engine.stage_split`): stage ``s`` runs only the
     # first ``stage_rows[s]`` rows of its (padded) stack; ``None``: every row is a layer.
     stage_rows: tuple | None = None
+    # The backward as two actions (zb-h1): ``I`` (:meth:`input_grad`, :meth:`last_input`) and ``W``
+    # (:meth:`weight_grad`), through the taps of :mod:`asyncpp_jax.models.taps`.
+    split: bool = False
 
     def live(self):
         """This device's number of real layer rows (traced), or ``None`` without padding."""
@@ -130,10 +133,17 @@ class StageFns:
     def forward(self, layers_c, x, template: "ResidualTemplate"):
         """``(h_out, stash_entry, stats)``; ``layers_c`` in :func:`dense.compute_view`.  The entry
         is a list of arrays: ``[x]`` when recomputing, else the residuals (``template`` records
-        where they go back into the vjp closure)."""
+        where they go back into the vjp closure); for a split backward without recompute, the
+        residuals of the tapped stack's vjp (with respect to its input and taps) and then every
+        leaf call's input."""
         if self.recompute:
             (h, _), stats = self.block(layers_c, x)
             return h, [x], stats
+        if self.split:
+            h, vjp_fn, inputs = jax.vjp(lambda x_, t: taps.apply_tapped(self.cfg, layers_c, x_, t), x,
+                                        taps.zero_taps(self.cfg, layers_c, x), has_aux=True)
+            template.record(vjp_fn, layers_c)
+            return h, residuals_of(vjp_fn, layers_c) + list(inputs), self._dense_stats()
         (h, _), vjp_fn, stats = jax.vjp(self.block, layers_c, x, has_aux=True)
         template.record(vjp_fn, layers_c)
         return h, residuals_of(vjp_fn, layers_c), stats
@@ -155,6 +165,46 @@ class StageFns:
         _, vjp_fn, stats = jax.vjp(fn, layers_c, head_c, x, has_aux=True)
         g_l, g_t, g_x = vjp_fn(self._loss_ct(x))
         return g_l, g_t, g_x, stats
+
+    # ------------------------------------------------------------------ a split backward (I, W)
+    def input_grad(self, layers_c, entry: list, x_recompute: Callable[[], Array], ct: Array,
+                   template: "ResidualTemplate"):
+        """``I``: ``(cotangent of x, save_entry)`` from the stash entry, no weight gradient; the
+        entry for :meth:`weight_grad` is every leaf call's input, then its output cotangent."""
+        if self.recompute:
+            _, g_x, inputs, dys = taps.input_grads(self.cfg, layers_c, x_recompute(), ct)
+        else:
+            n = len(entry) - len(taps.leaves(self.cfg, ct.shape, ct.dtype))
+            g_x, dys = template.rebuild(entry[:n], layers_c)(ct)
+            inputs = entry[n:]
+        return g_x, list(inputs) + list(dys)
+
+    def weight_grad(self, layers_c, save: list):
+        """``W``: the gradient of ``layers_c`` from an :meth:`input_grad` (or :meth:`last_input`) entry."""
+        n = len(save) // 2
+        return taps.weight_grads(self.cfg, layers_c, save[:n], save[n:])
+
+    def last_input(self, layers_c, head_c, x, tokens):
+        """The last stage's ``I``: ``(grad of head, cotangent of x, save_entry, stats)``: block, head
+        and loss as one vjp with respect to the head, the input and the taps (the head's gradient is
+        computed here: its ``W`` would need the full-vocabulary logits' cotangent kept)."""
+        def fn(hp, x_, t):
+            h, inputs = taps.apply_tapped(self.cfg, layers_c, x_, t)
+            lm, stats = self._head_loss(hp, h, tokens)
+            return lm, (stats, inputs)
+
+        _, vjp_fn, (stats, inputs) = jax.vjp(fn, head_c, x, taps.zero_taps(self.cfg, layers_c, x), has_aux=True)
+        g_h, g_x, dys = vjp_fn(self._loss_ct(x))
+        return g_h, g_x, list(inputs) + list(dys), {**self._dense_stats(), **stats}
+
+    def _head_loss(self, head, h, tokens):
+        """``(lm loss, stats)`` of a block output ``h``: final norm, head, next-token loss."""
+        logits = dense.logits_from_head(self.cfg, head, h)
+        lm, (ce, z) = dense.cross_entropy(logits, tokens[:, 1:], self.cfg.z_loss)
+        return lm, {"loss": lm, "ce": ce, "z_loss": z, "count": jnp.ones((), jnp.float32)}
+
+    def _dense_stats(self) -> dict:
+        return block_stats(self.cfg, dense._no_moe_aux())
 
     def _loss_ct(self, like: Array) -> Array:
         """The cotangent of a microbatch's loss, ``1/M``, device-varying like ``like``."""
@@ -221,5 +271,13 @@ def residual_shapes(fns: StageFns, layers_c, x) -> list:
     """Shapes and dtypes of the residuals one forward slot stashes (abstract evaluation)."""
     if fns.recompute:
         return [jax.ShapeDtypeStruct(x.shape, x.dtype)]
+    if fns.split:
+        return jax.eval_shape(lambda lp, h: fns.forward(lp, h, ResidualTemplate())[1], layers_c, x)
     return jax.eval_shape(lambda lp, h: residuals_of(jax.vjp(fns.block, lp, h, has_aux=True)[1], lp),
                           layers_c, x)
+
+
+def save_shapes(fns: StageFns, layers_c, x) -> list:
+    """Shapes and dtypes of the entry an ``I`` action keeps for its ``W`` (abstract evaluation)."""
+    inputs, dys = jax.eval_shape(lambda lp, h: taps.input_grads(fns.cfg, lp, h, h)[2:], layers_c, x)
+    return list(inputs) + list(dys)

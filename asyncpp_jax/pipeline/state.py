@@ -17,7 +17,7 @@ from asyncpp_jax.optim.prediction import WeightPrediction, WeightPredictionState
 from asyncpp_jax.pipeline import tick_tables
 from asyncpp_jax.pipeline.collectives import vary
 from asyncpp_jax.pipeline.layout import DEVICE, local_over_data, param_specs, partial_specs, update_specs
-from asyncpp_jax.pipeline.stage import StageFns, residual_shapes, split_params, stat_names
+from asyncpp_jax.pipeline.stage import StageFns, residual_shapes, save_shapes, split_params, stat_names
 from asyncpp_jax.train_state import BATCH_SPEC, TrainState, from_host
 
 
@@ -41,13 +41,17 @@ class PipelineState(NamedTuple):
 
 
 def ring_shapes(model_cfg, mesh, params_abstract, microbatch_rows: int, seq_len: int, recompute: bool,
-                 expert_parallel: bool, stage_rows: tuple | None = None) -> list:
-    """Per-device shapes of one stash entry, traced on the mesh (an MoE block's all_to_all needs it)."""
-    fns = StageFns(model_cfg, 1, recompute, stage_rows)
+                 expert_parallel: bool, stage_rows: tuple | None = None, split: bool = False,
+                 ring: str = "stash") -> list:
+    """Per-device shapes of one entry of the stash (``ring='stash'``) or, for a split backward
+    (``split``, zb-h1), of the ``save`` ring an ``I`` fills for its ``W`` (``ring='save'``), traced on
+    the mesh (an MoE block's all_to_all needs it)."""
+    fns = StageFns(model_cfg, 1, recompute, stage_rows, split=split)
     act = jax.ShapeDtypeStruct((microbatch_rows, seq_len, model_cfg.d_model), dense.dtype_of(model_cfg.compute_dtype))
+    entry = save_shapes if ring == "save" else residual_shapes
 
     def local(layers, x):
-        shapes = residual_shapes(fns, dense.compute_view(model_cfg, vary({"layers": layers}))["layers"], vary(x))
+        shapes = entry(fns, dense.compute_view(model_cfg, vary({"layers": layers}))["layers"], vary(x))
         return [vary(jnp.zeros(sh.shape, sh.dtype))[None, None] for sh in shapes]
 
     layer_specs = param_specs(params_abstract, expert_parallel)["layers"]

@@ -70,7 +70,7 @@ def _stash_bytes(runner) -> dict:
     """Per device, the stash under each ``pipeline.recompute`` setting (shapes only): the tick
     tables' ring of ``stash_slots`` entries (``sync``, ``2bw``), or the depth a program's slot plan
     derives (``1f1b``, ``interleaved``: an entry holds one chunk's input, or its residuals, ``1/v``
-    of a stage's)."""
+    of a stage's; ``zb-h1``: with its ``save`` ring, what each ``I`` keeps for its ``W``)."""
     c = runner.config
     if not runner.pipelined:
         return {}
@@ -78,16 +78,23 @@ def _stash_bytes(runner) -> dict:
     b = c.train.global_batch_size // c.train.microbatches // runner.data_size
     model = with_expert_parallel(c.model, "data", runner.data_size) if c.mesh.expert_parallel else c.model
     v = runner.chunks
-    for recompute in (True, False):
+    split = c.pipeline.schedule == "zb-h1"
+
+    def entry_bytes(recompute, ring="stash"):
         entry = pipeline_state.ring_shapes(model, runner.mesh, runner.shapes, b, c.data.seq_len, recompute,
-                                           c.mesh.expert_parallel, runner.stage_rows)
-        per_entry = sum(int(np.prod(e.shape)) * jnp.dtype(e.dtype).itemsize for e in entry)
+                                           c.mesh.expert_parallel, runner.stage_rows, split, ring)
+        return sum(int(np.prod(e.shape)) * jnp.dtype(e.dtype).itemsize for e in entry)
+
+    for recompute in (True, False):
+        per_entry = entry_bytes(recompute)
         if c.pipeline.schedule in engine.PROGRAM_SCHEDULES:
             plan = engine.sync_loop(c.pipeline.schedule, c.pipeline.stages, c.train.microbatches, recompute, v).schedule
-            slots, per_entry = plan.depth["stash"], per_entry // (1 if recompute else v)
+            total = plan.depth["stash"] * per_entry // (1 if recompute else v)
+            if split:  # what each I keeps for its W: every leaf call's input and output cotangent
+                total += plan.depth["save"] * entry_bytes(recompute, "save")
         else:
-            slots = tick_tables.stash_slots(c.pipeline.stages, first_stage_stashes=not recompute)
-        out["recompute" if recompute else "keep_residuals"] = slots * per_entry
+            total = tick_tables.stash_slots(c.pipeline.stages, first_stage_stashes=not recompute) * per_entry
+        out["recompute" if recompute else "keep_residuals"] = total
     return out
 
 
