@@ -81,7 +81,8 @@ def vocab_moves_in_loops(text: str) -> list:
 @pytest.mark.needs_devices(4)
 @pytest.mark.parametrize("schedule, tie", [pytest.param("sync", False, marks=pytest.mark.slow),
                                            pytest.param("2bw", True, marks=pytest.mark.slow), ("2bw", False),
-                                           ("1f1b", True), pytest.param("interleaved", True, marks=pytest.mark.slow)])
+                                           ("1f1b", True), pytest.param("interleaved", True, marks=pytest.mark.slow),
+                                           pytest.param("zb-h1", True, marks=pytest.mark.slow)])
 def test_nothing_vocabulary_sized_is_copied_inside_the_loop(schedule, tie):
     cfg = model_cfg()
     cfg.update(vocab_size=V, tie_embeddings=tie)

@@ -44,6 +44,7 @@ CASES = {
     "engine-2bw": dict(stages=2, schedule="2bw"),
     "engine-1f1b": dict(stages=2, schedule="1f1b"),
     "engine-interleaved": dict(stages=2, schedule="interleaved"),
+    "engine-zb-h1": dict(stages=2, schedule="zb-h1"),
     "engine-2bw-moe-bf16": dict(stages=2, schedule="2bw", moe=True, dtype="bfloat16"),
 }
 
