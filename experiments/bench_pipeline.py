@@ -11,8 +11,8 @@ Absolute times on a shared machine are noise, so every figure is a ratio of two 
 side by side in alternating rounds (median of rounds).
 
 * ``work``: with every fake device pinned to the same core, a pipeline step takes the total work
-  of all stages (``sync``, ``2bw`` and the ``1f1b`` and ``interleaved`` programs; interleaved only
-  on an even split).  Divided by the single-device ``simulate`` step on the same batch it measures
+  of all stages (``sync``, ``2bw`` and the ``1f1b``, ``interleaved`` and ``zb-h1`` programs; the last
+  two only on an even split).  Divided by the single-device ``simulate`` step on the same batch it measures
   waste: 1.0 is ideal; recomputing each stage's forward costs at most ``1 + F/(F+B)``.
 * ``overlap``: with one core per stage the stages really run at the same time; ``sync / 2bw``
   is compared with a textbook 1F1B's ceiling ``(M + P - 1)/M`` and with the critical path the
@@ -28,11 +28,11 @@ side by side in alternating rounds (median of rounds).
   ``M`` and the tick tables' formulas beside what their programs give.  Pure Python, no JAX program.
 * ``conditionals``: the ``lax.cond`` / ``lax.switch`` each update executes, counted in the traced
   train step (:mod:`asyncpp_jax.pipeline.census`; an upper bound: each conditional's costliest
-  branch), for ``sync``, ``2bw``, ``1f1b`` and ``interleaved`` (their slots) at P in {4, 8} and their smallest M, beside the single-device
+  branch), for ``sync``, ``2bw``, ``1f1b``, ``interleaved`` and ``zb-h1`` (their slots) at P in {4, 8} and their smallest M, beside the single-device
   ``simulate`` step.  XLA:GPU reads each conditional's predicate on the host, a cost this CPU does
   not show.  Traced only, nothing compiled or run.
-* ``processes``: ``overlap`` where the stages surely run at the same time, with the ``1f1b``
-  program (lock-step slots, :mod:`asyncpp_jax.pipeline.slot_plan`) timed beside ``sync`` and ``2bw``.  On XLA:CPU the fake
+* ``processes``: ``overlap`` where the stages surely run at the same time, with the ``1f1b``,
+  ``interleaved`` and ``zb-h1`` programs (lock-step slots, :mod:`asyncpp_jax.pipeline.slot_plan`) timed beside ``sync`` and ``2bw``.  On XLA:CPU the fake
   devices of one process do not (one device's program already uses every core the process may
   use), so this mode starts one process per stage, each pinned to its own core, forming one JAX job
   over gloo (``asyncpp_jax.launch --pin_cpus``), and times ``sync`` and ``2bw`` in alternating
@@ -526,13 +526,14 @@ def work(args) -> None:
                 "sync": Pipelined(args, P, M, "sync", recompute, stage_layers=args.stage_layers),
                 "2bw": Pipelined(args, P, M, "2bw", recompute, stage_layers=args.stage_layers),
                 "1f1b": Pipelined(args, P, M, "1f1b", recompute, stage_layers=args.stage_layers),
-                **({} if args.stage_layers else {"interleaved": Pipelined(args, P, M, "interleaved", recompute)}),
+                **({} if args.stage_layers else {name: Pipelined(args, P, M, name, recompute)
+                                                 for name in ("interleaved", "zb-h1")}),
                 "slots sync": SlotWork(args, P, tick_tables.sync_table(P, M), recompute),
                 "slots 2bw": SlotWork(args, P, tick_tables.async_table(P, M), recompute)}
         rounds = time_rounds(runs, args.rounds, args.steps)
         t = {name: float(np.median(r)) for name, r in rounds.items()}
         bound = 1.10 if not recompute else 1 + f_share + 0.10
-        for name in (n for n in ("sync", "2bw", "1f1b", "interleaved") if n in runs):
+        for name in (n for n in ("sync", "2bw", "1f1b", "interleaved", "zb-h1") if n in runs):
             slots = t.get(f"slots {name}")  # the tick tables' slot kinds, timed alone (not for a program)
             per_round = np.array(rounds[name]) / np.array(rounds["simulate"])  # same machine state, round by round
             shown = (f"{slots / t['simulate']:.3f} | {t[name] / slots:.3f}" if slots else "- | -")
@@ -608,7 +609,8 @@ def processes(args) -> None:
         # Interleaved (an even split only): each chunk's slot costs, measured as the stages' are.
         chunks = None if args.stage_layers else stage_costs(args, tuple(n // VIRTUAL_STAGES for n in split), recompute)
         for M in (int(m) for m in args.microbatches.split(",")):
-            names = ("sync", "2bw", "1f1b") + (("interleaved",) if chunks and M % P == 0 else ())
+            names = ("sync", "2bw", "1f1b") + (("interleaved",) if chunks and M % P == 0 else ()) + \
+                (("zb-h1",) if not args.stage_layers else ())
             runs = {name: Pipelined(args, P, M, name, recompute, stage_layers=args.stage_layers) for name in names}
             rounds = time_rounds(runs, args.rounds, args.steps)
             ratios = np.array(rounds["sync"]) / np.array(rounds["2bw"])  # round by round: same machine state
@@ -617,12 +619,14 @@ def processes(args) -> None:
             plan = predicted_program_over_2bw("1f1b", P, M, costs, recompute)
             il = np.array(rounds["interleaved"]) / np.array(rounds["2bw"]) if "interleaved" in runs else None
             il_plan = predicted_program_over_2bw("interleaved", P, M, costs, recompute, chunks) if il is not None else None
+            zb = np.array(rounds["zb-h1"]) / np.array(rounds["2bw"]) if "zb-h1" in runs else None
             if lead:
                 print(f"| {P} | {M} | {recompute} | {np.median(rounds['sync']):.3f} | {np.median(rounds['2bw']):.3f} "
                       f"| {np.median(ratios):.3f} | {ratios.min():.3f}-{ratios.max():.3f} | {pred:.3f} "
                       f"| {(M + P - 1) / M:.3f} | {np.median(rounds['1f1b']):.3f} | {np.median(f1b):.3f} "
                       f"| {plan:.3f} |" + (f" interleaved/2bw {np.median(il):.3f} (plan {il_plan:.3f})"
-                                           if il is not None else ""), flush=True)
+                                           if il is not None else "")
+                      + (f" zb-h1/2bw {np.median(zb):.3f}" if zb is not None else ""), flush=True)
             rows.append({"rows_per_microbatch": args.rows, "seq": args.seq, "microbatches": M, "recompute": recompute,
                          "sync_s_per_update": float(np.median(rounds["sync"])),
                          "twobw_s_per_update": float(np.median(rounds["2bw"])),
@@ -633,7 +637,9 @@ def processes(args) -> None:
                          "f1b_spread": [float(f1b.min()), float(f1b.max())], "f1b_plan_over_2bw": plan,
                          **({} if il is None else {"interleaved_over_2bw": float(np.median(il)),
                                                    "interleaved_spread": [float(il.min()), float(il.max())],
-                                                   "interleaved_plan_over_2bw": il_plan})})
+                                                   "interleaved_plan_over_2bw": il_plan}),
+                         **({} if zb is None else {"zb_h1_over_2bw": float(np.median(zb)),
+                                                   "zb_h1_spread": [float(zb.min()), float(zb.max())]})})
             for name, r in runs.items() if args.profile else ():
                 out = os.path.join(args.profile, f"{name}_M{M}_recompute{recompute}")
                 prof = profile.StepProfiler(out, start=0, steps=2)
@@ -671,7 +677,7 @@ def conditionals(args) -> None:
     sim = Simulated(args, 8)
     rows = [{"runner": "simulate", "P": 1, "M": 8, "conditionals": count(sim.step, sim.state, sim.batch)}]
     for P in (4, 8):
-        for schedule in ("sync", "2bw", "1f1b", "interleaved"):
+        for schedule in ("sync", "2bw", "1f1b", "interleaved", "zb-h1"):
             M = tick_tables.min_microbatches_2bw(P) if schedule == "2bw" else P
             v = VIRTUAL_STAGES if schedule == "interleaved" else 1
             run = Pipelined(args, P, M, schedule, n_layers=P * v)
