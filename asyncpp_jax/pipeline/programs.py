@@ -50,13 +50,13 @@ dependencies and the weight update as a collective at each step's end, from per-
 :func:`bubble_fraction`, :func:`buffers` (peak messages in transit per channel) and
 :func:`min_microbatches` (the smallest ``M`` whose generated program validates).
 
-The engine executes a flushed ``F``/``B`` program on one chunk per device
-(:mod:`asyncpp_jax.pipeline.slot_plan` places it into lock-step slots and assigns every buffer entry;
-:mod:`asyncpp_jax.pipeline.program_executor` runs the rows): ``config.pipeline.schedule=1f1b``.
-Flushless programs, split backwards and chunks are not executed yet; docs/design.md, section 6.1,
-says what constrains them (lock-step slots last as long as their costliest action,
-:func:`lockstep`; a message crosses a device boundary in one slot; on XLA:CPU a conditional whose
-branches both write the stash ring copies it at every slot).
+The engine executes a flushed program, ``F`` with ``B`` or with ``I`` and ``W``, on any number of
+chunks per device (:mod:`asyncpp_jax.pipeline.slot_plan` places it into lock-step slots and assigns
+every buffer entry; :mod:`asyncpp_jax.pipeline.program_executor` runs the rows):
+``config.pipeline.schedule`` ``1f1b``, ``interleaved`` and ``zb-h1``.  Flushless programs are not
+executed yet; docs/design.md, section 6.1, says what constrains them (lock-step slots last as long
+as their costliest action, :func:`lockstep`; a message crosses a device boundary in one slot; on
+XLA:CPU a conditional whose branches both write the stash ring copies it at every slot).
 """
 
 from __future__ import annotations
