@@ -120,10 +120,9 @@ class StageFns:
         """``(loss, stats)``: block, final norm, head (:func:`head_of`) and next-token
         loss of one microbatch."""
         h, aux = dense.apply_layers_with_aux(self.cfg, layers, x, self.live())
-        logits = dense.logits_from_head(self.cfg, head, h)
-        lm, (ce, z) = dense.cross_entropy(logits, tokens[:, 1:], self.cfg.z_loss)
+        lm, head_stats = self._head_loss(head, h, tokens)
         stats = block_stats(self.cfg, aux)
-        stats.update(loss=stats["loss"] + lm, ce=ce, z_loss=z, count=jnp.ones((), jnp.float32))
+        stats.update(head_stats, loss=stats["loss"] + lm)
         return lm + dense.aux_loss(self.cfg, aux), stats
 
     def embed(self, top, tokens):
@@ -195,7 +194,7 @@ class StageFns:
 
         _, vjp_fn, (stats, inputs) = jax.vjp(fn, head_c, x, taps.zero_taps(self.cfg, layers_c, x), has_aux=True)
         g_h, g_x, dys = vjp_fn(self._loss_ct(x))
-        return g_h, g_x, list(inputs) + list(dys), {**self._dense_stats(), **stats}
+        return g_h, g_x, list(inputs) + list(dys), {**self._dense_stats(), **stats}  # a dense block adds 0 to loss
 
     def _head_loss(self, head, h, tokens):
         """``(lm loss, stats)`` of a block output ``h``: final norm, head, next-token loss."""
