@@ -39,11 +39,22 @@ LEAF_TYPES = (nn.Dense, RMSNorm)  # the modules whose weights are their own (par
 @dataclasses.dataclass(frozen=True)
 class Leaf:
     """One leaf call in a layer, in call order: its parameters' place in the layer's tree, an
-    unbound copy of the module (to apply alone), and its output's shape and dtype."""
+    unbound copy of the module (to apply alone), its output's shape and dtype, and which of the
+    layer's distinct leaf inputs it reads (the q, k and v projections read one)."""
 
     path: tuple
     module: nn.Module
     out: jax.ShapeDtypeStruct
+    source: int
+
+
+def _source(inputs: list, x) -> int:
+    """The index of ``x`` in ``inputs`` (the same traced value), appending it if new."""
+    for i, seen in enumerate(inputs):
+        if seen is x:
+            return i
+    inputs.append(x)
+    return len(inputs) - 1
 
 
 def check_supported(cfg) -> None:
@@ -70,10 +81,11 @@ _LEAVES: dict = {}  # (config text, shape, dtype) -> the leaf calls (tracing a l
 
 
 def _find_leaves(cfg, shape, dtype) -> tuple[Leaf, ...]:
-    found = []
+    found, inputs = [], []
 
     def record(module, x, y):
-        found.append(Leaf(module.path, module.clone(parent=None, name=None), jax.ShapeDtypeStruct(y.shape, y.dtype)))
+        found.append(Leaf(module.path, module.clone(parent=None, name=None), jax.ShapeDtypeStruct(y.shape, y.dtype),
+                          _source(inputs, x)))
         return y
 
     layer0 = jax.eval_shape(lambda: dense.init_params(cfg, jax.random.key(0)))["layers"]
@@ -93,6 +105,11 @@ def leaves(cfg, x_shape: tuple, x_dtype) -> tuple[Leaf, ...]:
     return _LEAVES[key]
 
 
+def input_count(cfg, x_shape: tuple, x_dtype) -> int:
+    """How many distinct leaf inputs a layer records (:func:`apply_tapped`'s ``inputs``)."""
+    return 1 + max(leaf.source for leaf in leaves(cfg, x_shape, x_dtype))
+
+
 def zero_taps(cfg, layers, x) -> list:
     """One zeros array per leaf call, stacked over the layers of ``layers``, varying over the mesh
     axes ``x`` varies over (inside a ``shard_map``: a tap the same on every device would have its
@@ -103,9 +120,9 @@ def zero_taps(cfg, layers, x) -> list:
 
 
 def apply_tapped(cfg, layers, x, taps):
-    """``(h, inputs)``: the stack on ``x`` with each leaf call's output plus its tap, and each leaf
-    call's input (stacked over the layers; an input that several leaves read, e.g. the normalized
-    activation the q, k and v projections share, is recorded once per leaf)."""
+    """``(h, inputs)``: the stack on ``x`` with each leaf call's output plus its tap, and the distinct
+    inputs of its leaf calls (stacked over the layers; the normalized activation that the q, k and v
+    projections share is kept once, :attr:`Leaf.source`)."""
     positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
 
     def body(h, xs):
@@ -113,7 +130,7 @@ def apply_tapped(cfg, layers, x, taps):
         it, inputs = iter(t), []
 
         def tap(module, x_in, y):
-            inputs.append(x_in)
+            _source(inputs, x_in)
             return y + next(it).astype(y.dtype)
 
         return _apply_layer(cfg, p, h, positions, tap), inputs
@@ -132,14 +149,14 @@ def input_grads(cfg, layers, x, ct):
 
 
 def weight_grads(cfg, layers, inputs, dys):
-    """``W``: the gradient of ``layers`` (same tree) from each leaf call's input and output
+    """``W``: the gradient of ``layers`` (same tree) from the leaf calls' inputs and each one's output
     cotangent: per layer and leaf, the vjp of the leaf alone with respect to its weights."""
     found = leaves(cfg, inputs[0].shape[1:], inputs[0].dtype)
 
     def one_layer(p, xs, gs):
         grads = jax.tree.map(jnp.zeros_like, p)
-        for leaf, x_in, dy in zip(found, xs, gs):
-            w = _at(p, leaf.path)
+        for leaf, dy in zip(found, gs):
+            w, x_in = _at(p, leaf.path), xs[leaf.source]
             _, pull = jax.vjp(lambda w_: leaf.module.apply({"params": w_}, x_in), w)
             grads = _set(grads, leaf.path, pull(dy.astype(leaf.out.dtype))[0])
         return grads

@@ -173,14 +173,14 @@ class StageFns:
         if self.recompute:
             _, g_x, inputs, dys = taps.input_grads(self.cfg, layers_c, x_recompute(), ct)
         else:
-            n = len(entry) - len(taps.leaves(self.cfg, ct.shape, ct.dtype))
+            n = len(entry) - taps.input_count(self.cfg, ct.shape, ct.dtype)
             g_x, dys = template.rebuild(entry[:n], layers_c)(ct)
             inputs = entry[n:]
         return g_x, list(inputs) + list(dys)
 
     def weight_grad(self, layers_c, save: list):
         """``W``: the gradient of ``layers_c`` from an :meth:`input_grad` (or :meth:`last_input`) entry."""
-        n = len(save) // 2
+        n = taps.input_count(self.cfg, save[0].shape[1:], save[0].dtype)
         return taps.weight_grads(self.cfg, layers_c, save[:n], save[n:])
 
     def last_input(self, layers_c, head_c, x, tokens):
