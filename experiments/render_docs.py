@@ -272,18 +272,20 @@ def bench_pipeline_processes(doc: pathlib.Path) -> str:
             latest[(split, x["rows_per_microbatch"], x["microbatches"])] = (x, r)
     lines = ["| split | microbatch | M | sync s/update | 2bw s/update | measured sync / 2bw | spread over rounds | "
              "tick-table critical path | textbook (M+P-1)/M | measured / textbook | measured 1f1b / 2bw "
-             "| 1f1b plan's path | measured interleaved / 2bw | interleaved plan's path |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| 1f1b plan's path | measured interleaved / 2bw | interleaved plan's path | measured zb-h1 / 2bw |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for key in sorted(latest, key=lambda k: (len(set(k[0].split(","))) == 1, -k[1], k[2])):  # uneven splits first
         x, _ = latest[key]
         f1b = " | ".join(
             (f"**{x[f'{k}_over_2bw']:.3f}** ({x[f'{k}_spread'][0]:.2f}–{x[f'{k}_spread'][1]:.2f}) | "
              f"{x[f'{k}_plan_over_2bw']:.3f}") if f"{k}_over_2bw" in x else "not timed | –"
             for k in ("f1b", "interleaved"))
+        zb = (f"**{x['zb_h1_over_2bw']:.3f}** ({x['zb_h1_spread'][0]:.2f}–{x['zb_h1_spread'][1]:.2f})"
+              if "zb_h1_over_2bw" in x else "not timed")
         lines.append(f"| {key[0]} | {x['rows_per_microbatch']} × {x['seq']} | {x['microbatches']} | {x['sync_s_per_update']:.2f} | "
                      f"{x['twobw_s_per_update']:.2f} | **{x['sync_over_2bw']:.3f}** | {x['spread'][0]:.2f}–"
                      f"{x['spread'][1]:.2f} | {x['tick_table_critical_path']:.3f} | {x['textbook']:.3f} | "
-                     f"{x['measured_over_textbook']:.3f} | {f1b} |")
+                     f"{x['measured_over_textbook']:.3f} | {f1b} | {zb} |")
     rows = list({id(r): r for _, r in latest.values()}.values())
     setups = sorted({f"{r['figures']['layers']} layers split {','.join(map(str, r['figures']['stage_layers']))}, "
                      f"recompute {r['figures']['recompute']}" for r in rows})
