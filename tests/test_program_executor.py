@@ -5,6 +5,8 @@ written by the exchange of an earlier slot and not overwritten since); the execu
 simulate runner, as the tick loop is in test_pipeline.py.
 """
 
+import dataclasses
+
 import jax
 import numpy as np
 import optax
@@ -155,9 +157,17 @@ def test_eval_is_the_forward_only_program():
 
 
 def test_program_executor_refuses_what_it_cannot_run_yet():
-    for name, why in (("2bw", "flushed programs"), ("zb-h1", "F and B actions only")):
-        with pytest.raises(programs.ProgramError, match=why):
-            slot_plan.compile_program(programs.generate(name, 4, 8))
+    with pytest.raises(programs.ProgramError, match="flushed programs"):
+        slot_plan.compile_program(programs.generate("2bw", 4, 8))
+    # A valid program whose device 0 runs microbatch 0's backward whole and the rest split: the
+    # executor runs one kind of backward per program.
+    zb = programs.generate("zb-h1", 2, 2)
+    first = [dataclasses.replace(a, kind="B") if (a.kind, a.microbatch) == ("I", 0) else a
+             for a in zb.actions[0] if (a.kind, a.microbatch) != ("W", 0)]
+    mixed = dataclasses.replace(zb, name="mixed", actions=(tuple(first),) + zb.actions[1:])
+    programs.validate(mixed)
+    with pytest.raises(programs.ProgramError, match="either B or I and W"):
+        slot_plan.compile_program(mixed)
 
 
 def test_slot_costs_at_unit_costs():
