@@ -226,28 +226,16 @@ def test_zb_h1_bf16_equals_simulate():
 
 
 @pytest.mark.needs_devices(2)
-def test_conditionals_per_slot():
-    """Three conds per slot (F, B, the last stage's fused B), with the nested ones of the tick loop's
-    slots: stage 0's embedding in F, its re-embedding in B (recompute): 5 per slot."""
+@pytest.mark.parametrize("schedule, per_slot", [("1f1b", 5), ("zb-h1", 6)])
+def test_conditionals_per_slot(schedule, per_slot):
+    """1f1b: three conds per slot (F, B, the last stage's fused B), with the nested ones of the tick
+    loop's slots: stage 0's embedding in F, its re-embedding in B (recompute): 5 per slot.  zb-h1:
+    four (F, I, the last stage's I, W) with the same nested two: 6."""
     cfg, data = model_cfg(), batches(1, 4, 8)
     mesh = engine.make_pipeline_mesh(1, 2)
     tx = make_opt("adamw")
-    step = engine.make_pipeline_train_step(cfg, tx, SCHED, mesh, engine_shapes(cfg), 4, "1f1b")
-    state = init_pipeline(cfg, tx, mesh, 4, 8, "1f1b")
+    step = engine.make_pipeline_train_step(cfg, tx, SCHED, mesh, engine_shapes(cfg), 4, schedule)
+    state = init_pipeline(cfg, tx, mesh, 4, 8, schedule)
     batch = jax.device_put(data[0], engine.global_batch_sharding(mesh))
-    plan = slot_plan.compile_program(programs.generate("1f1b", 2, 4))
-    assert census(jax.make_jaxpr(step)(state, batch)) == Census(5 * plan.slots, 0)
-
-
-@pytest.mark.needs_devices(2)
-def test_zb_h1_conditionals_per_slot():
-    """zb-h1: four conds per slot (F, I, the last stage's I, W), with the nested ones of F and I
-    (stage 0's embedding, its re-embedding under recompute): 6 per slot."""
-    cfg, data = model_cfg(), batches(1, 4, 8)
-    mesh = engine.make_pipeline_mesh(1, 2)
-    tx = make_opt("adamw")
-    step = engine.make_pipeline_train_step(cfg, tx, SCHED, mesh, engine_shapes(cfg), 4, "zb-h1")
-    state = init_pipeline(cfg, tx, mesh, 4, 8, "zb-h1")
-    batch = jax.device_put(data[0], engine.global_batch_sharding(mesh))
-    plan = slot_plan.compile_program(programs.generate("zb-h1", 2, 4))
-    assert census(jax.make_jaxpr(step)(state, batch)) == Census(6 * plan.slots, 0)
+    plan = slot_plan.compile_program(programs.generate(schedule, 2, 4))
+    assert census(jax.make_jaxpr(step)(state, batch)) == Census(per_slot * plan.slots, 0)
