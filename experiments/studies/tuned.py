@@ -52,7 +52,12 @@ def sync_of(variants, variant: str) -> str | None:
 # Where an arm's pick lands on this grid's edge, every arm of that setting gets the next points, so
 # that they still share one grid (LOCAL_EXTEND: {study: {setting: (k, ...)}}, k in grid steps).
 LOCAL_GRID = ("momentum", "mitigations", "schemes")
-LOCAL_EXTEND: dict[str, dict[str, tuple[int, ...]]] = {}
+LOCAL_EXTEND: dict[str, dict[str, tuple[int, ...]]] = {
+    # momentum_tune's first pass: these settings' picks were on an edge (AdamW's lower momenta at the
+    # lowest point, Muon's at the highest; the 0.9 / 0.95 points are the optimizers' tuning runs)
+    "momentum": {"adamw/beta=0.8": (-2,), "adamw/beta=0.9": (-2,), "adamw/beta=0.95": (2,),
+                 "muon/beta=0.8": (2,), "muon/beta=0.9": (2,), "muon/beta=0.95": (2,)},
+}
 
 
 def tune_grid(study_name: str, variant: str, opt: str, preset_name: str, batch: int | None) -> list[float]:
