@@ -54,9 +54,10 @@ def sync_of(variants, variant: str) -> str | None:
 LOCAL_GRID = ("momentum", "mitigations", "schemes")
 LOCAL_EXTEND: dict[str, dict[str, tuple[int, ...]]] = {
     # momentum_tune's first pass: these settings' picks were on an edge (AdamW's lower momenta at the
-    # lowest point, Muon's at the highest; the 0.9 / 0.95 points are the optimizers' tuning runs)
+    # lowest point, Muon's at the highest; the 0.9 / 0.95 points are the optimizers' tuning runs);
+    # the second put Muon 0.8's and 0.98's there again
     "momentum": {"adamw/beta=0.8": (-2,), "adamw/beta=0.9": (-2,), "adamw/beta=0.95": (2,),
-                 "muon/beta=0.8": (2,), "muon/beta=0.9": (2,), "muon/beta=0.95": (2,)},
+                 "muon/beta=0.8": (2, 3), "muon/beta=0.9": (2,), "muon/beta=0.95": (2,), "muon/beta=0.98": (2,)},
 }
 
 
