@@ -108,6 +108,14 @@ TUNED_ARMS: dict[str, dict[str, dict[str, float]]] = {"cpu_regime": {
                    "soap/sync": 0.0018, "soap/2bw": 0.0018, "soap/ef": 0.0032,
                    "adan/sync": 0.0018, "adan/2bw": 0.0018, "lion/sync": 0.00034, "lion/2bw": 0.00019,
                    "mars/sync": 0.0018, "mars/2bw": 0.0011},
+    "momentum": {"adamw/beta=0.8/sync": 0.00061, "adamw/beta=0.8/2bw": 0.0011,
+                 "adamw/beta=0.9/sync": 0.0011, "adamw/beta=0.9/2bw": 0.00061,
+                 "adamw/beta=0.95/sync": 0.0018, "adamw/beta=0.95/2bw": 0.0011,
+                 "adamw/beta=0.98/sync": 0.0011, "adamw/beta=0.98/2bw": 0.0011,
+                 "muon/beta=0.8/sync": 0.0035, "muon/beta=0.8/2bw": 0.0035,
+                 "muon/beta=0.9/sync": 0.002, "muon/beta=0.9/2bw": 0.002,
+                 "muon/beta=0.95/sync": 0.0012, "muon/beta=0.95/2bw": 0.002,
+                 "muon/beta=0.98/sync": 0.0012, "muon/beta=0.98/2bw": 0.002},
 }}
 # The ladder's per-arm picks: {'u=UPDATES/OPT': {arm: lr}} from the `ladder_tune` study's rows
 # (experiments.tuning.complete_picks; tests/test_regime.py holds the table to the committed rows).
