@@ -49,28 +49,45 @@ def make_pipeline_mesh(data: int, stages: int, devices=None) -> jax.sharding.Mes
                          devices=devices[: data * stages])
 
 
-def param_specs(params, expert_parallel: bool = False) -> Any:
+def is_vocab_table(path) -> bool:
+    """Whether a leaf is a vocabulary-sized table: the embedding, or an untied ``lm_head``."""
+    return path[0].key in ("embed", "lm_head")
+
+
+def vocab_spec(path, params) -> P:
+    """A table's vocabulary axis over ``stage`` (:mod:`asyncpp_jax.pipeline.vocab_parallel`): the
+    columns of a ``[D, V]`` matrix (the head's, and a tied table, held in that layout by
+    :func:`to_engine_layout`), the rows of an untied ``[V, D]`` embedding."""
+    if path[0].key == "lm_head" or "lm_head" not in params:
+        return P(None, "stage")
+    return P("stage", None)
+
+
+def param_specs(params, expert_parallel: bool = False, vocab_parallel: bool = False) -> Any:
     """``layers/...`` sharded on the leading (layer) axis over ``stage``, routed experts also on
-    their expert axis over ``data`` with ``expert_parallel``; the rest replicated."""
+    their expert axis over ``data`` with ``expert_parallel``; with ``vocab_parallel`` each
+    vocabulary-sized table split along its vocabulary over ``stage`` (:func:`vocab_spec`); the
+    rest replicated."""
 
     def spec(path, _):
         if path[0].key != "layers":
-            return P()
+            return vocab_spec(path, params) if vocab_parallel and is_vocab_table(path) else P()
         return P("stage", "data") if expert_parallel and is_expert_weight(path) else P("stage")
 
     return jax.tree_util.tree_map_with_path(spec, params)
 
 
-def update_specs(params, n_stages: int, expert_parallel: bool = False) -> Any:
+def update_specs(params, n_stages: int, expert_parallel: bool = False, vocab_parallel: bool = False) -> Any:
     """Where each leaf's gradient, optimizer state and update live: as :func:`param_specs`, except
     that each replicated leaf (embedding, head, final norm) is split over ``stage`` along its first
     axis divisible by ``P``.  Its gradient then arrives reduce-scattered and the optimizer updates
     it once over the mesh, not once per device (ZeRO-1 for the leaves every stage holds); only the
-    new weights are gathered.  A leaf with no divisible axis stays replicated."""
-    layer_specs = param_specs(params, expert_parallel)
+    new weights are gathered.  A leaf with no divisible axis stays replicated.  A table split
+    over its vocabulary (``vocab_parallel``) stays where it is: each device updates its block."""
+    layer_specs = param_specs(params, expert_parallel, vocab_parallel)
 
     def spec(path, x, layer_spec):
-        if path[0].key == "layers":
+        if path[0].key == "layers" or (vocab_parallel and is_vocab_table(path)):
             return layer_spec
         for axis, n in enumerate(x.shape):
             if n % n_stages == 0:
@@ -86,14 +103,15 @@ def local_over_data(path, expert_parallel: bool) -> bool:
     return not (expert_parallel and is_expert_weight(path))
 
 
-def partial_specs(params, n_stages: int, expert_parallel: bool = False) -> Any:
+def partial_specs(params, n_stages: int, expert_parallel: bool = False, vocab_parallel: bool = False) -> Any:
     """Where 2bw's in-flight partial gradient lives: reduced over ``stage`` (laid out as
     :func:`update_specs`) but not over ``data``, so a leading ``data`` axis holds each replica's
     own.  It joins its tail at the next step and the whole gradient is reduced over ``data`` once."""
     def spec(path, _, u):
         return P("data", *u) if local_over_data(path, expert_parallel) else u
 
-    return jax.tree_util.tree_map_with_path(spec, params, update_specs(params, n_stages, expert_parallel))
+    return jax.tree_util.tree_map_with_path(spec, params, update_specs(params, n_stages, expert_parallel,
+                                                                       vocab_parallel))
 
 
 def on_data_axis(tree, expert_parallel: bool, add: bool):

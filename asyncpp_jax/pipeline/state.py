@@ -88,31 +88,32 @@ def init_pipeline_state(model_cfg, params, mesh, microbatches: int, global_batch
     )
 
 
-def pipeline_state_specs(params, pstate: PipelineState | None, expert_parallel: bool = False):
+def pipeline_state_specs(params, pstate: PipelineState | None, expert_parallel: bool = False,
+                         vocab_parallel: bool = False):
     if pstate is None:
         return None
     n_stages = pstate.fwd_buf.shape[1]
     return PipelineState(
-        prev_params=param_specs(params, expert_parallel), stash=[DEVICE] * len(pstate.stash), fwd_buf=DEVICE,
-        bwd_buf=DEVICE, grad_partial=partial_specs(params, n_stages, expert_parallel),
+        prev_params=param_specs(params, expert_parallel, vocab_parallel), stash=[DEVICE] * len(pstate.stash),
+        fwd_buf=DEVICE, bwd_buf=DEVICE, grad_partial=partial_specs(params, n_stages, expert_parallel, vocab_parallel),
         stats_partial={k: P() for k in pstate.stats_partial}, prev_batch=BATCH_SPEC,
         prediction=None if pstate.prediction is None else WeightPredictionState(
-            count=P(), velocity=param_specs(params, expert_parallel)))
+            count=P(), velocity=param_specs(params, expert_parallel, vocab_parallel)))
 
 
-def state_shardings(state, mesh, params_abstract, expert_parallel: bool = False):
+def state_shardings(state, mesh, params_abstract, expert_parallel: bool = False, vocab_parallel: bool = False):
     """NamedShardings for a (possibly abstract) pipeline TrainState: layers and their optimizer
     moments over ``stage`` (experts also over ``data`` with expert parallelism), the in-flight
     state per device, the rest replicated."""
     shard = functools.partial(NamedSharding, mesh)
-    pspecs = param_specs(params_abstract, expert_parallel)
+    pspecs = param_specs(params_abstract, expert_parallel, vocab_parallel)
     n_layers = {x.shape[0] for x in jax.tree.leaves(params_abstract["layers"])}.pop()
     # Optimizer moments mirror their params' shapes: an expert-shaped moment is sharded like the
     # experts, a replicated leaf's like its update (split over stage), a stacked-layer one like the layers.
     expert_shapes = {tuple(x.shape) for x, sp in zip(jax.tree.leaves(params_abstract), jax.tree.leaves(pspecs))
-                     if len(sp) > 1}
+                     if "data" in tuple(sp)}
     _, top = split_params(params_abstract)
-    top_specs = split_params(update_specs(params_abstract, mesh.shape["stage"], expert_parallel))[1]
+    top_specs = split_params(update_specs(params_abstract, mesh.shape["stage"], expert_parallel, vocab_parallel))[1]
     top_shapes = {tuple(x.shape): sp for x, sp in zip(jax.tree.leaves(top), jax.tree.leaves(top_specs))}
 
     def opt_leaf(x):
@@ -126,13 +127,15 @@ def state_shardings(state, mesh, params_abstract, expert_parallel: bool = False)
     return TrainState(step=shard(P()), params=jax.tree.map(shard, pspecs),
                       opt_state=jax.tree.map(opt_leaf, state.opt_state),
                       runner_state=jax.tree.map(shard, pipeline_state_specs(params_abstract, state.runner_state,
-                                                                            expert_parallel)))
+                                                                            expert_parallel, vocab_parallel)))
 
 
-def place_state(state: TrainState, mesh, params_abstract, expert_parallel: bool = False) -> TrainState:
+def place_state(state: TrainState, mesh, params_abstract, expert_parallel: bool = False,
+                vocab_parallel: bool = False) -> TrainState:
     """Put a fresh state, which every process holds whole, on the pipeline mesh (layers over
     ``stage``); in a job of several processes each one supplies only its own devices' shards."""
-    return jax.tree.map(from_host, state_shardings(state, mesh, params_abstract, expert_parallel), state)
+    return jax.tree.map(from_host, state_shardings(state, mesh, params_abstract, expert_parallel, vocab_parallel),
+                        state)
 
 
 def global_batch_sharding(mesh) -> NamedSharding:
