@@ -660,6 +660,11 @@ def _pipeline_defaults() -> ml_collections.ConfigDict:
             # which also runs the final norm, head and loss, hold fewer layers (even none).  The
             # engine pads every stage's stack to the largest (zeros that are never run).
             stage_layers=(),
+            # True: each vocabulary-sized table (embedding, head) split along its vocabulary over
+            # the stages, with its weight versions, gradient accumulators and optimizer state, so
+            # that no device holds a whole table; the lookup and the loss run as collectives that
+            # every stage joins each tick.  Schedules sync and 2bw; vocab_size divisible by stages
+            vocab_parallel=False,
         )
     )
 
@@ -693,6 +698,24 @@ def _zero_bubble_errors(c) -> list[str]:
         errs.append(f"config.pipeline.stage_layers={tuple(c.pipeline.stage_layers)} cannot be combined with "
                     "config.pipeline.schedule='zb-h1', which runs an even split: set stage_layers=() or use "
                     "schedule=1f1b.")
+    return errs
+
+
+def _vocab_parallel_errors(c) -> list[str]:
+    """``pipeline.vocab_parallel`` runs in the tick loop (sync, 2bw) over a vocabulary the stages divide."""
+    pipe, v = c.pipeline, c.pipeline.get("vocab_parallel", False)
+    if not isinstance(v, bool):
+        return [f"config.pipeline.vocab_parallel={v!r} must be True or False."]
+    if not v:
+        return []
+    errs = []
+    if pipe.schedule not in ("sync", "2bw"):
+        errs.append(f"config.pipeline.vocab_parallel=True runs the sync and 2bw schedules, not "
+                    f"config.pipeline.schedule={pipe.schedule!r}: set schedule=sync or 2bw, or vocab_parallel=False.")
+    if _is_int(c.model.vocab_size) and c.model.vocab_size % pipe.stages:
+        errs.append(f"config.pipeline.vocab_parallel=True splits the vocabulary over config.pipeline.stages="
+                    f"{pipe.stages}, which does not divide config.model.vocab_size={c.model.vocab_size}: pad the "
+                    f"vocabulary to a multiple of {pipe.stages} or set vocab_parallel=False.")
     return errs
 
 
@@ -777,6 +800,7 @@ def _check_pipeline(c) -> list[str]:
         errs += _interleaved_errors(c, units)
     if pipe.schedule == "zb-h1":
         errs += _zero_bubble_errors(c)
+    errs += _vocab_parallel_errors(c)
     if st.mode not in ("sync", pipe.schedule):
         errs.append(f"config.staleness.mode={st.mode!r} cannot run on the pipeline engine with "
                     f"config.pipeline.schedule={pipe.schedule!r}: the engine's delay is physical. Use "

@@ -20,7 +20,8 @@ from asyncpp_jax.train import step as step_lib
 TARGETS = ("cuda", "tpu")
 
 
-def _config(optimizer="adamw", mode="2bw", stages=1, schedule="sync", moe=False, dtype="float32", mitigation="none"):
+def _config(optimizer="adamw", mode="2bw", stages=1, schedule="sync", moe=False, dtype="float32", mitigation="none",
+            vocab_parallel=False):
     c = configs.load_file("configs/tiny.py")
     c.model.update(d_model=32, n_layers=4, n_heads=2, n_kv_heads=1, d_ff=64, compute_dtype=dtype)
     if moe:
@@ -29,7 +30,9 @@ def _config(optimizer="adamw", mode="2bw", stages=1, schedule="sync", moe=False,
     c.train.update(global_batch_size=8, microbatches=4 if stages > 1 else 1)
     c.optimizer.name = optimizer
     if stages > 1:
-        c.pipeline.update(stages=stages, schedule=schedule)
+        c.pipeline.update(stages=stages, schedule=schedule, vocab_parallel=vocab_parallel)
+        if vocab_parallel:
+            c.model.vocab_size = 258  # the byte vocabulary, padded to a multiple of the stages
         c.mesh.data = 2
     else:
         c.staleness.update(mode=mode, mitigation=mitigation)
@@ -46,6 +49,7 @@ CASES = {
     "engine-interleaved": dict(stages=2, schedule="interleaved"),
     "engine-zb-h1": dict(stages=2, schedule="zb-h1"),
     "engine-2bw-moe-bf16": dict(stages=2, schedule="2bw", moe=True, dtype="bfloat16"),
+    "engine-2bw-vocab-parallel-bf16": dict(stages=2, schedule="2bw", dtype="bfloat16", vocab_parallel=True),
 }
 
 

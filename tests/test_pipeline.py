@@ -63,27 +63,29 @@ def engine_shapes(cfg, interleave=None):
 
 
 def init_pipeline(cfg, tx, mesh, M, B, schedule, poison=False, ep=False, recompute=True, prediction=None,
-                  interleave=None):
+                  interleave=None, vocab_parallel=False):
     abstract = engine_shapes(cfg, interleave)
     state = state_lib.init_state(cfg, tx, jax.random.key(0), layout=engine.engine_layout(cfg, None, interleave))
     ps = engine.init_pipeline_state(cfg, state.params, mesh, M, B, T, schedule, recompute, ep, prediction)
     if poison and ps is not None:  # every buffer a bubble slot could read: NaN (tokens stay valid ints)
         ps = ps._replace(**{k: jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), getattr(ps, k))
                             for k in ("prev_params", "stash", "fwd_buf", "bwd_buf", "grad_partial", "stats_partial")})
-    return engine.place_state(state.replace(runner_state=ps), mesh, abstract, ep)
+    return engine.place_state(state.replace(runner_state=ps), mesh, abstract, ep, vocab_parallel)
 
 
 def run_pipeline(cfg, tx, data, P, schedule, data_size=1, dsched=None, poison=False, ep=False, recompute=True,
-                 prediction=None, virtual_stages=1):
+                 prediction=None, virtual_stages=1, vocab_parallel=False):
     """Train on ``data`` with the engine; ``virtual_stages`` > 1: the params held interleaved
-    (``to_model_layout(..., interleave=(P, virtual_stages))`` reads them back)."""
+    (``to_model_layout(..., interleave=(P, virtual_stages))`` reads them back); ``vocab_parallel``:
+    the tables split over ``stage``."""
     M, B = data[0].shape[0], data[0].shape[0] * data[0].shape[1]
     mesh = engine.make_pipeline_mesh(data_size, P)
     interleave = (P, virtual_stages) if virtual_stages > 1 else None
     step = engine.make_pipeline_train_step(cfg, tx, SCHED, mesh, engine_shapes(cfg, interleave), M, schedule, dsched,
                                            expert_parallel=ep, recompute=recompute, weight_prediction=prediction,
-                                           virtual_stages=virtual_stages)
-    state = init_pipeline(cfg, tx, mesh, M, B, schedule, poison, ep, recompute, prediction, interleave)
+                                           virtual_stages=virtual_stages, vocab_parallel=vocab_parallel)
+    state = init_pipeline(cfg, tx, mesh, M, B, schedule, poison, ep, recompute, prediction, interleave,
+                          vocab_parallel)
     metrics = []
     for b in data:
         state, m = step(state, jax.device_put(b, engine.global_batch_sharding(mesh)))

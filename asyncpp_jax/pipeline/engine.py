@@ -16,7 +16,9 @@ The engine is split by concern:
 Stage ``s`` holds layers ``[s L/P, (s+1) L/P)`` (the stacked layer leaves are sharded on their
 leading axis over ``stage``); the embedding, final norm and head are replicated, but only stage 0
 runs the embedding and only stage ``P-1`` the final norm, head and loss
-(:mod:`asyncpp_jax.pipeline.stage` says what each slot computes).  The params are held in the
+(:mod:`asyncpp_jax.pipeline.stage` says what each slot computes).  With
+``config.pipeline.vocab_parallel`` the vocabulary-sized tables are split over ``stage`` instead
+and every device joins the lookup and the loss (:mod:`~asyncpp_jax.pipeline.vocab_loop`).  The params are held in the
 engine's layout (:func:`to_engine_layout`): a tied embedding table as the head's ``[D, V]`` matrix,
 so nothing vocabulary-sized is ever transposed.
 
@@ -62,16 +64,23 @@ from asyncpp_jax.pipeline.layout import (check_layout, engine_layout, make_pipel
 from asyncpp_jax.pipeline.state import (PipelineState, global_batch_sharding, init_pipeline_state,  # noqa: F401
                                         place_state, state_shardings)
 from asyncpp_jax.pipeline.program_executor import SlotLoop
+from asyncpp_jax.pipeline.vocab_loop import VocabTickLoop
 from asyncpp_jax.train_state import TrainState, apply_update
 
 PROGRAM_SCHEDULES = ("1f1b", "interleaved", "zb-h1")  # flushed schedules the program executor runs
 
 
 def sync_loop(pipeline_schedule: str, n_stages: int, microbatches: int, recompute: bool = True,
-              virtual_stages: int = 1):
+              virtual_stages: int = 1, vocab_parallel: bool = False):
     """The loop of a flushed step: a schedule's program in lock-step slots (``1f1b``,
     ``interleaved`` with ``virtual_stages`` chunks: :mod:`asyncpp_jax.pipeline.program_executor`),
-    or the ``sync`` tick table (also ``2bw``'s synchronous start and cooldown)."""
+    or the ``sync`` tick table (also ``2bw``'s synchronous start and cooldown); with
+    ``vocab_parallel``, the tick table's loop with the tables split over ``stage``."""
+    if vocab_parallel:
+        if pipeline_schedule in PROGRAM_SCHEDULES:
+            raise ValueError(f"config.pipeline.vocab_parallel=True runs the sync and 2bw schedules, not "
+                             f"{pipeline_schedule!r}: set config.pipeline.schedule=sync or 2bw, or vocab_parallel=False.")
+        return VocabTickLoop(tick_tables.sync_table(n_stages, microbatches), recompute)
     if pipeline_schedule == "interleaved" and virtual_stages < 2:
         raise ValueError(f"the interleaved schedule needs virtual_stages >= 2, got {virtual_stages}.")
     if pipeline_schedule in PROGRAM_SCHEDULES:
@@ -85,7 +94,7 @@ def make_pipeline_train_step(model_cfg, optimizer, schedule: optax.Schedule, mes
                              microbatches: int, pipeline_schedule: str, delay_schedule: DelaySchedule | None = None,
                              expert_parallel: bool = False, recompute: bool = True,
                              weight_prediction: WeightPrediction | None = None, stage_rows: tuple | None = None,
-                             virtual_stages: int = 1):
+                             virtual_stages: int = 1, vocab_parallel: bool = False):
     """Jitted ``train_step(state, batch) -> (state, metrics)`` with ``state.runner_state`` a
     :class:`PipelineState` (``2bw``) or ``None`` (``sync``).  Under ``2bw`` the
     ``delay_schedule`` (``optim.delay_schedule``) says which updates are synchronous (start,
@@ -99,7 +108,9 @@ def make_pipeline_train_step(model_cfg, optimizer, schedule: optax.Schedule, mes
     ``stage_rows`` (:func:`stage_split`): an uneven split, with ``params_abstract`` and the state
     in the padded layout of :func:`pad_layers`.  ``virtual_stages``: chunks per device of the
     ``interleaved`` schedule, with the params' layer stack in that order
-    (``to_engine_layout(..., interleave=(P, virtual_stages))``)."""
+    (``to_engine_layout(..., interleave=(P, virtual_stages))``).  ``vocab_parallel``: each
+    vocabulary-sized table split along its vocabulary over ``stage``
+    (:mod:`asyncpp_jax.pipeline.vocab_parallel`; the ``sync`` and ``2bw`` tick tables)."""
     if weight_prediction is not None and pipeline_schedule != "2bw":
         raise ValueError("weight prediction corrects the 2bw delay: config.pipeline.schedule must be '2bw', "
                          f"not {pipeline_schedule!r} (or set config.staleness.weight_prediction=False).")
@@ -113,18 +124,23 @@ def make_pipeline_train_step(model_cfg, optimizer, schedule: optax.Schedule, mes
     if expert_parallel:  # experts sharded over ``data``: the MoE layers exchange tokens with all_to_all
         model_cfg = with_expert_parallel(model_cfg, "data", mesh.shape["data"])
     is_2bw = pipeline_schedule == "2bw"
+    if vocab_parallel and model_cfg.vocab_size % n_stages:
+        raise ValueError(f"config.pipeline.vocab_parallel=True splits the vocabulary over config.pipeline.stages="
+                         f"{n_stages}, which does not divide config.model.vocab_size={model_cfg.vocab_size}: pad the "
+                         f"vocabulary to a multiple of {n_stages} or set vocab_parallel=False.")
     kw = dict(carries_state=is_2bw, params_abstract=params_abstract, expert_parallel=expert_parallel,
-              recompute=recompute, stage_rows=stage_rows)
-    loop = sync_loop(pipeline_schedule, n_stages, microbatches, recompute, virtual_stages)
+              recompute=recompute, stage_rows=stage_rows, vocab_parallel=vocab_parallel)
+    loop = sync_loop(pipeline_schedule, n_stages, microbatches, recompute, virtual_stages, vocab_parallel)
     sync_fn = make_grads_fn(model_cfg, mesh, loop, False, **kw)
     async_fn = None
     if is_2bw:
-        async_fn = make_grads_fn(model_cfg, mesh, TickLoop(tick_tables.async_table(n_stages, microbatches), recompute),
+        tick_loop = VocabTickLoop if vocab_parallel else TickLoop
+        async_fn = make_grads_fn(model_cfg, mesh, tick_loop(tick_tables.async_table(n_stages, microbatches), recompute),
                                   True, **kw)
         delay_schedule = delay_schedule or DelaySchedule(1)
 
     update_shardings = jax.tree.map(functools.partial(NamedSharding, mesh),
-                                    update_specs(params_abstract, n_stages, expert_parallel))
+                                    update_specs(params_abstract, n_stages, expert_parallel, vocab_parallel))
 
     def train_step(state: TrainState, batch):
         ps = state.runner_state
@@ -153,6 +169,6 @@ def make_pipeline_train_step(model_cfg, optimizer, schedule: optax.Schedule, mes
         # Keep the layout fixed across steps: weights where the stages read them, the optimizer
         # state of the replicated leaves split over ``stage`` (:func:`update_specs`).
         return jax.lax.with_sharding_constraint(state, state_shardings(state, mesh, params_abstract,
-                                                                       expert_parallel)), metrics
+                                                                       expert_parallel, vocab_parallel)), metrics
 
     return jax.jit(train_step, donate_argnums=0)

@@ -9,6 +9,7 @@ from jax.sharding import PartitionSpec as P
 from asyncpp_jax.models import dense
 from asyncpp_jax.models.moe import with_expert_parallel
 from asyncpp_jax.pipeline import programs, slot_plan
+from asyncpp_jax.pipeline import vocab_parallel as vp
 from asyncpp_jax.pipeline.collectives import hop_perms, vary
 from asyncpp_jax.pipeline.layout import check_layout, param_specs
 from asyncpp_jax.pipeline.stage import (chunk_rows, head_of, is_first_virtual, is_last_virtual, lookup,
@@ -16,7 +17,7 @@ from asyncpp_jax.pipeline.stage import (chunk_rows, head_of, is_first_virtual, i
 
 
 def make_pipeline_eval_step(model_cfg, mesh, params_abstract, microbatch_rows: int, expert_parallel: bool = False,
-                            stage_rows: tuple | None = None, chunks: int = 1):
+                            stage_rows: tuple | None = None, chunks: int = 1, vocab_parallel: bool = False):
     """Jitted ``eval_step(params, batch[B, T+1]) -> (sum of token losses, token count)`` on the
     pipeline mesh: forward only, each stage with its own layers (the model is never gathered).
 
@@ -28,8 +29,13 @@ def make_pipeline_eval_step(model_cfg, mesh, params_abstract, microbatch_rows: i
     ``P-1`` applies the head and sums the token losses.  Idle slots compute nothing, nor do padded
     layer rows (``stage_rows``, :func:`stage_split`).  With ``chunks`` per device (the
     ``interleaved`` layout) each microbatch passes every device ``chunks`` times, the last device's
-    chunk ``c`` feeding device 0's chunk ``c + 1``.
+    chunk ``c`` feeding device 0's chunk ``c + 1``.  With ``vocab_parallel`` (the tables split over
+    ``stage``) every device joins stage 0's lookup and the last stage's loss in each slot
+    (:func:`_vocab_parallel_slot`).
     """
+    if vocab_parallel and chunks > 1:
+        raise ValueError("config.pipeline.vocab_parallel=True runs the sync and 2bw schedules, not interleaved: "
+                         "set config.pipeline.schedule=sync or 2bw, or vocab_parallel=False.")
     n_stages = mesh.shape["stage"]
     check_layout(model_cfg, params_abstract, n_stages, stage_rows)
     if expert_parallel:
@@ -78,9 +84,43 @@ def make_pipeline_eval_step(model_cfg, mesh, params_abstract, microbatch_rows: i
 
         zero = vary(jnp.zeros((), jnp.float32))
         fwd = vary(jnp.zeros((plan.depth["fwd"], b, width - 1, model_cfg.d_model), act_dtype))
+        if vocab_parallel:
+            body = _vocab_parallel_slot(model_cfg, s, n_stages, layers, top, head, mbs, live, fwd_perm)
+            (_, total, count), _ = jax.lax.scan(body, (fwd, zero, zero), plan.rows)
+            return jax.lax.psum(total, ("data", "stage")), jax.lax.psum(count, ("data", "stage"))
         (_, total, count), _ = jax.lax.scan(slot, (fwd, zero, zero), jnp.take(plan.rows, s, axis=1))
         return jax.lax.psum(total, ("data", "stage")), jax.lax.psum(count, ("data", "stage"))
 
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(param_specs(params_abstract, expert_parallel), P("data")),
-                       out_specs=(P(), P()))
+    fn = jax.shard_map(local, mesh=mesh, in_specs=(param_specs(params_abstract, expert_parallel, vocab_parallel),
+                                                   P("data")), out_specs=(P(), P()))
     return jax.jit(fn)
+
+
+def _vocab_parallel_slot(model_cfg, s, n_stages, layers, top, head, mbs, live, fwd_perm):
+    """The eval's slot with the tables split over ``stage``: stage 0's lookup and the last stage's
+    loss are collectives every device joins (predicates from the slot's whole row, the same on
+    every device); each stage's block runs under its own cond."""
+    col, act_dtype = slot_plan.INDEX, dense.dtype_of(model_cfg.compute_dtype)
+    idle = slot_plan.IDLE
+
+    def slot(carry, rows):
+        fwd, total, count = carry
+        row, first_j, last_j = rows[s], rows[0, col["f"]], rows[n_stages - 1, col["f"]]
+        j = row[col["f"]]
+        zero_x = jnp.zeros_like(fwd[0])
+        x0 = jax.lax.cond(first_j != idle, lambda: vary(vp.lookup(model_cfg, top, mbs[first_j][:, :-1])
+                                                         .astype(act_dtype)), lambda: zero_x)
+        x = jnp.where(s == 0, x0, fwd[row[col["f_fwd"]]])
+        h = jax.lax.cond(j != idle, lambda: dense.apply_layers(model_cfg, layers, x, live).astype(act_dtype),
+                         lambda: zero_x)
+        is_last = s == n_stages - 1
+        h_last = jax.lax.psum(jnp.where(is_last, h, jnp.zeros_like(h)), "stage")
+        zero = vary(jnp.zeros((), jnp.float32))
+        loss, n = jax.lax.cond(last_j != idle,
+                               lambda: vary(vp.head_loss_sum(model_cfg, head, h_last, mbs[last_j][:, 1:])),
+                               lambda: (zero, zero))
+        keep = lambda v: jnp.where(is_last, v, jnp.zeros_like(v))  # noqa: E731  (the loss is the same everywhere)
+        h_in = jax.lax.ppermute(jnp.where(is_last, zero_x, h), "stage", fwd_perm)
+        return (fwd.at[row[col["fwd_store"]]].set(h_in), total + keep(loss), count + keep(n)), None
+
+    return slot

@@ -31,7 +31,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from asyncpp_jax.models import dense
-from asyncpp_jax.pipeline import tick_tables
+from asyncpp_jax.pipeline import tick_tables, vocab_parallel
 from asyncpp_jax.pipeline.collectives import hop_perms, mean_over_data, reduce_top, vary
 from asyncpp_jax.pipeline.layout import on_data_axis, param_specs, update_specs
 from asyncpp_jax.pipeline.stage import (ResidualTemplate, StageFns, chunk_rows, head_of, is_first_virtual,
@@ -112,6 +112,7 @@ class _Device:
     top_axes: Any  # the replicated leaves' accumulator axes (:func:`_acc_axis`), a tree like their accumulators
     template: ResidualTemplate = dataclasses.field(default_factory=ResidualTemplate)
     chunks: int = 1  # model chunks on this device (interleaved: virtual stage chunk * P + stage)
+    vocab_parallel: bool = False  # the tables split over stage (:mod:`asyncpp_jax.pipeline.vocab_parallel`)
 
     @property
     def tied(self) -> bool:
@@ -163,24 +164,30 @@ class _Device:
     def embed(self, j, tokens):
         return self.run(j, lambda top: self.fns.embed(top, tokens), 1).astype(self.act_dtype)
 
+    def _input(self, j, received, chunk, embedded=None):
+        """The block's input: the embedded tokens on the first virtual stage, else ``received``."""
+        if embedded is not None:
+            return jnp.where(self.first(chunk), embedded, received)
+        return jax.lax.cond(self.first(chunk), lambda: self.embed(j, self.tokens_of(j)), lambda: received)
+
     @_scoped("pp_fwd")
-    def forward(self, j, fwd_buf, at, stash, sums, chunk=0):
+    def forward(self, j, fwd_buf, at, stash, sums, chunk=0, embedded=None):
         """Stages ``0..P-2``: the block (of ``chunk``) on the embedded tokens or the received
-        activation; the backward's entry into entry ``at`` of the stash ring."""
-        tokens = self.tokens_of(j)
-        x = jax.lax.cond(self.first(chunk), lambda: self.embed(j, tokens), lambda: fwd_buf)
+        activation; the backward's entry into entry ``at`` of the stash ring.  ``embedded``: the
+        first stage's input when the caller has looked it up (the vocabulary-parallel lookup is a
+        collective, run outside this device's cond)."""
+        x = self._input(j, fwd_buf, chunk, embedded)
         h, entry, stats = self.run(j, lambda lp: self.fns.forward(self.chunk_of(lp, chunk), x, self.template), 0)
         stash = _put(stash, at, entry)
         return stash, _add_at(sums, self.delay.accumulator(j), stats), h.astype(self.act_dtype)
 
     @_scoped("pp_bwd")
-    def backward(self, j, bwd_buf, at, stash, acc_l, chunk=0):
+    def backward(self, j, bwd_buf, at, stash, acc_l, chunk=0, embedded=None):
         """Stages ``0..P-2``: the block's (``chunk``'s) vjp from stash entry ``at``; on stage 0 the
         input cotangent goes into the embedding's gradient (the lookup's transpose, in :meth:`tick`)."""
-        tokens, i = self.tokens_of(j), self.delay.accumulator(j)
+        i = self.delay.accumulator(j)
         entry = [ring[at] for ring in stash]
-        x_again = lambda: jax.lax.cond(self.first(chunk), lambda: self.embed(j, tokens),  # noqa: E731
-                                       lambda: entry[0])
+        x_again = lambda: self._input(j, entry[0], chunk, embedded)  # noqa: E731
         g_l, g_x = self.run(j, lambda lp: self.fns.backward(self.chunk_of(lp, chunk), entry, x_again, bwd_buf,
                                                             self.template), 0)
         return self.add_layers(acc_l, i, g_l, chunk), g_x.astype(self.act_dtype)
@@ -228,11 +235,12 @@ class _Device:
     def lookup_transpose_add(self, acc_t, tokens, ct, i):
         """Stage 0's embedding gradient, added to accumulator ``i`` (of a tied table: in the head's
         ``[D, V]`` accumulator, which the last stage also adds to)."""
+        # Split over its vocabulary, a device adds the rows of its own block's tokens only.
+        add = vocab_parallel.lookup_transpose_add if self.vocab_parallel else _lookup_transpose_add
         if self.tied:
-            w = _lookup_transpose_add(acc_t["head"]["w"], tokens, ct, i, self.top_axes["head"]["w"], True)
+            w = add(acc_t["head"]["w"], tokens, ct, i, self.top_axes["head"]["w"], True)
             return {**acc_t, "head": {**acc_t["head"], "w": w}}
-        table = _lookup_transpose_add(acc_t["embed"]["embedding"], tokens, ct, i,
-                                      self.top_axes["embed"]["embedding"], False)
+        table = add(acc_t["embed"]["embedding"], tokens, ct, i, self.top_axes["embed"]["embedding"], False)
         return {**acc_t, "embed": {"embedding": table}}
 
     @_scoped("pp_tick")
@@ -258,11 +266,16 @@ class _Device:
         # the whole vocabulary-sized accumulator at every backward slot.
         ct = jnp.where(self.is_first, g_x, jnp.zeros_like(g_x)).astype(jnp.float32)
         acc_t = self.lookup_transpose_add(acc_t, self.tokens_of(jb)[:, :-1], ct, self.delay.accumulator(jb))
-        with jax.named_scope("pp_send"):
-            fwd_perm, bwd_perm = hop_perms(self.n_stages)
-            fwd_buf = jax.lax.ppermute(h_out, "stage", fwd_perm)
-            bwd_buf = jax.lax.ppermute(g_x, "stage", bwd_perm)
+        fwd_buf, bwd_buf = send(self.n_stages, h_out, g_x)
         return (stash, fwd_buf, bwd_buf, acc_l, acc_t, sums), None
+
+
+def send(n_stages: int, h_out, g_x):
+    """One tick's hops: each stage's forward output to the next stage, its input cotangent to the
+    previous one; returns what each stage receives."""
+    with jax.named_scope("pp_send"):
+        fwd_perm, bwd_perm = hop_perms(n_stages)
+        return jax.lax.ppermute(h_out, "stage", fwd_perm), jax.lax.ppermute(g_x, "stage", bwd_perm)
 
 
 @_scoped("pp_versions")
@@ -318,17 +331,23 @@ class TickLoop:
 
 
 def make_grads_fn(model_cfg, mesh, loop, is_async: bool, carries_state: bool, params_abstract,
-                  expert_parallel: bool = False, recompute: bool = True, stage_rows: tuple | None = None):
+                  expert_parallel: bool = False, recompute: bool = True, stage_rows: tuple | None = None,
+                  vocab_parallel: bool = False):
     """``shard_map``-ped ``(cur, prev, batch, pstate, prev_live, step) -> (grads, stats, pstate)``.
 
     ``loop`` says how the step's slots run: :class:`TickLoop`, or a program's lock-step slots
     (:class:`asyncpp_jax.pipeline.program_executor.SlotLoop`): its ``rows()`` are scanned, each
-    stage taking its column, through ``body(dev)``, from the buffers ``buffers(...)`` makes."""
+    stage taking its column (every stage's, when ``loop.whole_rows``), through ``body(dev)``, from
+    the buffers ``buffers(...)`` makes.  ``vocab_parallel``: the vocabulary-sized tables split over
+    ``stage`` (:mod:`asyncpp_jax.pipeline.vocab_parallel`; ``loop`` must run them so)."""
     n_stages, M = loop.n_stages, loop.microbatches
     fns = StageFns(model_cfg, M, recompute, stage_rows, split=loop.split)
     act_dtype = dense.dtype_of(model_cfg.compute_dtype)
-    pspec = param_specs(params_abstract, expert_parallel)
-    uspec = update_specs(params_abstract, n_stages, expert_parallel)
+    if vocab_parallel != getattr(loop, "vocab_parallel", False):
+        raise ValueError(f"make_grads_fn(vocab_parallel={vocab_parallel}) needs a loop that runs the tables the same "
+                         f"way; {type(loop).__name__} has vocab_parallel={not vocab_parallel}.")
+    pspec = param_specs(params_abstract, expert_parallel, vocab_parallel)
+    uspec = update_specs(params_abstract, n_stages, expert_parallel, vocab_parallel)
     tied = model_cfg.tie_embeddings
     top_specs = _top_acc_specs(model_cfg, uspec)
     rows = loop.rows()
@@ -357,15 +376,16 @@ def make_grads_fn(model_cfg, mesh, loop, is_async: bool, carries_state: bool, pa
         acc_t = vary(jax.tree.map(stacked, top_acc, top_axes))
         slots = stash[0].shape[0]
         dev = _Device(fns, delay, s, n_stages, cur_v, prev_v, batch, prev_batch, step, slots, act_dtype, top_axes,
-                      chunks=loop.chunks)
+                      chunks=loop.chunks, vocab_parallel=vocab_parallel)
         sums0 = vary({k: jnp.zeros((n_acc,), jnp.float32) for k in stat_names(model_cfg)})
         carry = (stash, fwd_buf, bwd_buf, acc_l, acc_t, sums0)
-        carry, _ = jax.lax.scan(loop.body(dev), carry, jnp.take(rows, s, axis=1))
+        xs = rows if getattr(loop, "whole_rows", False) else jnp.take(rows, s, axis=1)
+        carry, _ = jax.lax.scan(loop.body(dev), carry, xs)
         return _finish(model_cfg, carry, pstate, cur, batch, prev_live, is_async, carries_state, top_specs,
-                       top_axes, expert_parallel)
+                       top_axes, expert_parallel, vocab_parallel)
 
     def grads_fn(cur, prev, batch, pstate, prev_live, step):
-        sspec = pipeline_state_specs(params_abstract, pstate, expert_parallel)
+        sspec = pipeline_state_specs(params_abstract, pstate, expert_parallel, vocab_parallel)
         fn = jax.shard_map(local, mesh=mesh, in_specs=(pspec, pspec, BATCH_SPEC, sspec, P(), P()),
                            out_specs=(uspec, P(), sspec))
         return fn(cur, prev, batch, pstate, prev_live, step)
@@ -382,11 +402,16 @@ def _top_acc_specs(model_cfg, uspec) -> dict:
     return {"head": {"final_norm": uspec["final_norm"], "w": uspec["lm_head"]["kernel"]}, "embed": uspec["embed"]}
 
 
-def _reduce_accumulators(model_cfg, acc_l, acc_t, sums, n_acc, top_specs, top_axes):
+def _reduce_accumulators(model_cfg, acc_l, acc_t, sums, n_acc, top_specs, top_axes, vocab_parallel=False):
     """The step's accumulators -> ``[(this replica's gradient laid out as update_specs, loss sums)]``,
     one per batch they hold.  The replicated leaves are reduced over ``stage`` once for all
-    batches; the reduction over ``data`` is the caller's, once per batch's whole gradient."""
-    summed = jax.tree.map(reduce_top, acc_t, top_specs, top_axes)
+    batches (a table split over its vocabulary is not: each device's block is whole); the
+    reduction over ``data`` is the caller's, once per batch's whole gradient."""
+    def reduce(path, acc, spec, axis):
+        own_block = vocab_parallel and (path[0].key == "embed" or path[-1].key == "w")
+        return acc if own_block else reduce_top(acc, spec, axis)
+
+    summed = jax.tree_util.tree_map_with_path(reduce, acc_t, top_specs, top_axes)
     out = []
     for k in range(n_acc):
         t = jax.tree.map(lambda a, ax: jax.lax.index_in_dim(a, k, ax, keepdims=False), summed, top_axes)
@@ -401,12 +426,12 @@ def _reduce_accumulators(model_cfg, acc_l, acc_t, sums, n_acc, top_specs, top_ax
 
 @_scoped("pp_reduce")
 def _finish(model_cfg, carry, pstate, cur, batch, prev_live, is_async, carries_state, top_specs, top_axes,
-            expert_parallel):
+            expert_parallel, vocab_parallel=False):
     """The end of a step: the applied batch's gradient and loss (accumulator 0, joined under
     ``2bw`` with its head carried in as ``grad_partial``), and the in-flight state to carry."""
     stash, fwd_buf, bwd_buf, acc_l, acc_t, sums = carry
     n_acc = jax.tree.leaves(acc_l)[0].shape[0]  # OneStepDelay.accumulators: 2 under the delayed table
-    reduced = _reduce_accumulators(model_cfg, acc_l, acc_t, sums, n_acc, top_specs, top_axes)
+    reduced = _reduce_accumulators(model_cfg, acc_l, acc_t, sums, n_acc, top_specs, top_axes, vocab_parallel)
     grads, totals = reduced[0]
     new = None
     if carries_state:

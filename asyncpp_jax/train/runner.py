@@ -48,6 +48,11 @@ class Runner:
         return configs.interleave_of(self.config) if self.pipelined else None
 
     @property
+    def vocab_parallel(self) -> bool:
+        """Whether the engine splits the vocabulary-sized tables over its stages."""
+        return self.pipelined and bool(self.config.pipeline.get("vocab_parallel", False))
+
+    @property
     def chunks(self) -> int:
         """Layer chunks per device: ``virtual_stages`` under ``interleaved``, else 1."""
         return (self.interleave or (0, 1))[1]
@@ -95,7 +100,8 @@ class Runner:
 
     def state_shardings(self, abstract_state):
         if self.pipelined:
-            return engine.state_shardings(abstract_state, self.mesh, self.shapes, self.config.mesh.expert_parallel)
+            return engine.state_shardings(abstract_state, self.mesh, self.shapes, self.config.mesh.expert_parallel,
+                                          self.vocab_parallel)
         return jax.tree.map(lambda _: state_lib.replicated(self.mesh), abstract_state)
 
     def abstract_state(self, key):
@@ -111,7 +117,8 @@ class Runner:
         if self.pipelined:
             rows = c.train.global_batch_size // c.train.microbatches // self.data_size
             return engine.make_pipeline_eval_step(c.model, self.mesh, self.shapes, rows, c.mesh.expert_parallel,
-                                                  stage_rows=self.stage_rows, chunks=self.chunks)
+                                                  stage_rows=self.stage_rows, chunks=self.chunks,
+                                                  vocab_parallel=self.vocab_parallel)
         return step_lib.make_eval_step(c.model, self.mesh)
 
     def eval_group(self) -> int:
@@ -146,7 +153,7 @@ def build(c, devices) -> Runner:
             c.model, optimizer, schedule, mesh, shapes, c.train.microbatches, c.pipeline.schedule,
             delay_schedule(staleness, c.train.steps), expert_parallel=c.mesh.expert_parallel,
             recompute=c.pipeline.recompute, weight_prediction=prediction, stage_rows=stage_rows,
-            virtual_stages=(interleave or (0, 1))[1])
+            virtual_stages=(interleave or (0, 1))[1], vocab_parallel=bool(c.pipeline.get("vocab_parallel", False)))
         versions = prediction  # the engine keeps δ in its in-flight state, not in a versions tree
     else:
         versions = weight_versions(staleness, c.train.steps, shapes)

@@ -1,0 +1,134 @@
+"""The tick loop with the vocabulary-sized tables split over ``stage``
+(``config.pipeline.vocab_parallel``; :mod:`asyncpp_jax.pipeline.vocab_parallel` has the algebra).
+
+A tick runs the tick table's slots as :meth:`asyncpp_jax.pipeline.executor._Device.tick` does,
+except where a table is read, which every device now joins (a collective cannot run inside one
+device's cond):
+
+1. stage 0's forward input (and, recomputing, its backward's) is looked up by every device from
+   its vocabulary block and summed over ``stage``;
+2. the stages' forward and backward slots run under their conds, as before;
+3. the last stage runs its block's forward under its cond, the block output is broadcast, every
+   device applies the final norm, its head block and its share of the loss and its gradient
+   (:func:`~asyncpp_jax.pipeline.vocab_parallel.head_loss_grads`), and the last stage runs the
+   block's backward from the summed cotangent under a second cond;
+4. stage 0's input cotangent is broadcast and every device adds it to its block's rows.
+
+Each table's gradient is then whole on its block's device: nothing is reduced over ``stage``.
+Which microbatch stage 0 and the last stage work on is read off the whole tick row, so the scan
+takes every stage's column (``whole_rows``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from asyncpp_jax.pipeline import vocab_parallel as vp
+from asyncpp_jax.pipeline.collectives import vary
+from asyncpp_jax.pipeline.executor import TickLoop, _add_at, _Device, _scoped, send
+from asyncpp_jax.pipeline.stage import stat_names
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabTickLoop(TickLoop):
+    """:class:`TickLoop` with the tables split over ``stage``: :func:`tick` per tick."""
+
+    vocab_parallel = True
+    whole_rows = True  # the scan gives each device the tick's [P, 2] row: stage 0's and the last's too
+
+    def body(self, dev: _Device):
+        return lambda carry, row: tick(dev, carry, row)
+
+
+def _zeros_like_tree(tree):
+    return jax.tree.map(jnp.zeros_like, tree)
+
+
+def embedded(dev: _Device, j):
+    """Stage 0's input for microbatch ``j``, looked up by every device (zeros when ``j`` is idle)."""
+    tokens = dev.tokens_of(j)[:, :-1]
+    b, T = tokens.shape
+    zero = vary(jnp.zeros((b, T, dev.fns.cfg.d_model), dev.act_dtype))
+    # The predicate is the same on every device (a tick-table entry), so all of them take the
+    # branch with the collective.
+    return jax.lax.cond(dev.delay.live(j),
+                        lambda: vary(dev.run(j, lambda top: vp.lookup(dev.fns.cfg, top, tokens), 1)
+                                     .astype(dev.act_dtype)),
+                        lambda: zero)
+
+
+@_scoped("pp_last")
+def last(dev: _Device, j, fwd_buf, entry_like, acc_l, acc_t, sums, g_x):
+    """Microbatch ``j`` on the last stage: block forward (its cond), head and loss on every device,
+    block backward (its cond).  ``entry_like``: the stash entry's arrays (for their shapes)."""
+    on_last = dev.delay.live(j) & dev.is_last
+    i = dev.delay.accumulator(j)
+
+    def block_forward():
+        h, entry, stats = dev.run(j, lambda lp: dev.fns.forward(lp, fwd_buf, dev.template), 0)
+        return vary((h.astype(dev.act_dtype), entry, stats))
+
+    zero_entry = [vary(jnp.zeros(e.shape[1:], e.dtype)) for e in entry_like]
+    h, entry, block_stats = jax.lax.cond(
+        on_last, block_forward,
+        lambda: (jnp.zeros_like(fwd_buf), zero_entry, vary(_zeros_like_tree(_stat_zeros(dev)))))
+    h_all = jax.lax.psum(jnp.where(on_last, h, jnp.zeros_like(h)), "stage")
+    targets = dev.tokens_of(j)[:, 1:]
+
+    def head():
+        loss, stats, g_head, g_h = dev.delay.run(
+            j, lambda w: vp.head_loss_grads(dev.fns.cfg, w[2], h_all, targets, 1.0 / dev.fns.microbatches),
+            dev.cur, dev.prev)
+        return vary((stats, g_head, g_h))
+
+    zeros = vary(({k: jnp.zeros((), jnp.float32) for k in HEAD_STATS}, _zeros_like_tree(dev.cur[2]),
+                  jnp.zeros_like(h)))
+    head_stats, g_head, g_h = jax.lax.cond(dev.delay.live(j), head, lambda: zeros)
+    # Every device adds its head block's gradient; the final norm's, the same on every device, and
+    # the loss statistics are added by the last stage only (both are summed over stage later).
+    mine = lambda t: jax.tree.map(lambda x: jnp.where(dev.is_last, x, jnp.zeros_like(x)), t)  # noqa: E731
+    g_head = {"final_norm": mine(g_head["final_norm"]), "w": g_head["w"]}
+    acc_t = {**acc_t, "head": _add_at(acc_t["head"], i, g_head, dev.top_axes["head"])}
+    stats = dict(block_stats)
+    stats.update(head_stats, loss=block_stats["loss"] + head_stats["loss"])
+    sums = _add_at(sums, i, mine(stats))
+
+    def block_backward(al, _):
+        g_l, g = dev.run(j, lambda lp: dev.fns.backward(lp, entry, lambda: entry[0], g_h.astype(dev.act_dtype),
+                                                        dev.template), 0)
+        return dev.add_layers(al, i, g_l, 0), g.astype(dev.act_dtype)
+
+    acc_l, g_x = jax.lax.cond(on_last, block_backward, lambda al, gx: (al, gx), acc_l, g_x)
+    return acc_l, acc_t, sums, g_x
+
+
+HEAD_STATS = ("loss", "ce", "z_loss", "count")  # what head_loss_grads reports
+
+
+def _stat_zeros(dev: _Device) -> dict:
+    return {k: jnp.zeros((), jnp.float32) for k in stat_names(dev.fns.cfg)}
+
+
+@_scoped("pp_tick")
+def tick(dev: _Device, carry, row):
+    """One tick of ``row`` (``[P, 2]``: every stage's forward and backward microbatch)."""
+    stash, fwd_buf, bwd_buf, acc_l, acc_t, sums = carry
+    jf, jb = row[dev.stage, 0], row[dev.stage, 1]
+    first_f, first_b, last_j = row[0, 0], row[0, 1], row[dev.n_stages - 1, 1]
+    x_f = embedded(dev, first_f)
+    x_b = embedded(dev, first_b) if dev.fns.recompute else None
+    stash, sums, h_out = jax.lax.cond(
+        dev.delay.live(jf) & ~dev.is_last,
+        lambda st, su: dev.forward(jf, fwd_buf, dev.slot(jf), st, su, embedded=x_f),
+        lambda st, su: (st, su, jnp.zeros_like(fwd_buf)), stash, sums)
+    acc_l, g_x = jax.lax.cond(dev.delay.live(jb) & ~dev.is_last,
+                              lambda al: dev.backward(jb, bwd_buf, dev.slot(jb), stash, al, embedded=x_b),
+                              lambda al: (al, jnp.zeros_like(bwd_buf)), acc_l)
+    acc_l, acc_t, sums, g_x = last(dev, last_j, fwd_buf, stash, acc_l, acc_t, sums, g_x)
+    ct = jax.lax.psum(jnp.where(dev.is_first, g_x, jnp.zeros_like(g_x)).astype(jnp.float32), "stage")
+    acc_t = dev.lookup_transpose_add(acc_t, dev.tokens_of(first_b)[:, :-1], ct, dev.delay.accumulator(first_b))
+    fwd_buf, bwd_buf = send(dev.n_stages, h_out, g_x)
+    return (stash, fwd_buf, bwd_buf, acc_l, acc_t, sums), None
