@@ -100,11 +100,12 @@ def _stash_bytes(runner) -> dict:
 
 def _vocab_bytes(runner, state) -> dict:
     """Per device, what the vocabulary-sized tensors (embedding, head: a dimension of ``vocab_size``)
-    cost under the pipeline engine, which holds them on every stage though only stage 0 reads the
-    embedding and only stage ``P-1`` the head: bytes in the state (params, optimizer state, runner
-    state: the 2bw weight version and partial gradient), and an estimate of the step's own (the
-    float32 gradient accumulators, one per batch in flight and table, and each weight version's
-    ``compute_dtype`` cast)."""
+    cost under the pipeline engine: bytes in the state (params, optimizer state, runner state: the
+    2bw weight version and partial gradient), and an estimate of the step's own (the float32
+    gradient accumulators, one per batch in flight and table, and each weight version's
+    ``compute_dtype`` cast).  Whole on every stage (though only stage 0 reads the embedding and
+    only stage ``P-1`` the head), or ``1/P`` of each on every stage with
+    ``config.pipeline.vocab_parallel``."""
     c = runner.config
     if not runner.pipelined:
         return {}
@@ -119,8 +120,10 @@ def _vocab_bytes(runner, state) -> dict:
     compute = jnp.dtype(c.model.compute_dtype).itemsize
     casts = (2 if is_2bw else 1) * elements * compute if compute != tables[0].dtype.itemsize else 0
     step = (2 if is_2bw else 1) * elements * 4 + casts
+    if runner.vocab_parallel:  # every per-device figure is of one block of the vocabulary
+        step //= c.pipeline.stages
     return {**held, "step_estimate": step, "total": sum(held.values()) + step, "vocab_size": vocab,
-            "stages": c.pipeline.stages}
+            "stages": c.pipeline.stages, "vocab_parallel": runner.vocab_parallel}
 
 
 def _layer_padding(runner) -> dict:
@@ -226,6 +229,17 @@ def dry_run(c, devices=None, spare_devices=None) -> dict:
     return report
 
 
+def _vocab_placement(v: dict, gb) -> str:
+    """Which stages hold the tables, which read them, and what that costs each one."""
+    if v.get("vocab_parallel"):
+        return (f"    split over the vocabulary (config.pipeline.vocab_parallel=True): every stage holds 1/{v['stages']} "
+                f"of each table, {gb(v['total'])}, and computes 1/{v['stages']} of the lookup and the head")
+    middle = (f"stages 1-{v['stages'] - 2} hold {gb(v['total'])} each that they never read"
+              if v["stages"] > 2 else "every stage reads one of them")
+    return (f"    on every stage: stage 0 reads the embedding, stage {v['stages'] - 1} the head; {middle} "
+            f"(config.pipeline.vocab_parallel=True splits them: 1/{v['stages']} on each stage)")
+
+
 def format_report(r: dict) -> str:
     gb = lambda b: f"{b / 1e9:.2f} GB"  # noqa: E731
     lines = [
@@ -255,9 +269,7 @@ def format_report(r: dict) -> str:
         lines.append(f"  vocabulary-sized tensors (a dimension of {v['vocab_size']:,}) per device: params "
                      f"{gb(v['params'])}, optimizer state {gb(v['optimizer'])}, runner state {gb(v['runner_state'])}, "
                      f"about {gb(v['step_estimate'])} more in the step (float32 accumulators, compute-dtype casts)")
-        middle = (f"stages 1-{v['stages'] - 2} hold {gb(v['total'])} each that they never read"
-                  if v["stages"] > 2 else "every stage reads one of them")
-        lines.append(f"    on every stage: stage 0 reads the embedding, stage {v['stages'] - 1} the head; {middle}")
+        lines.append(_vocab_placement(v, gb))
     if r["stash_bytes_per_device"]:
         st = r["stash_bytes_per_device"]
         lines.append(f"  stash per device: {gb(st['recompute'])} with config.pipeline.recompute=True, "
