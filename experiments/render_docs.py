@@ -448,7 +448,49 @@ def moe10b_dry_run(doc: pathlib.Path) -> str:
 
 
 def llama3_8b_dry_run(doc: pathlib.Path) -> str:
-    return _dry_runs(doc, "llama3_8b", ("--config.pipeline.stages=4 --config.hardware=h200-141gb", ""))
+    return _dry_runs(doc, "llama3_8b", (f"--config.pipeline.stages=4 --config.hardware=h200-141gb {VP_FLAG}", VP_FLAG))
+
+
+VOCAB_PARALLEL_CASES = (  # (config, the dry run's flags before vocab_parallel)
+    ("llama3_8b", "--config.pipeline.stages=4 --config.hardware=h200-141gb"),
+    ("llama3_8b", ""),
+    ("moe10b", ""),
+)
+VP_FLAG = "--config.pipeline.vocab_parallel=True"
+
+
+def _dry_run_figures(rec: dict) -> dict:
+    """The figures the vocabulary table reads off a dry run's printed report."""
+    out = "\n".join(rec["figures"]["stdout"])
+    mesh = re.search(r"'stage': (\d+)", out)
+    peak = re.search(r"peak estimate per device: ([\d.]+) GB", out)
+    held = re.search(r"holds? (?:1/\d+ of each table, )?([\d.]+) GB", out)  # the report's own total
+    return {"stages": int(mesh.group(1)), "peak": float(peak.group(1)), "vocab": float(held.group(1))}
+
+
+def vocab_parallel_table(doc: pathlib.Path) -> str:
+    """Per device, the vocabulary-sized tensors and the peak with the tables whole on every stage and
+    split over the vocabulary, from the dry-run records of each case in ``VOCAB_PARALLEL_CASES``."""
+    recs = records.load("dry_run", "dry_run")
+
+    def latest(config, suffix):
+        got = [r for r in recs if r["command"].split("--dry_run")[0].rstrip().endswith(f"configs/{config}.py")
+               and r["command"].split("--dry_run", 1)[1].strip() == suffix]
+        if not got:
+            raise KeyError(f"no dry-run record of configs/{config}.py with {suffix!r}: run python -m "
+                           f"experiments.record_run --kind dry_run ... (docs/pipeline.md)")
+        return got[-1]
+
+    lines = ["| config | stages | vocabulary-sized tensors per device: whole tables | split (`vocab_parallel`) | "
+             "peak per device: whole | split |", "|---|---|---|---|---|---|"]
+    rows = []
+    for config, flags in VOCAB_PARALLEL_CASES:
+        whole, split = latest(config, flags), latest(config, f"{flags} {VP_FLAG}".strip())
+        rows += [whole, split]
+        w, s = _dry_run_figures(whole), _dry_run_figures(split)
+        lines.append(f"| `configs/{config}.py`{f' `{flags}`' if flags else ''} | {w['stages']} | {w['vocab']:.2f} GB | {s['vocab']:.2f} GB | "
+                     f"{w['peak']:.2f} GB | {s['peak']:.2f} GB |")
+    return "\n".join(lines + ["", _provenance(rows, [BENCH_LINK / "dry_run.jsonl"], doc)])
 
 
 def fit_table(doc: pathlib.Path) -> str:
@@ -598,7 +640,7 @@ def bench_prepare(doc: pathlib.Path) -> str:
 
 RENDERERS = {f.__name__: f for f in (paper_regime, paper_optimizers, bench_small_updates, bench_prepare, notebooks, glance, main_job, main_job_summary, tiny_optimizers, bench_optimizers, optimizers_study,
                                       bench_pipeline_work, bench_pipeline_processes, bench_pipeline_compile, bench_pipeline_conditionals, bench_pipeline_schedules,
-                                      moe10b_dry_run, llama3_8b_dry_run, fit_table, ci)}
+                                      moe10b_dry_run, llama3_8b_dry_run, vocab_parallel_table, fit_table, ci)}
 
 
 def render(text: str, doc: pathlib.Path) -> str:

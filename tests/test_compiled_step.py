@@ -58,14 +58,15 @@ def _loop_computations(comps: dict) -> set:
     return seen
 
 
-def vocab_moves_in_loops(text: str) -> list:
-    """The loop's instructions that only move a vocabulary-sized array."""
+def vocab_moves_in_loops(text: str, v: int = V) -> list:
+    """The loop's instructions that only move an array with a dimension of ``v`` (the vocabulary,
+    or under ``vocab_parallel`` a device's block of it)."""
     comps = _computations(text)
     out = []
     for c in _loop_computations(comps):
         for line in comps[c]:
             m = _INSTR.match(line)
-            if not m or not re.search(rf"[\[,]{V}[\],]", m.group(2)):
+            if not m or not re.search(rf"[\[,]{v}[\],]", m.group(2)):
                 continue
             op = m.group(3)
             if op == "fusion":

@@ -12,6 +12,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import test_pipeline as tp
+from test_compiled_step import vocab_moves_in_loops
 from asyncpp_jax.models import dense
 from asyncpp_jax.pipeline import engine, make_mesh
 from asyncpp_jax.pipeline import vocab_parallel as vp
@@ -224,6 +225,7 @@ def test_no_device_holds_a_whole_table(schedule, tie):
     block = V_SPLIT // STAGES
     assert re.search(rf"\[16,(\d+,)?{block}\]", text), "no vocabulary block found: the test would check nothing"
     assert whole_tables(text, 16 * V_SPLIT) == []
+    assert vocab_moves_in_loops(text, block) == []  # nor is a block copied inside the tick loop
     assert whole_tables(compiled(False)[1], 16 * V_SPLIT), "the reader finds the replicated tables"
     for leaf in jax.tree.leaves(state):
         if V_SPLIT in leaf.shape:  # each vocabulary-sized leaf of the state is split along its vocabulary
