@@ -28,7 +28,8 @@ side by side in alternating rounds (median of rounds).
   ``M`` and the tick tables' formulas beside what their programs give.  Pure Python, no JAX program.
 * ``conditionals``: the ``lax.cond`` / ``lax.switch`` each update executes, counted in the traced
   train step (:mod:`asyncpp_jax.pipeline.census`; an upper bound: each conditional's costliest
-  branch), for ``sync``, ``2bw``, ``1f1b``, ``interleaved`` and ``zb-h1`` (their slots) at P in {4, 8} and their smallest M, beside the single-device
+  branch), for ``sync``, ``2bw``, ``1f1b``, ``interleaved`` and ``zb-h1`` (their slots) at P in {4, 8} and their smallest M
+  (``sync`` and ``2bw`` also with ``vocab_parallel``), beside the single-device
   ``simulate`` step.  XLA:GPU reads each conditional's predicate on the host, a cost this CPU does
   not show.  Traced only, nothing compiled or run.
 * ``processes``: ``overlap`` where the stages surely run at the same time, with the ``1f1b``,
@@ -237,7 +238,7 @@ class Pipelined:
     """One compiled engine train step and its state, ready to time."""
 
     def __init__(self, args, P: int, M: int, schedule: str, recompute: bool = True, n_layers=None,
-                 stage_layers=()):
+                 stage_layers=(), vocab_parallel: bool = False):
         cfg = model_cfg(args, n_layers)
         mesh = engine.make_pipeline_mesh(1, P)
         rows = engine.stage_split(cfg, P, stage_layers)
@@ -245,11 +246,11 @@ class Pipelined:
         layout = engine.engine_layout(cfg, rows, (P, v) if v > 1 else None)
         abstract = jax.eval_shape(layout, dense.abstract_params(cfg))
         self.step = engine.make_pipeline_train_step(cfg, TX, LR, mesh, abstract, M, schedule, recompute=recompute,
-                                                    stage_rows=rows, virtual_stages=v)
+                                                    stage_rows=rows, virtual_stages=v, vocab_parallel=vocab_parallel)
         state = state_lib.init_state(cfg, TX, jax.random.key(0), layout=layout)
         ps = engine.init_pipeline_state(cfg, state.params, mesh, M, M * args.rows, args.seq, schedule, recompute,
                                         stage_rows=rows)
-        self.state = engine.place_state(state.replace(runner_state=ps), mesh, abstract)
+        self.state = engine.place_state(state.replace(runner_state=ps), mesh, abstract, vocab_parallel=vocab_parallel)
         self.batch = state_lib.from_host(engine.global_batch_sharding(mesh), np.asarray(tokens(args, M)))
 
     def compile_seconds(self) -> float:
@@ -685,6 +686,12 @@ def conditionals(args) -> None:
                     else engine.sync_loop(schedule, P, M, virtual_stages=v).schedule)  # ticks, or a program's slots
             rows.append({"runner": f"pipeline {schedule}", "P": P, "M": M,
                          "ticks": plan.slots if schedule in engine.PROGRAM_SCHEDULES else plan.ticks,
+                         "conditionals": count(run.step, run.state, run.batch)})
+        for schedule in ("sync", "2bw"):  # the tables split over stage: every device joins the lookup and the loss
+            M = tick_tables.min_microbatches_2bw(P) if schedule == "2bw" else P
+            run = Pipelined(args, P, M, schedule, n_layers=P, vocab_parallel=True)
+            plan = tick_tables.async_table(P, M) if schedule == "2bw" else tick_tables.sync_table(P, M)
+            rows.append({"runner": f"pipeline {schedule}, vocab_parallel", "P": P, "M": M, "ticks": plan.ticks,
                          "conditionals": count(run.step, run.state, run.batch)})
     print("| runner | P | M | ticks (slots) | conditionals per update |")
     print("|---|---|---|---|---|")
