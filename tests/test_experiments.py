@@ -172,7 +172,8 @@ def test_report_tables_claims_and_plots(tmp_path):
     data = rows("optimizers", {"adamw/sync": [1.0, 1.2], "adamw/2bw": [2.0, 2.3],
                                "muon/sync": [1.0, 1.0], "muon/2bw": [1.1, 1.1]})
     data += rows("mitigations", {"adamw/sync": [1.0, 1.0], "adamw/none": [2.0, 2.0], "adamw/ef": [1.3, 1.3], "adamw/nesterov": [1.1, 1.3],
-                                 "muon/sync": [1.0, 1.0], "muon/none": [1.2, 1.2], "muon/ef": [1.16, 1.16]})
+                                 "muon/sync": [1.0, 1.0], "muon/none": [1.2, 1.2], "muon/ef": [1.16, 1.16],
+                                 "muon/ef@sync_lr": [1.5, 1.5]})  # at sync's pick: a gap both ways, not a mitigation
     data += rows("schemes", {"adamw/sync": [1.0, 1.0], "adamw/2bw": [1.05, 1.05], "adamw/pipedream/P=2": [1.1, 1.1],
                              "adamw/pipedream/P=4": [1.2, 1.2], "adamw/pipedream/P=8": [1.4, 1.4]})
     data += rows("momentum", {"adamw/beta=0.8/sync": [1.0], "adamw/beta=0.8/2bw": [1.5],
@@ -189,6 +190,8 @@ def test_report_tables_claims_and_plots(tmp_path):
     assert "| adamw | 1 | nesterov | +0.2000 ± 0.1000 | 80% ± 10% | +10% ± 10% | paired, 2 seeds |" in md
     assert "| adamw | 2 | ef | +0.3000 ± 0.0000 | 70% ± 0% | - | paired, 2 seeds |" in md
     assert "| muon | 1 | ef | +0.1600 ± 0.0000 | 20% ± 0% | - | paired, 2 seeds |" in md
+    assert "| muon | 2 | ef@sync_lr" not in md
+    assert "| muon/ef | +0.1600 ± 0.0000 | +0.5000 ± 0.0000 | paired, 2 seeds |" in md
     verdicts = {line.split(" | ")[0][2:]: line.split(" | ")[1] for line in md.splitlines()
                 if line.startswith("| ") and len(line.split(" | ")) == 5}  # claim, verdict, test, measured, the paper
     assert verdicts["AdamW's delay gap is far larger than Muon's"] == "reproduced"  # d = 1.05 - 0.2 ± 0.05
