@@ -311,3 +311,22 @@ def test_trainer_resumes_an_uneven_split_and_refuses_another(cache_dir, tmp_path
     t.close()
     assert_padding_zero(t.state.params, (2, 0))
     assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(t.state.params))
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_the_stash_holds_no_weights(moe):
+    """Kept residuals (``recompute=False``): the stash holds the block's activations, not its weights
+    (the backward puts the microbatch's weight version back, ``stage.ResidualTemplate``).  What does
+    not grow with the microbatch is at most a per-layer vector: each norm's scale, broadcast for its
+    product (``D`` elements a layer), never a weight matrix."""
+    cfg = model_cfg()
+    cfg.update(d_model=24, n_heads=4, n_kv_heads=2, d_ff=40, n_layers=2)
+    if moe:
+        cfg.moe.update(num_experts=4, top_k=2, expert_d_ff=8, every=2, capacity_factor=1.25)
+    layers = dense.abstract_params(cfg)["layers"]
+    fns = stage.StageFns(cfg, microbatches=4, recompute=False)
+    small, large = (stage.residual_shapes(fns, layers, jax.ShapeDtypeStruct((b, 7, 24), jnp.float32)) for b in (3, 5))
+    assert len(small) == len(large) and len(small) > 3
+    fixed = [r.shape for r, r2 in zip(small, large) if r.shape == r2.shape]
+    smallest_matrix = min(int(np.prod(w.shape[1:])) for w in jax.tree.leaves(layers) if w.ndim > 2)
+    assert all(int(np.prod(s)) <= cfg.n_layers * cfg.d_model < smallest_matrix for s in fixed), fixed
