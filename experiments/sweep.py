@@ -129,9 +129,12 @@ _NOT_COMPUTED = {("train", "progress_bar"), ("train", "profile_start"), ("train"
 
 
 # Settings added after runs were saved, with the value that means what the code did before them
-# (stage_layers: the even split, the only one there was; init_from: a random initialisation).  Any other setting a saved config lacks
-# makes its signature differ, so that run is not reused: reuse does not guess at a default.
-_ADDED_LATER = {("pipeline", "stage_layers"): [], ("model", "init_from"): ""}
+# (stage_layers: the even split, the only one there was; init_from: a random initialisation;
+# virtual_stages: read by the interleaved schedule only, which came with it; vocab_parallel: the
+# tables whole on every stage).  Any other setting a saved config lacks makes its signature differ,
+# so that run is not reused: reuse does not guess at a default.
+_ADDED_LATER = {("pipeline", "stage_layers"): [], ("model", "init_from"): "", ("pipeline", "virtual_stages"): 2,
+                ("pipeline", "vocab_parallel"): False}
 
 
 def signature(config: dict) -> str:
