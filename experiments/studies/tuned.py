@@ -58,6 +58,9 @@ LOCAL_EXTEND: dict[str, dict[str, tuple[int, ...]]] = {
     # the second put Muon 0.8's and 0.98's there again
     "momentum": {"adamw/beta=0.8": (-2,), "adamw/beta=0.9": (-2,), "adamw/beta=0.95": (2,),
                  "muon/beta=0.8": (2, 3), "muon/beta=0.9": (2,), "muon/beta=0.95": (2,), "muon/beta=0.98": (2,)},
+    # mitigations_tune's first pass: AdamW's 2bw, EF, Taylor, cooldown and Nesterov arms picked the
+    # lowest point, Muon's 2bw and EF the highest
+    "mitigations": {"adamw": (-2,), "muon": (2,)},
 }
 
 
