@@ -8,10 +8,13 @@ parameters): 8 pipeline stages x 8-way data parallel on 64 H100 80GB
 (``config.hardware='h100-80gb'``), the 2bw schedule, remat on, 32 microbatches of one sequence per
 data shard.  The dry run says per device what the vocabulary-sized tensors cost, which stages read
 them and which only hold them.  On 4 stages the step needs an H200 (about 109 GB a device, 25 GB
-of it the two tables and what comes with them):
+of it the two tables and what comes with them); ``--config.pipeline.vocab_parallel=True`` splits
+the tables over the stages (about 9.5 GB of them a device, 91 GB in all; docs/pipeline.md,
+"Vocabulary-sized tensors"):
 
     python -m asyncpp_jax.main --config=configs/llama3_8b.py --dry_run
     python -m asyncpp_jax.main --config=configs/llama3_8b.py --dry_run --config.pipeline.stages=4 --config.hardware=h200-141gb
+    python -m asyncpp_jax.main --config=configs/llama3_8b.py --dry_run --config.pipeline.vocab_parallel=True
 """
 
 from asyncpp_jax.configs import base_config
