@@ -57,6 +57,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 MODES = ("work", "overlap", "compile", "processes", "schedules", "conditionals")
+VP = "vocab_parallel"  # a run with the vocabulary-sized tables split over stage
 
 
 def _setup_host(mode: str, devices: int) -> None:
@@ -529,12 +530,14 @@ def work(args) -> None:
                 "1f1b": Pipelined(args, P, M, "1f1b", recompute, stage_layers=args.stage_layers),
                 **({} if args.stage_layers else {name: Pipelined(args, P, M, name, recompute)
                                                  for name in ("interleaved", "zb-h1")}),
+                **({} if args.stage_layers else {f"{name} {VP}": Pipelined(args, P, M, name, recompute, vocab_parallel=True)
+                                                 for name in ("sync", "2bw")}),
                 "slots sync": SlotWork(args, P, tick_tables.sync_table(P, M), recompute),
                 "slots 2bw": SlotWork(args, P, tick_tables.async_table(P, M), recompute)}
         rounds = time_rounds(runs, args.rounds, args.steps)
         t = {name: float(np.median(r)) for name, r in rounds.items()}
         bound = 1.10 if not recompute else 1 + f_share + 0.10
-        for name in (n for n in ("sync", "2bw", "1f1b", "interleaved", "zb-h1") if n in runs):
+        for name in (n for n in ("sync", "2bw", "1f1b", "interleaved", "zb-h1", f"sync {VP}", f"2bw {VP}") if n in runs):
             slots = t.get(f"slots {name}")  # the tick tables' slot kinds, timed alone (not for a program)
             per_round = np.array(rounds[name]) / np.array(rounds["simulate"])  # same machine state, round by round
             shown = (f"{slots / t['simulate']:.3f} | {t[name] / slots:.3f}" if slots else "- | -")
