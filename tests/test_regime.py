@@ -225,8 +225,8 @@ def test_headline_studies_tune_every_arm_on_one_grid_then_measure_the_picks():
     assert tune.variants["adamw/lr=0.0011/2bw"] == {**base.variants["adamw/2bw"], "optimizer.lr": 0.0011}
     with pytest.raises(ValueError, match="cpu_regime"):
         sweep.load_study("optimizers_tune", "cpu")
-    with pytest.raises(ValueError, match="mitigations_tune"):
-        sweep.load_study("mitigations", "cpu_regime")  # no picks yet: the error names the step to run
+    with pytest.raises(ValueError, match="schemes_tune"):
+        sweep.load_study("schemes", "cpu_regime")  # no picks yet: the error names the step to run
     assert len(sweep.load_study("optimizers", "cpu_regime").variants) == 22  # its picks are in TUNED_ARMS
 
     picks = {v: lr_study.grid(o["optimizer.name"], "cpu_regime")[2] for v, o in base.variants.items()}
