@@ -125,7 +125,7 @@ def _data(vocab, n, M, B, seed):
 
 
 @pytest.mark.parametrize("schedule, tie, stages, data_size", [
-    ("sync", True, 4, 1), ("2bw", True, 4, 1), ("2bw", False, 2, 2),
+    pytest.param("sync", True, 4, 1, marks=pytest.mark.slow), ("2bw", True, 4, 1), ("2bw", False, 2, 2),
     pytest.param("sync", False, 2, 2, marks=pytest.mark.slow)])
 def test_split_tables_equal_simulate(schedule, tie, stages, data_size):
     """Split over their vocabulary, the tables train exactly as the simulate runner's (sync; 2bw
@@ -155,6 +155,7 @@ def test_split_tables_with_kept_residuals_equal_simulate(recompute):
     tp.assert_params_close(engine.to_model_layout(cfg, got.params), want.params)
 
 
+@pytest.mark.slow  # ~1 min; the tick loop is the same as the dense 2bw cases
 def test_split_tables_with_moe_equal_simulate():
     """An MoE model (aux losses on every stage, the last stage's among them) with split tables, 2bw."""
     cfg = _engine_cfg()
