@@ -116,6 +116,12 @@ TUNED_ARMS: dict[str, dict[str, dict[str, float]]] = {"cpu_regime": {
                  "muon/beta=0.9/sync": 0.002, "muon/beta=0.9/2bw": 0.002,
                  "muon/beta=0.95/sync": 0.0012, "muon/beta=0.95/2bw": 0.002,
                  "muon/beta=0.98/sync": 0.0012, "muon/beta=0.98/2bw": 0.002},
+    "mitigations": {"adamw/sync": 0.0011, "adamw/none": 0.00061, "adamw/ef": 0.00061, "adamw/taylor": 0.00061,
+                    "adamw/sync_start": 0.0011, "adamw/sync_cooldown": 0.00061, "adamw/ef+sync_start": 0.0011,
+                    "adamw/nesterov": 0.00061, "adamw/weight_prediction": 0.00061,
+                    "muon/sync": 0.0012, "muon/none": 0.002, "muon/ef": 0.002, "muon/taylor": 0.0012,
+                    "muon/sync_start": 0.002, "muon/sync_cooldown": 0.002, "muon/ef+sync_start": 0.002,
+                    "muon/nesterov": 0.002, "muon/weight_prediction": 0.002},
 }}
 # The ladder's per-arm picks: {'u=UPDATES/OPT': {arm: lr}} from the `ladder_tune` study's rows
 # (experiments.tuning.complete_picks; tests/test_regime.py holds the table to the committed rows).
