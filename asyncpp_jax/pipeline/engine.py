@@ -129,7 +129,7 @@ def make_pipeline_train_step(model_cfg, optimizer, schedule: optax.Schedule, mes
                          f"{n_stages}, which does not divide config.model.vocab_size={model_cfg.vocab_size}: pad the "
                          f"vocabulary to a multiple of {n_stages} or set vocab_parallel=False.")
     kw = dict(carries_state=is_2bw, params_abstract=params_abstract, expert_parallel=expert_parallel,
-              recompute=recompute, stage_rows=stage_rows, vocab_parallel=vocab_parallel)
+              recompute=recompute, stage_rows=stage_rows)
     loop = sync_loop(pipeline_schedule, n_stages, microbatches, recompute, virtual_stages, vocab_parallel)
     sync_fn = make_grads_fn(model_cfg, mesh, loop, False, **kw)
     async_fn = None

@@ -84,11 +84,11 @@ def make_pipeline_eval_step(model_cfg, mesh, params_abstract, microbatch_rows: i
 
         zero = vary(jnp.zeros((), jnp.float32))
         fwd = vary(jnp.zeros((plan.depth["fwd"], b, width - 1, model_cfg.d_model), act_dtype))
-        if vocab_parallel:
-            body = _vocab_parallel_slot(model_cfg, s, n_stages, layers, top, head, mbs, live, fwd_perm)
-            (_, total, count), _ = jax.lax.scan(body, (fwd, zero, zero), plan.rows)
-            return jax.lax.psum(total, ("data", "stage")), jax.lax.psum(count, ("data", "stage"))
-        (_, total, count), _ = jax.lax.scan(slot, (fwd, zero, zero), jnp.take(plan.rows, s, axis=1))
+        if vocab_parallel:  # every device reads the slot's whole row (stage 0's and the last stage's too)
+            body, xs = _vocab_parallel_slot(model_cfg, s, n_stages, layers, top, head, mbs, live, fwd_perm), plan.rows
+        else:
+            body, xs = slot, jnp.take(plan.rows, s, axis=1)
+        (_, total, count), _ = jax.lax.scan(body, (fwd, zero, zero), xs)
         return jax.lax.psum(total, ("data", "stage")), jax.lax.psum(count, ("data", "stage"))
 
     fn = jax.shard_map(local, mesh=mesh, in_specs=(param_specs(params_abstract, expert_parallel, vocab_parallel),

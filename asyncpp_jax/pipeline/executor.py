@@ -331,21 +331,19 @@ class TickLoop:
 
 
 def make_grads_fn(model_cfg, mesh, loop, is_async: bool, carries_state: bool, params_abstract,
-                  expert_parallel: bool = False, recompute: bool = True, stage_rows: tuple | None = None,
-                  vocab_parallel: bool = False):
+                  expert_parallel: bool = False, recompute: bool = True, stage_rows: tuple | None = None):
     """``shard_map``-ped ``(cur, prev, batch, pstate, prev_live, step) -> (grads, stats, pstate)``.
 
     ``loop`` says how the step's slots run: :class:`TickLoop`, or a program's lock-step slots
     (:class:`asyncpp_jax.pipeline.program_executor.SlotLoop`): its ``rows()`` are scanned, each
     stage taking its column (every stage's, when ``loop.whole_rows``), through ``body(dev)``, from
-    the buffers ``buffers(...)`` makes.  ``vocab_parallel``: the vocabulary-sized tables split over
-    ``stage`` (:mod:`asyncpp_jax.pipeline.vocab_parallel`; ``loop`` must run them so)."""
+    the buffers ``buffers(...)`` makes.  A loop with ``vocab_parallel``
+    (:class:`asyncpp_jax.pipeline.vocab_loop.VocabTickLoop`) runs the vocabulary-sized tables split
+    over ``stage``, and the specs and reductions here follow it."""
     n_stages, M = loop.n_stages, loop.microbatches
     fns = StageFns(model_cfg, M, recompute, stage_rows, split=loop.split)
     act_dtype = dense.dtype_of(model_cfg.compute_dtype)
-    if vocab_parallel != getattr(loop, "vocab_parallel", False):
-        raise ValueError(f"make_grads_fn(vocab_parallel={vocab_parallel}) needs a loop that runs the tables the same "
-                         f"way; {type(loop).__name__} has vocab_parallel={not vocab_parallel}.")
+    vocab_parallel = getattr(loop, "vocab_parallel", False)
     pspec = param_specs(params_abstract, expert_parallel, vocab_parallel)
     uspec = update_specs(params_abstract, n_stages, expert_parallel, vocab_parallel)
     tied = model_cfg.tie_embeddings
