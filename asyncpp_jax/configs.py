@@ -702,16 +702,13 @@ def _zero_bubble_errors(c) -> list[str]:
 
 
 def _vocab_parallel_errors(c) -> list[str]:
-    """``pipeline.vocab_parallel`` runs in the tick loop (sync, 2bw) over a vocabulary the stages divide."""
+    """``pipeline.vocab_parallel`` splits a vocabulary the stages divide."""
     pipe, v = c.pipeline, c.pipeline.get("vocab_parallel", False)
     if not isinstance(v, bool):
         return [f"config.pipeline.vocab_parallel={v!r} must be True or False."]
     if not v:
         return []
     errs = []
-    if pipe.schedule not in ("sync", "2bw"):
-        errs.append(f"config.pipeline.vocab_parallel=True runs the sync and 2bw schedules, not "
-                    f"config.pipeline.schedule={pipe.schedule!r}: set schedule=sync or 2bw, or vocab_parallel=False.")
     if _is_int(c.model.vocab_size) and c.model.vocab_size % pipe.stages:
         errs.append(f"config.pipeline.vocab_parallel=True splits the vocabulary over config.pipeline.stages="
                     f"{pipe.stages}, which does not divide config.model.vocab_size={c.model.vocab_size}: pad the "

@@ -28,8 +28,8 @@ side by side in alternating rounds (median of rounds).
   ``M`` and the tick tables' formulas beside what their programs give.  Pure Python, no JAX program.
 * ``conditionals``: the ``lax.cond`` / ``lax.switch`` each update executes, counted in the traced
   train step (:mod:`asyncpp_jax.pipeline.census`; an upper bound: each conditional's costliest
-  branch), for ``sync``, ``2bw``, ``1f1b``, ``interleaved`` and ``zb-h1`` (their slots) at P in {4, 8} and their smallest M
-  (``sync`` and ``2bw`` also with ``vocab_parallel``), beside the single-device
+  branch), for ``sync``, ``2bw``, ``1f1b``, ``interleaved`` and ``zb-h1`` (their slots) at P in {4, 8} and their smallest M,
+  each with whole tables and with ``vocab_parallel``, beside the single-device
   ``simulate`` step.  XLA:GPU reads each conditional's predicate on the host, a cost this CPU does
   not show.  Traced only, nothing compiled or run.
 * ``processes``: ``overlap`` where the stages surely run at the same time, with the ``1f1b``,
@@ -681,21 +681,17 @@ def conditionals(args) -> None:
     sim = Simulated(args, 8)
     rows = [{"runner": "simulate", "P": 1, "M": 8, "conditionals": count(sim.step, sim.state, sim.batch)}]
     for P in (4, 8):
-        for schedule in ("sync", "2bw", "1f1b", "interleaved", "zb-h1"):
-            M = tick_tables.min_microbatches_2bw(P) if schedule == "2bw" else P
-            v = VIRTUAL_STAGES if schedule == "interleaved" else 1
-            run = Pipelined(args, P, M, schedule, n_layers=P * v)
-            plan = (tick_tables.async_table(P, M) if schedule == "2bw"
-                    else engine.sync_loop(schedule, P, M, virtual_stages=v).schedule)  # ticks, or a program's slots
-            rows.append({"runner": f"pipeline {schedule}", "P": P, "M": M,
-                         "ticks": plan.slots if schedule in engine.PROGRAM_SCHEDULES else plan.ticks,
-                         "conditionals": count(run.step, run.state, run.batch)})
-        for schedule in ("sync", "2bw"):  # the tables split over stage: every device joins the lookup and the loss
-            M = tick_tables.min_microbatches_2bw(P) if schedule == "2bw" else P
-            run = Pipelined(args, P, M, schedule, n_layers=P, vocab_parallel=True)
-            plan = tick_tables.async_table(P, M) if schedule == "2bw" else tick_tables.sync_table(P, M)
-            rows.append({"runner": f"pipeline {schedule}, vocab_parallel", "P": P, "M": M, "ticks": plan.ticks,
-                         "conditionals": count(run.step, run.state, run.batch)})
+        # Split tables (``vocab_parallel``): every device joins the lookup and the loss in its slots.
+        for split in (False, True):
+            for schedule in ("sync", "2bw", "1f1b", "interleaved", "zb-h1"):
+                M = tick_tables.min_microbatches_2bw(P) if schedule == "2bw" else P
+                v = VIRTUAL_STAGES if schedule == "interleaved" else 1
+                run = Pipelined(args, P, M, schedule, n_layers=P * v, vocab_parallel=split)
+                plan = (tick_tables.async_table(P, M) if schedule == "2bw"
+                        else engine.sync_loop(schedule, P, M, virtual_stages=v).schedule)  # ticks, or a program's slots
+                rows.append({"runner": f"pipeline {schedule}" + (f", {VP}" if split else ""), "P": P, "M": M,
+                             "ticks": plan.slots if schedule in engine.PROGRAM_SCHEDULES else plan.ticks,
+                             "conditionals": count(run.step, run.state, run.batch)})
     print("| runner | P | M | ticks (slots) | conditionals per update |")
     print("|---|---|---|---|---|")
     for r in rows:

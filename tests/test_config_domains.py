@@ -162,7 +162,6 @@ BAD = [
     ("pipeline.stage_layers", (3, 1.0), {"pipeline.stages": 2}, "tuple of integers"),
     ("pipeline.stage_layers", (3, 1), {"pipeline.stages": 2, "model.moe.num_experts": 8, "model.moe.every": 2},
      "multiple of 2"),
-    ("pipeline.vocab_parallel", True, {"pipeline.stages": 2, "pipeline.schedule": "1f1b"}, "runs the sync and 2bw"),
     ("pipeline.vocab_parallel", True, {"pipeline.stages": 2, "model.vocab_size": 257}, "does not divide"),
     # mesh
     ("mesh.data", 0, {}, "-1"),

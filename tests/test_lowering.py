@@ -50,6 +50,7 @@ CASES = {
     "engine-zb-h1": dict(stages=2, schedule="zb-h1"),
     "engine-2bw-moe-bf16": dict(stages=2, schedule="2bw", moe=True, dtype="bfloat16"),
     "engine-2bw-vocab-parallel-bf16": dict(stages=2, schedule="2bw", dtype="bfloat16", vocab_parallel=True),
+    "engine-zb-h1-vocab-parallel": dict(stages=2, schedule="zb-h1", vocab_parallel=True),
 }
 
 

@@ -126,18 +126,25 @@ def _data(vocab, n, M, B, seed):
 
 @pytest.mark.parametrize("schedule, tie, stages, data_size", [
     pytest.param("sync", True, 4, 1, marks=pytest.mark.slow), ("2bw", True, 4, 1), ("2bw", False, 2, 2),
-    pytest.param("sync", False, 2, 2, marks=pytest.mark.slow)])
+    pytest.param("sync", False, 2, 2, marks=pytest.mark.slow), ("zb-h1", True, 4, 1), ("interleaved", False, 2, 2),
+    pytest.param("1f1b", True, 4, 1, marks=pytest.mark.slow)])
 def test_split_tables_equal_simulate(schedule, tie, stages, data_size):
-    """Split over their vocabulary, the tables train exactly as the simulate runner's (sync; 2bw
-    against ``delay(1)``): the loss, the lookup and the head's gradient assembled from ``V/P`` blocks."""
+    """Split over their vocabulary, the tables train exactly as the simulate runner's (the flushed
+    schedules against sync, 2bw against ``delay(1)``): the loss, the lookup and the head's gradient
+    assembled from ``V/P`` blocks, in the tick loop and in a program's slots (``zb-h1``'s last
+    stage splitting its backward into ``I`` and ``W``; ``interleaved``'s first and last virtual
+    stages on chunks 0 and 1)."""
     cfg = _engine_cfg(tie=tie)
-    M = 6 if stages == 4 else 4
+    v = 2 if schedule == "interleaved" else 1
+    cfg.n_layers *= v
+    M = 6 if stages == 4 and schedule in ("sync", "2bw") else 4
     data = _data(32, 3, M, 2 * M, seed=3)
-    chain = tp.make_opt("adamw") if schedule == "sync" else optax.chain(tp.delay(1), tp.make_opt("adamw"))
+    chain = optax.chain(tp.delay(1), tp.make_opt("adamw")) if schedule == "2bw" else tp.make_opt("adamw")
     want, want_m = tp.run_simulate(cfg, chain, data, data_size)
     got, got_m = tp.run_pipeline(cfg, tp.make_opt("adamw"), data, stages, schedule, data_size,
-                                     vocab_parallel=True)
-    tp.assert_params_close(engine.to_model_layout(cfg, got.params), want.params)
+                                 virtual_stages=v, vocab_parallel=True)
+    interleave = (stages, v) if v > 1 else None
+    tp.assert_params_close(engine.to_model_layout(cfg, got.params, None, interleave), want.params)
     # Under 2bw update t logs batch t-1's loss (at the weights it was taken at); simulate logs batch t's.
     lag = 2 if schedule == "2bw" else 1
     np.testing.assert_allclose(got_m[-1]["loss"], want_m[-lag]["loss"], rtol=1e-5)
@@ -148,10 +155,12 @@ def test_split_tables_equal_simulate(schedule, tie, stages, data_size):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recompute", [False])
-def test_split_tables_with_kept_residuals_equal_simulate(recompute):
+@pytest.mark.parametrize("schedule", ["2bw", "zb-h1", "1f1b"])
+def test_split_tables_with_kept_residuals_equal_simulate(recompute, schedule):
     cfg, data = _engine_cfg(), _data(32, 2, 6, 12, seed=5)
-    want, _ = tp.run_simulate(cfg, optax.chain(tp.delay(1), tp.make_opt("adamw")), data)
-    got, _ = tp.run_pipeline(cfg, tp.make_opt("adamw"), data, 4, "2bw", recompute=recompute, vocab_parallel=True)
+    chain = optax.chain(tp.delay(1), tp.make_opt("adamw")) if schedule == "2bw" else tp.make_opt("adamw")
+    want, _ = tp.run_simulate(cfg, chain, data)
+    got, _ = tp.run_pipeline(cfg, tp.make_opt("adamw"), data, 4, schedule, recompute=recompute, vocab_parallel=True)
     tp.assert_params_close(engine.to_model_layout(cfg, got.params), want.params)
 
 
@@ -178,17 +187,23 @@ def test_split_tables_in_bf16_equal_simulate():
     tp.assert_params_close(engine.to_model_layout(cfg, got.params), want.params, rtol=0, atol=tol)
 
 
-def test_split_tables_eval_equals_simulate():
+@pytest.mark.parametrize("stages, chunks", [(4, 1), (2, 2)])
+def test_split_tables_eval_equals_simulate(stages, chunks):
+    """The forward-only program with split tables, one chunk a device or two (``interleaved``:
+    the loss on device ``P-1``'s second chunk)."""
     cfg = _engine_cfg(tie=False)
+    cfg.n_layers *= chunks
     params = dense.init_params(cfg, jax.random.key(3))
     batch = jnp.asarray(np.random.default_rng(12).integers(0, 32, (8, tp.T + 1)), jnp.int32)
     mesh1 = make_mesh(1, jax.devices()[:1])
     want = step_lib.make_eval_step(cfg, mesh1)(params, jax.device_put(batch, step_lib.eval_sharding(mesh1)))
-    mesh = engine.make_pipeline_mesh(1, 4)
-    abstract = tp.engine_shapes(cfg)
+    mesh = engine.make_pipeline_mesh(1, stages)
+    interleave = (stages, chunks) if chunks > 1 else None
+    abstract = tp.engine_shapes(cfg, interleave)
     specs = engine.param_specs(abstract, vocab_parallel=True)
-    sharded = jax.device_put(engine.to_engine_layout(cfg, params), jax.tree.map(lambda sp: NamedSharding(mesh, sp), specs))
-    fn = engine.make_pipeline_eval_step(cfg, mesh, abstract, microbatch_rows=2, vocab_parallel=True)
+    sharded = jax.device_put(engine.to_engine_layout(cfg, params, None, interleave),
+                             jax.tree.map(lambda sp: NamedSharding(mesh, sp), specs))
+    fn = engine.make_pipeline_eval_step(cfg, mesh, abstract, microbatch_rows=2, chunks=chunks, vocab_parallel=True)
     got = fn(sharded, jax.device_put(batch, NamedSharding(mesh, P("data"))))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5)
 
@@ -207,7 +222,8 @@ def whole_tables(text: str, table_size: int) -> list:
     return out
 
 
-@pytest.mark.parametrize("schedule, tie", [("2bw", True), pytest.param("sync", False, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("schedule, tie", [("2bw", True), pytest.param("sync", False, marks=pytest.mark.slow),
+                                           pytest.param("zb-h1", False, marks=pytest.mark.slow)])
 def test_no_device_holds_a_whole_table(schedule, tie):
     """The compiled step (XLA's per-device program: the tick loop, the update, the gathers it would
     need) has no array with the whole vocabulary along any axis: every device's params, weight
@@ -239,5 +255,4 @@ def test_a_vocabulary_the_stages_do_not_divide_is_refused():
     with pytest.raises(ValueError, match=r"vocab_parallel=True .* does not divide config.model.vocab_size=31"):
         engine.make_pipeline_train_step(cfg, tp.make_opt("adamw"), tp.SCHED, mesh, tp.engine_shapes(cfg), 6, "2bw",
                                         vocab_parallel=True)
-    with pytest.raises(ValueError, match=r"runs the sync and 2bw schedules, not '1f1b'"):
-        engine.sync_loop("1f1b", STAGES, 4, vocab_parallel=True)
+

@@ -64,7 +64,7 @@ from asyncpp_jax.pipeline.layout import (check_layout, engine_layout, make_pipel
 from asyncpp_jax.pipeline.state import (PipelineState, global_batch_sharding, init_pipeline_state,  # noqa: F401
                                         place_state, state_shardings)
 from asyncpp_jax.pipeline.program_executor import SlotLoop
-from asyncpp_jax.pipeline.vocab_loop import VocabTickLoop
+from asyncpp_jax.pipeline.vocab_loop import VocabSlotLoop, VocabTickLoop
 from asyncpp_jax.train_state import TrainState, apply_update
 
 PROGRAM_SCHEDULES = ("1f1b", "interleaved", "zb-h1")  # flushed schedules the program executor runs
@@ -75,19 +75,15 @@ def sync_loop(pipeline_schedule: str, n_stages: int, microbatches: int, recomput
     """The loop of a flushed step: a schedule's program in lock-step slots (``1f1b``,
     ``interleaved`` with ``virtual_stages`` chunks: :mod:`asyncpp_jax.pipeline.program_executor`),
     or the ``sync`` tick table (also ``2bw``'s synchronous start and cooldown); with
-    ``vocab_parallel``, the tick table's loop with the tables split over ``stage``."""
-    if vocab_parallel:
-        if pipeline_schedule in PROGRAM_SCHEDULES:
-            raise ValueError(f"config.pipeline.vocab_parallel=True runs the sync and 2bw schedules, not "
-                             f"{pipeline_schedule!r}: set config.pipeline.schedule=sync or 2bw, or vocab_parallel=False.")
-        return VocabTickLoop(tick_tables.sync_table(n_stages, microbatches), recompute)
+    ``vocab_parallel``, the same loop with the tables split over ``stage``
+    (:mod:`asyncpp_jax.pipeline.vocab_loop`)."""
     if pipeline_schedule == "interleaved" and virtual_stages < 2:
         raise ValueError(f"the interleaved schedule needs virtual_stages >= 2, got {virtual_stages}.")
     if pipeline_schedule in PROGRAM_SCHEDULES:
         v = virtual_stages if pipeline_schedule == "interleaved" else None
         program = programs.generate(pipeline_schedule, n_stages, microbatches, v)
-        return SlotLoop(slot_plan.compile_program(program, recompute))
-    return TickLoop(tick_tables.sync_table(n_stages, microbatches), recompute)
+        return (VocabSlotLoop if vocab_parallel else SlotLoop)(slot_plan.compile_program(program, recompute))
+    return (VocabTickLoop if vocab_parallel else TickLoop)(tick_tables.sync_table(n_stages, microbatches), recompute)
 
 
 def make_pipeline_train_step(model_cfg, optimizer, schedule: optax.Schedule, mesh, params_abstract,
@@ -110,7 +106,7 @@ def make_pipeline_train_step(model_cfg, optimizer, schedule: optax.Schedule, mes
     ``interleaved`` schedule, with the params' layer stack in that order
     (``to_engine_layout(..., interleave=(P, virtual_stages))``).  ``vocab_parallel``: each
     vocabulary-sized table split along its vocabulary over ``stage``
-    (:mod:`asyncpp_jax.pipeline.vocab_parallel`; the ``sync`` and ``2bw`` tick tables)."""
+    (:mod:`asyncpp_jax.pipeline.vocab_parallel`), under every schedule."""
     if weight_prediction is not None and pipeline_schedule != "2bw":
         raise ValueError("weight prediction corrects the 2bw delay: config.pipeline.schedule must be '2bw', "
                          f"not {pipeline_schedule!r} (or set config.staleness.weight_prediction=False).")

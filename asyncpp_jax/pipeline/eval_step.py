@@ -33,9 +33,6 @@ def make_pipeline_eval_step(model_cfg, mesh, params_abstract, microbatch_rows: i
     ``stage``) every device joins stage 0's lookup and the last stage's loss in each slot
     (:func:`_vocab_parallel_slot`).
     """
-    if vocab_parallel and chunks > 1:
-        raise ValueError("config.pipeline.vocab_parallel=True runs the sync and 2bw schedules, not interleaved: "
-                         "set config.pipeline.schedule=sync or 2bw, or vocab_parallel=False.")
     n_stages = mesh.shape["stage"]
     check_layout(model_cfg, params_abstract, n_stages, stage_rows)
     if expert_parallel:
@@ -85,7 +82,8 @@ def make_pipeline_eval_step(model_cfg, mesh, params_abstract, microbatch_rows: i
         zero = vary(jnp.zeros((), jnp.float32))
         fwd = vary(jnp.zeros((plan.depth["fwd"], b, width - 1, model_cfg.d_model), act_dtype))
         if vocab_parallel:  # every device reads the slot's whole row (stage 0's and the last stage's too)
-            body, xs = _vocab_parallel_slot(model_cfg, s, n_stages, layers, top, head, mbs, live, fwd_perm), plan.rows
+            body = _vocab_parallel_slot(model_cfg, s, n_stages, chunks, layers, top, head, mbs, live, fwd_perm)
+            xs = plan.rows
         else:
             body, xs = slot, jnp.take(plan.rows, s, axis=1)
         (_, total, count), _ = jax.lax.scan(body, (fwd, zero, zero), xs)
@@ -96,30 +94,34 @@ def make_pipeline_eval_step(model_cfg, mesh, params_abstract, microbatch_rows: i
     return jax.jit(fn)
 
 
-def _vocab_parallel_slot(model_cfg, s, n_stages, layers, top, head, mbs, live, fwd_perm):
-    """The eval's slot with the tables split over ``stage``: stage 0's lookup and the last stage's
-    loss are collectives every device joins (predicates from the slot's whole row, the same on
-    every device); each stage's block runs under its own cond."""
+def _vocab_parallel_slot(model_cfg, s, n_stages, chunks, layers, top, head, mbs, live, fwd_perm):
+    """The eval's slot with the tables split over ``stage``: the first virtual stage's lookup and
+    the last one's loss are collectives every device joins (predicates from the slot's whole row,
+    the same on every device); each stage's block runs under its own cond."""
     col, act_dtype = slot_plan.INDEX, dense.dtype_of(model_cfg.compute_dtype)
     idle = slot_plan.IDLE
 
+    def at(row, chunk):  # the row's forward microbatch when it runs ``chunk``, else idle
+        return jnp.where(row[col["f_chunk"]] == chunk, row[col["f"]], idle)
+
     def slot(carry, rows):
         fwd, total, count = carry
-        row, first_j, last_j = rows[s], rows[0, col["f"]], rows[n_stages - 1, col["f"]]
-        j = row[col["f"]]
+        row, first_j, last_j = rows[s], at(rows[0], 0), at(rows[n_stages - 1], chunks - 1)
+        j, chunk = row[col["f"]], row[col["f_chunk"]]
+        is_first, is_last = is_first_virtual(s, chunk, chunks), is_last_virtual(s, n_stages, chunk, chunks)
         zero_x = jnp.zeros_like(fwd[0])
         x0 = jax.lax.cond(first_j != idle, lambda: vary(vp.lookup(model_cfg, top, mbs[first_j][:, :-1])
                                                          .astype(act_dtype)), lambda: zero_x)
-        x = jnp.where(s == 0, x0, fwd[row[col["f_fwd"]]])
-        h = jax.lax.cond(j != idle, lambda: dense.apply_layers(model_cfg, layers, x, live).astype(act_dtype),
-                         lambda: zero_x)
-        is_last = s == n_stages - 1
-        h_last = jax.lax.psum(jnp.where(is_last, h, jnp.zeros_like(h)), "stage")
+        x = jnp.where(is_first, x0, fwd[row[col["f_fwd"]]])
+        h = jax.lax.cond(j != idle, lambda: dense.apply_layers(model_cfg, chunk_rows(layers, chunk, chunks), x, live)
+                         .astype(act_dtype), lambda: zero_x)
+        last_here = is_last & (j != idle)
+        h_last = jax.lax.psum(jnp.where(last_here, h, jnp.zeros_like(h)), "stage")
         zero = vary(jnp.zeros((), jnp.float32))
         loss, n = jax.lax.cond(last_j != idle,
                                lambda: vary(vp.head_loss_sum(model_cfg, head, h_last, mbs[last_j][:, 1:])),
                                lambda: (zero, zero))
-        keep = lambda v: jnp.where(is_last, v, jnp.zeros_like(v))  # noqa: E731  (the loss is the same everywhere)
+        keep = lambda v: jnp.where(last_here, v, jnp.zeros_like(v))  # noqa: E731  (the loss is the same everywhere)
         h_in = jax.lax.ppermute(jnp.where(is_last, zero_x, h), "stage", fwd_perm)
         return (fwd.at[row[col["fwd_store"]]].set(h_in), total + keep(loss), count + keep(n)), None
 

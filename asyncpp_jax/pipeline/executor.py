@@ -193,13 +193,11 @@ class _Device:
         return self.add_layers(acc_l, i, g_l, chunk), g_x.astype(self.act_dtype)
 
     @_scoped("pp_bwd")
-    def input_grad(self, j, bwd_buf, at, stash, save, save_at, chunk=0):
+    def input_grad(self, j, bwd_buf, at, stash, save, save_at, chunk=0, embedded=None):
         """``I`` on stages ``0..P-2``: the input cotangent from stash entry ``at``, no weight
         gradient; what its ``W`` needs goes into entry ``save_at`` of the ``save`` ring."""
-        tokens = self.tokens_of(j)
         entry = [ring[at] for ring in stash]
-        x_again = lambda: jax.lax.cond(self.first(chunk), lambda: self.embed(j, tokens),  # noqa: E731
-                                       lambda: entry[0])
+        x_again = lambda: self._input(j, entry[0], chunk, embedded)  # noqa: E731
         g_x, kept = self.run(j, lambda lp: self.fns.input_grad(self.chunk_of(lp, chunk), entry, x_again, bwd_buf,
                                                                self.template), 0)
         return _put(save, save_at, kept), g_x.astype(self.act_dtype)

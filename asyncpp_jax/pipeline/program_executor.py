@@ -83,6 +83,8 @@ class SlotLoop:
         """How many of :meth:`buffers`' ``stash`` arrays are the stash (the rest: the ``save`` ring)."""
         return len(residual_shapes(fns, chunk_rows(layers, 0, self.chunks), x))
 
+    columns = slot_plan.COLUMNS  # what a row of :meth:`rows` holds, in order
+
     def body(self, dev):
         n = self.n_stages
         # An interleaved device's chunks are a ring: the last device's chunk c feeds device 0's c + 1.
@@ -99,21 +101,18 @@ class SlotLoop:
         def slot(carry, row):
             stash, fwd, bwd, acc_l, acc_t, sums = carry
             stash, save = stash[:n_stash], stash[n_stash:]
-            r = {name: row[i] for name, i in slot_plan.INDEX.items()}
+            r = {name: row[i] for i, name in enumerate(self.columns)}
             jf, has_f = r["f"], r["f"] != slot_plan.IDLE
             x_f = fwd[r["f_fwd"]]
             zeros = jnp.zeros_like(x_f)
+            emb_f, emb_b = self.embedded(dev, r)
             # The backward first: the stash entry it reads may be the one the forward writes.
-            acc_l, acc_t, sums, save, g_x = backward(dev, r, stash, save, fwd, bwd, acc_l, acc_t, sums, zeros)
+            acc_l, acc_t, sums, save, g_x = backward(dev, r, stash, save, fwd, bwd, acc_l, acc_t, sums, zeros, emb_b)
             stash, sums, h_out = jax.lax.cond(
                 has_f & ~dev.final(r["f_chunk"]),
-                lambda st, su: dev.forward(jf, x_f, r["f_stash"], st, su, r["f_chunk"]),
+                lambda st, su: dev.forward(jf, x_f, r["f_stash"], st, su, r["f_chunk"], embedded=emb_f),
                 lambda st, su: (st, su, zeros), stash, sums)
-            # As in the tick loop: the embedding's rows are added outside the conds (zeros off stage 0).
-            jb, has_b = r["b"], r["b"] != slot_plan.IDLE
-            ct = jnp.where(dev.first(r["b_chunk"]) & has_b, g_x, jnp.zeros_like(g_x)).astype(jnp.float32)
-            jb_live = jnp.where(has_b, jb, 0)
-            acc_t = dev.lookup_transpose_add(acc_t, dev.tokens_of(jb_live)[:, :-1], ct, dev.delay.accumulator(jb_live))
+            acc_t = self.embedding_grad(dev, r, acc_t, g_x)
             with jax.named_scope("pp_send"):
                 h_in = jax.lax.ppermute(h_out, "stage", fwd_perm)
                 g_in = jax.lax.ppermute(g_x, "stage", bwd_perm)
@@ -122,30 +121,54 @@ class SlotLoop:
 
         return slot
 
-    @staticmethod
-    def _backward(dev, r, stash, save, fwd, bwd, acc_l, acc_t, sums, zeros):
-        """A slot's ``B``: the block's vjp (stages ``0..P-2``), or the fused last-stage vjp."""
+    def embedded(self, dev, r):
+        """The first virtual stage's looked-up input for the slot's forward and backward; ``None``:
+        each looks its tokens up under its own cond."""
+        return None, None
+
+    def embedding_grad(self, dev, r, acc_t, g_x):
+        """The first virtual stage's input cotangent into the embedding's gradient rows, outside
+        the conds as in the tick loop (zeros off stage 0)."""
+        jb, has_b = r["b"], r["b"] != slot_plan.IDLE
+        ct = jnp.where(dev.first(r["b_chunk"]) & has_b, g_x, jnp.zeros_like(g_x)).astype(jnp.float32)
+        jb_live = jnp.where(has_b, jb, 0)
+        return dev.lookup_transpose_add(acc_t, dev.tokens_of(jb_live)[:, :-1], ct, dev.delay.accumulator(jb_live))
+
+    def final_backward(self, dev, r, stash, fwd, acc_l, acc_t, sums, g_x):
+        """The last virtual stage's ``B``: block, head and loss as one fused vjp under its cond."""
+        jb, has_b = r["b"], r["b"] != slot_plan.IDLE
+        return jax.lax.cond(has_b & dev.final(r["b_chunk"]),
+                            lambda al, at, su, _: dev.last(jb, fwd[r["b_fwd"]], al, at, su),
+                            lambda *a: a, acc_l, acc_t, sums, g_x)
+
+    def final_input_grad(self, dev, r, stash, fwd, acc_t, sums, save, g_x):
+        """The last virtual stage's ``I``: the fused vjp with respect to the head, input and taps."""
+        jb, has_b = r["b"], r["b"] != slot_plan.IDLE
+        return jax.lax.cond(
+            has_b & dev.final(r["b_chunk"]),
+            lambda at, su, sv, _: dev.last_input(jb, fwd[r["b_fwd"]], at, su, sv, r["b_save"]),
+            lambda *a: a, acc_t, sums, save, g_x)
+
+    def _backward(self, dev, r, stash, save, fwd, bwd, acc_l, acc_t, sums, zeros, embedded):
+        """A slot's ``B``: the block's vjp (stages ``0..P-2``), or the last stage's."""
         jb, has_b, b_last = r["b"], r["b"] != slot_plan.IDLE, dev.final(r["b_chunk"])
-        acc_l, g_x = jax.lax.cond(has_b & ~b_last,
-                                  lambda al: dev.backward(jb, bwd[r["b_bwd"]], r["b_stash"], stash, al, r["b_chunk"]),
-                                  lambda al: (al, zeros), acc_l)
-        acc_l, acc_t, sums, g_x = jax.lax.cond(has_b & b_last,
-                                               lambda al, at, su, _: dev.last(jb, fwd[r["b_fwd"]], al, at, su),
-                                               lambda *a: a, acc_l, acc_t, sums, g_x)
+        acc_l, g_x = jax.lax.cond(
+            has_b & ~b_last,
+            lambda al: dev.backward(jb, bwd[r["b_bwd"]], r["b_stash"], stash, al, r["b_chunk"], embedded=embedded),
+            lambda al: (al, zeros), acc_l)
+        acc_l, acc_t, sums, g_x = self.final_backward(dev, r, stash, fwd, acc_l, acc_t, sums, g_x)
         return acc_l, acc_t, sums, save, g_x
 
-    @staticmethod
-    def _split_backward(dev, r, stash, save, fwd, bwd, acc_l, acc_t, sums, zeros):
+    def _split_backward(self, dev, r, stash, save, fwd, bwd, acc_l, acc_t, sums, zeros, embedded):
         """A slot's ``I`` (into the ``save`` ring; on the last stage with the head's gradient) and
         ``W`` (from it, into the layers' accumulator), each under its own cond."""
         jb, has_b, b_last = r["b"], r["b"] != slot_plan.IDLE, dev.final(r["b_chunk"])
         save, g_x = jax.lax.cond(
             has_b & ~b_last,
-            lambda sv: dev.input_grad(jb, bwd[r["b_bwd"]], r["b_stash"], stash, sv, r["b_save"], r["b_chunk"]),
+            lambda sv: dev.input_grad(jb, bwd[r["b_bwd"]], r["b_stash"], stash, sv, r["b_save"], r["b_chunk"],
+                                      embedded=embedded),
             lambda sv: (sv, zeros), save)
-        acc_t, sums, save, g_x = jax.lax.cond(
-            has_b & b_last, lambda at, su, sv, _: dev.last_input(jb, fwd[r["b_fwd"]], at, su, sv, r["b_save"]),
-            lambda *a: a, acc_t, sums, save, g_x)
+        acc_t, sums, save, g_x = self.final_input_grad(dev, r, stash, fwd, acc_t, sums, save, g_x)
         jw = r["w"]
         acc_l = jax.lax.cond(jw != slot_plan.IDLE, lambda al: dev.weight_grad(jw, save, r["w_save"], al, r["w_chunk"]),
                              lambda al: al, acc_l)

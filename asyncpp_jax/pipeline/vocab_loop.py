@@ -1,4 +1,4 @@
-"""The tick loop with the vocabulary-sized tables split over ``stage``
+"""The tick loop and the program slots with the vocabulary-sized tables split over ``stage``
 (``config.pipeline.vocab_parallel``; :mod:`asyncpp_jax.pipeline.vocab_parallel` has the algebra).
 
 A tick runs the tick table's slots as :meth:`asyncpp_jax.pipeline.executor._Device.tick` does,
@@ -17,6 +17,12 @@ device's cond):
 Each table's gradient is then whole on its block's device: nothing is reduced over ``stage``.
 Which microbatch stage 0 and the last stage work on is read off the whole tick row, so the scan
 takes every stage's column (``whole_rows``).
+
+A program's slots (:class:`VocabSlotLoop`: ``1f1b``, ``interleaved``, ``zb-h1``) run the same
+three steps, the first and last *virtual* stages in place of stage 0 and ``P-1``: each device's row
+carries the slot's microbatches at the tables (:func:`vocab_columns`), and the last stage's
+``I`` of a split backward runs the block's input gradient after the shared head
+(:func:`last_input`), its ``W`` later from the ``save`` ring as without the split.
 """
 
 from __future__ import annotations
@@ -25,10 +31,13 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from asyncpp_jax.pipeline import vocab_parallel as vp
 from asyncpp_jax.pipeline.collectives import vary
-from asyncpp_jax.pipeline.executor import TickLoop, _add_at, _Device, _scoped, send
+from asyncpp_jax.pipeline import slot_plan
+from asyncpp_jax.pipeline.executor import TickLoop, _add_at, _Device, _put, _scoped, send
+from asyncpp_jax.pipeline.program_executor import SlotLoop
 from asyncpp_jax.pipeline.stage import stat_names
 
 
@@ -60,15 +69,16 @@ def embedded(dev: _Device, j):
                         lambda: zero)
 
 
-@_scoped("pp_last")
-def last(dev: _Device, j, fwd_buf, entry_like, acc_l, acc_t, sums, g_x):
-    """Microbatch ``j`` on the last stage: block forward (its cond), head and loss on every device,
-    block backward (its cond).  ``entry_like``: the stash entry's arrays (for their shapes)."""
+def _block_and_head(dev: _Device, j, fwd_buf, entry_like, acc_t, sums):
+    """Microbatch ``j``'s last block forward (the last stage's cond) and the head and loss on every
+    device.  Returns ``(on_last, accumulator, entry, g_h, acc_t, sums)``: ``entry`` the block's
+    stash entry (for its backward), ``g_h`` the cotangent of its output.  ``entry_like``: the
+    stash's arrays (for their shapes)."""
     on_last = dev.delay.live(j) & dev.is_last
-    i = dev.delay.accumulator(j)
+    i, c = dev.delay.accumulator(j), dev.chunks - 1
 
     def block_forward():
-        h, entry, stats = dev.run(j, lambda lp: dev.fns.forward(lp, fwd_buf, dev.template), 0)
+        h, entry, stats = dev.run(j, lambda lp: dev.fns.forward(dev.chunk_of(lp, c), fwd_buf, dev.template), 0)
         return vary((h.astype(dev.act_dtype), entry, stats))
 
     zero_entry = [vary(jnp.zeros(e.shape[1:], e.dtype)) for e in entry_like]
@@ -86,6 +96,7 @@ def last(dev: _Device, j, fwd_buf, entry_like, acc_l, acc_t, sums, g_x):
 
     zeros = vary(({k: jnp.zeros((), jnp.float32) for k in HEAD_STATS}, _zeros_like_tree(dev.cur[2]),
                   jnp.zeros_like(h)))
+    # The predicate is the slot's, the same on every device: all of them join the head's collectives.
     head_stats, g_head, g_h = jax.lax.cond(dev.delay.live(j), head, lambda: zeros)
     # Every device adds its head block's gradient; the final norm's, the same on every device, and
     # the loss statistics are added by the last stage only (both are summed over stage later).
@@ -94,15 +105,39 @@ def last(dev: _Device, j, fwd_buf, entry_like, acc_l, acc_t, sums, g_x):
     acc_t = {**acc_t, "head": _add_at(acc_t["head"], i, g_head, dev.top_axes["head"])}
     stats = dict(block_stats)
     stats.update(head_stats, loss=block_stats["loss"] + head_stats["loss"])
-    sums = _add_at(sums, i, mine(stats))
+    return on_last, i, entry, g_h.astype(dev.act_dtype), acc_t, _add_at(sums, i, mine(stats))
+
+
+@_scoped("pp_last")
+def last(dev: _Device, j, fwd_buf, entry_like, acc_l, acc_t, sums, g_x):
+    """Microbatch ``j`` on the last (virtual) stage: block forward (its cond), head and loss on
+    every device, block backward (its cond)."""
+    on_last, i, entry, g_h, acc_t, sums = _block_and_head(dev, j, fwd_buf, entry_like, acc_t, sums)
+    c = dev.chunks - 1
 
     def block_backward(al, _):
-        g_l, g = dev.run(j, lambda lp: dev.fns.backward(lp, entry, lambda: entry[0], g_h.astype(dev.act_dtype),
+        g_l, g = dev.run(j, lambda lp: dev.fns.backward(dev.chunk_of(lp, c), entry, lambda: entry[0], g_h,
                                                         dev.template), 0)
-        return dev.add_layers(al, i, g_l, 0), g.astype(dev.act_dtype)
+        return dev.add_layers(al, i, g_l, c), g.astype(dev.act_dtype)
 
     acc_l, g_x = jax.lax.cond(on_last, block_backward, lambda al, gx: (al, gx), acc_l, g_x)
     return acc_l, acc_t, sums, g_x
+
+
+@_scoped("pp_last")
+def last_input(dev: _Device, j, fwd_buf, entry_like, acc_t, sums, save, save_at, g_x):
+    """``I`` of microbatch ``j`` on the last stage (a split backward): as :func:`last`, but the
+    block's input cotangent only, what its ``W`` needs into entry ``save_at`` of ``save``."""
+    on_last, _, entry, g_h, acc_t, sums = _block_and_head(dev, j, fwd_buf, entry_like, acc_t, sums)
+    c = dev.chunks - 1
+
+    def block_input_grad(sv, _):
+        g, kept = dev.run(j, lambda lp: dev.fns.input_grad(dev.chunk_of(lp, c), entry, lambda: entry[0], g_h,
+                                                           dev.template), 0)
+        return _put(sv, save_at, kept), g.astype(dev.act_dtype)
+
+    save, g_x = jax.lax.cond(on_last, block_input_grad, lambda sv, gx: (sv, gx), save, g_x)
+    return acc_t, sums, save, g_x
 
 
 HEAD_STATS = ("loss", "ce", "z_loss", "count")  # what head_loss_grads reports
@@ -132,3 +167,52 @@ def tick(dev: _Device, carry, row):
     acc_t = dev.lookup_transpose_add(acc_t, dev.tokens_of(first_b)[:, :-1], ct, dev.delay.accumulator(first_b))
     fwd_buf, bwd_buf = send(dev.n_stages, h_out, g_x)
     return (stash, fwd_buf, bwd_buf, acc_l, acc_t, sums), None
+
+
+VOCAB_COLUMNS = ("first_f", "first_b", "last_b")  # the slot's microbatches at the tables, on every device's row
+
+
+def vocab_columns(plan: slot_plan.SlotPlan) -> np.ndarray:
+    """``[slots, devices, 3]``: each slot's first-virtual-stage forward and backward microbatch and
+    last-virtual-stage backward (``I``) microbatch, or ``IDLE``, the same on every device's row (a
+    device runs at most one of each kind a slot, so there is at most one of each)."""
+    col, idle, v = slot_plan.INDEX, slot_plan.IDLE, plan.program.chunks
+    rows = plan.rows
+
+    def at(d, kind, chunk):
+        j = rows[:, d, col[kind]]
+        return np.where((j != idle) & (rows[:, d, col[kind + "_chunk"]] == chunk), j, idle)
+
+    out = np.stack([at(0, "f", 0), at(0, "b", 0), at(-1, "b", v - 1)], axis=-1).astype(rows.dtype)
+    return np.broadcast_to(out[:, None], (rows.shape[0], rows.shape[1], len(VOCAB_COLUMNS)))
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabSlotLoop(SlotLoop):
+    """:class:`~asyncpp_jax.pipeline.program_executor.SlotLoop` (``1f1b``, ``interleaved``,
+    ``zb-h1``) with the tables split over ``stage``: each row carries the slot's
+    :data:`VOCAB_COLUMNS`, so every device joins the first virtual stage's lookups and the last
+    one's head and loss in the slots that have them; the stages' blocks run under their conds."""
+
+    vocab_parallel = True
+    columns = slot_plan.COLUMNS + VOCAB_COLUMNS
+
+    def rows(self) -> np.ndarray:
+        return np.concatenate([self.plan.rows, vocab_columns(self.plan)], axis=-1)
+
+    def embedded(self, dev, r):
+        x_b = embedded(dev, r["first_b"]) if dev.fns.recompute else None
+        return embedded(dev, r["first_f"]), x_b
+
+    def embedding_grad(self, dev, r, acc_t, g_x):
+        jb, has_b = r["first_b"], r["first_b"] != slot_plan.IDLE
+        ct = jax.lax.psum(jnp.where(dev.first(r["b_chunk"]) & (r["b"] != slot_plan.IDLE), g_x,
+                                    jnp.zeros_like(g_x)).astype(jnp.float32), "stage")
+        jb_live = jnp.where(has_b, jb, 0)
+        return dev.lookup_transpose_add(acc_t, dev.tokens_of(jb_live)[:, :-1], ct, dev.delay.accumulator(jb_live))
+
+    def final_backward(self, dev, r, stash, fwd, acc_l, acc_t, sums, g_x):
+        return last(dev, r["last_b"], fwd[r["b_fwd"]], stash, acc_l, acc_t, sums, g_x)
+
+    def final_input_grad(self, dev, r, stash, fwd, acc_t, sums, save, g_x):
+        return last_input(dev, r["last_b"], fwd[r["b_fwd"]], stash, acc_t, sums, save, r["b_save"], g_x)
