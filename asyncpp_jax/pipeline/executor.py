@@ -398,13 +398,19 @@ def _top_acc_specs(model_cfg, uspec) -> dict:
     return {"head": {"final_norm": uspec["final_norm"], "w": uspec["lm_head"]["kernel"]}, "embed": uspec["embed"]}
 
 
+def _is_table_accumulator(path) -> bool:
+    """Whether an accumulator (laid out as :func:`_top_acc_specs`) is a vocabulary-sized table's:
+    the embedding's, or the head's ``w`` (a tied table's one accumulator among them)."""
+    return path[0].key == "embed" or path[-1].key == "w"
+
+
 def _reduce_accumulators(model_cfg, acc_l, acc_t, sums, n_acc, top_specs, top_axes, vocab_parallel=False):
     """The step's accumulators -> ``[(this replica's gradient laid out as update_specs, loss sums)]``,
     one per batch they hold.  The replicated leaves are reduced over ``stage`` once for all
     batches (a table split over its vocabulary is not: each device's block is whole); the
     reduction over ``data`` is the caller's, once per batch's whole gradient."""
     def reduce(path, acc, spec, axis):
-        own_block = vocab_parallel and (path[0].key == "embed" or path[-1].key == "w")
+        own_block = vocab_parallel and _is_table_accumulator(path)
         return acc if own_block else reduce_top(acc, spec, axis)
 
     summed = jax.tree_util.tree_map_with_path(reduce, acc_t, top_specs, top_axes)
