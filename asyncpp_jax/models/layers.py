@@ -24,6 +24,27 @@ def dtype_of(name: str):
     return _DTYPES[name]
 
 
+@jax.custom_vjp
+def scale_last(y: Array, scale: Array) -> Array:
+    """``y * scale`` over the last axis, with the autodiff rule JAX derives for it, except that
+    the backward keeps ``scale`` itself rather than its broadcast: the residual of a stacked
+    layer's norm is then its weight row, which a kept-residual pipeline stash reads back from the
+    weights instead of storing (``pipeline.stage.ResidualTemplate``)."""
+    return y * scale
+
+
+def _scale_last_fwd(y, scale):
+    return y * scale, (y, scale)
+
+
+def _scale_last_bwd(res, g):
+    y, scale = res
+    return g * scale, jnp.sum(g * y, axis=tuple(range(g.ndim - 1)))
+
+
+scale_last.defvjp(_scale_last_fwd, _scale_last_bwd)
+
+
 class RMSNorm(nn.Module):
     """``y = x / sqrt(mean(x^2) + eps) * scale`` (Zhang & Sennrich 2019); statistics in fp32."""
 
@@ -36,7 +57,7 @@ class RMSNorm(nn.Module):
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * scale.astype(jnp.float32)).astype(self.dtype)
+        return scale_last(y, scale.astype(jnp.float32)).astype(self.dtype)
 
 
 def rope(x: Array, positions: Array, theta: float) -> Array:
