@@ -61,6 +61,9 @@ LOCAL_EXTEND: dict[str, dict[str, tuple[int, ...]]] = {
     # mitigations_tune's first pass: AdamW's 2bw, EF, Taylor, cooldown and Nesterov arms picked the
     # lowest point, Muon's 2bw and EF the highest
     "mitigations": {"adamw": (-2,), "muon": (2,)},
+    # schemes_tune, set before its first pass: every delayed AdamW arm of mitigations_tune picked
+    # one point below the 3-point grid, and PipeDream's deeper delays want no larger a step
+    "schemes": {"adamw": (-2,), "adamw/pipedream": (-2,)},
 }
 
 
