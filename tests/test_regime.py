@@ -214,7 +214,7 @@ def test_stats_contrast_slope_matches_a_paired_regression():
 # The headline studies at cpu_regime: tuned per arm (experiments/studies/tuned.py)
 
 
-def test_headline_studies_tune_every_arm_on_one_grid_then_measure_the_picks():
+def test_headline_studies_tune_every_arm_on_one_grid_then_measure_the_picks(monkeypatch):
     from experiments.studies import optimizers, tuned
 
     base = optimizers.base_study("cpu_regime")
@@ -225,8 +225,9 @@ def test_headline_studies_tune_every_arm_on_one_grid_then_measure_the_picks():
     assert tune.variants["adamw/lr=0.0011/2bw"] == {**base.variants["adamw/2bw"], "optimizer.lr": 0.0011}
     with pytest.raises(ValueError, match="cpu_regime"):
         sweep.load_study("optimizers_tune", "cpu")
+    monkeypatch.delitem(common.TUNED_ARMS["cpu_regime"], "schemes", raising=False)
     with pytest.raises(ValueError, match="schemes_tune"):
-        sweep.load_study("schemes", "cpu_regime")  # no picks yet: the error names the step to run
+        sweep.load_study("schemes", "cpu_regime")  # no picks: the error names the step to run
     assert len(sweep.load_study("optimizers", "cpu_regime").variants) == 22  # its picks are in TUNED_ARMS
 
     picks = {v: lr_study.grid(o["optimizer.name"], "cpu_regime")[2] for v, o in base.variants.items()}

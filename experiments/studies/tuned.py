@@ -62,8 +62,9 @@ LOCAL_EXTEND: dict[str, dict[str, tuple[int, ...]]] = {
     # lowest point, Muon's 2bw and EF the highest
     "mitigations": {"adamw": (-2,), "muon": (2,)},
     # schemes_tune, set before its first pass: every delayed AdamW arm of mitigations_tune picked
-    # one point below the 3-point grid, and PipeDream's deeper delays want no larger a step
-    "schemes": {"adamw": (-2,), "adamw/pipedream": (-2,)},
+    # one point below the 3-point grid, and PipeDream's deeper delays want no larger a step; the
+    # first pass put PipeDream's P = 8 pick on that lower edge, so its setting goes one point further
+    "schemes": {"adamw": (-2,), "adamw/pipedream": (-2, -3)},
 }
 
 
