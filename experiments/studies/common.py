@@ -122,6 +122,8 @@ TUNED_ARMS: dict[str, dict[str, dict[str, float]]] = {"cpu_regime": {
                     "muon/sync": 0.0012, "muon/none": 0.002, "muon/ef": 0.002, "muon/taylor": 0.0012,
                     "muon/sync_start": 0.002, "muon/sync_cooldown": 0.002, "muon/ef+sync_start": 0.002,
                     "muon/nesterov": 0.002, "muon/weight_prediction": 0.002},
+    "schemes": {"adamw/sync": 0.00061, "adamw/2bw": 0.00061, "adamw/pipedream/P=2": 0.00061,
+                "adamw/pipedream/P=4": 0.0011, "adamw/pipedream/P=8": 0.00035},
 }}
 # The ladder's per-arm picks: {'u=UPDATES/OPT': {arm: lr}} from the `ladder_tune` study's rows
 # (experiments.tuning.complete_picks; tests/test_regime.py holds the table to the committed rows).
