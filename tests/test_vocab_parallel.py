@@ -125,7 +125,9 @@ def _data(vocab, n, M, B, seed):
 
 
 @pytest.mark.parametrize("schedule, tie, stages, data_size", [
-    pytest.param("sync", True, 4, 1, marks=pytest.mark.slow), ("2bw", True, 4, 1), ("2bw", False, 2, 2),
+    # by default: 2bw (tied, P = 4) and two programs, one of them untied with data parallelism
+    pytest.param("sync", True, 4, 1, marks=pytest.mark.slow), ("2bw", True, 4, 1),
+    pytest.param("2bw", False, 2, 2, marks=pytest.mark.slow),
     pytest.param("sync", False, 2, 2, marks=pytest.mark.slow), ("zb-h1", True, 4, 1), ("interleaved", False, 2, 2),
     pytest.param("1f1b", True, 4, 1, marks=pytest.mark.slow)])
 def test_split_tables_equal_simulate(schedule, tie, stages, data_size):
