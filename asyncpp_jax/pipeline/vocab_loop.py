@@ -204,12 +204,10 @@ class VocabSlotLoop(SlotLoop):
         x_b = embedded(dev, r["first_b"]) if dev.fns.recompute else None
         return embedded(dev, r["first_f"]), x_b
 
-    def embedding_grad(self, dev, r, acc_t, g_x):
-        jb, has_b = r["first_b"], r["first_b"] != slot_plan.IDLE
-        ct = jax.lax.psum(jnp.where(dev.first(r["b_chunk"]) & (r["b"] != slot_plan.IDLE), g_x,
-                                    jnp.zeros_like(g_x)).astype(jnp.float32), "stage")
-        jb_live = jnp.where(has_b, jb, 0)
-        return dev.lookup_transpose_add(acc_t, dev.tokens_of(jb_live)[:, :-1], ct, dev.delay.accumulator(jb_live))
+    def embedding_cotangent(self, dev, r, g_x):
+        # Every device adds its shard's rows, so the device that ran the B shares its cotangent.
+        ct, _ = super().embedding_cotangent(dev, r, g_x)
+        return jax.lax.psum(ct, "stage"), r["first_b"]
 
     def final_backward(self, dev, r, stash, fwd, acc_l, acc_t, sums, g_x):
         return last(dev, r["last_b"], fwd[r["b_fwd"]], stash, acc_l, acc_t, sums, g_x)
