@@ -8,7 +8,8 @@
     python experiments/bench_pipeline.py conditionals # conditionals each update executes (a GPU's host syncs)
 
 Absolute times on a shared machine are noise, so every figure is a ratio of two programs timed
-side by side in alternating rounds (median of rounds).
+side by side in alternating rounds (median of rounds); ``work`` times each program back to back
+with the ``simulate`` step it is divided by, so each round's ratio sees one machine state.
 
 * ``work``: with every fake device pinned to the same core, a pipeline step takes the total work
   of all stages (``sync``, ``2bw`` and the ``1f1b``, ``interleaved`` and ``zb-h1`` programs; the last
@@ -88,7 +89,7 @@ def _args():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=2, help="updates timed per round")
     ap.add_argument("--microbatches", default="2,4,8", help="overlap: the values of M to time")
-    ap.add_argument("--recompute", default="True,False", help="overlap: the recompute settings to time")
+    ap.add_argument("--recompute", default="True,False", help="work, overlap, processes: the recompute settings to time")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # processes: one stage's process
     ap.add_argument("--profile", default="", help="processes: after the timing, trace 2 updates of each program "
                     "into this directory and print each process's device time by part (asyncpp_jax.train.profile)")
@@ -289,6 +290,23 @@ def time_rounds(runs: dict, rounds: int, steps: int) -> dict:
         for name in list(runs)[::-1 if k % 2 else 1]:
             times[name].append(runs[name].run(steps))
     return times
+
+
+def time_paired(runs: dict, base: str, rounds: int, steps: int) -> dict:
+    """Each run's time over ``base``'s, timed back to back in each of ``rounds`` rounds (odd rounds
+    reverse both the programs' order and each pair's), after a warm-up: ``{name: [ratio per round]}``.
+
+    On a shared host the machine's speed drifts over the minutes a round of many programs takes;
+    a ratio of two timings seconds apart sees one machine state, so its spread is the programs'."""
+    for r in runs.values():
+        r.run(1)
+    ratios = {name: [] for name in runs if name != base}
+    for k in range(rounds):
+        for name in list(ratios)[::-1 if k % 2 else 1]:
+            pair = (base, name)[::-1 if k % 2 else 1]
+            t = {n: runs[n].run(steps) for n in pair}
+            ratios[name].append(t[name] / t[base])
+    return ratios
 
 
 def time_side_by_side(runs: dict, rounds: int, steps: int) -> dict:
@@ -511,6 +529,11 @@ def predicted_program_over_2bw(name: str, P: int, M: int, c: list, recompute: bo
     return float(slots.max(axis=1).sum()) / predicted_step_seconds(tick_tables.async_table(P, M), c)
 
 
+def work_recompute(args) -> list[bool]:
+    """``--recompute``'s settings for ``work``, without recompute first (its bound is the tight one)."""
+    return sorted({v.strip() == "True" for v in args.recompute.split(",")})
+
+
 def work(args) -> None:
     P, M = 4, 8
     rows = []
@@ -523,7 +546,7 @@ def work(args) -> None:
     print("|---|---|---|---|---|---|---|")
     costs = cached_slot_costs(args, max(args.layers // P, 1), True)
     f_share = costs["F"] / (costs["F"] + costs["B"])
-    for recompute in (False, True):
+    for recompute in work_recompute(args):
         runs = {"simulate": Simulated(args, M),
                 "sync": Pipelined(args, P, M, "sync", recompute, stage_layers=args.stage_layers),
                 "2bw": Pipelined(args, P, M, "2bw", recompute, stage_layers=args.stage_layers),
@@ -534,20 +557,18 @@ def work(args) -> None:
                                                  for name in ("sync", "2bw")}),
                 "slots sync": SlotWork(args, P, tick_tables.sync_table(P, M), recompute),
                 "slots 2bw": SlotWork(args, P, tick_tables.async_table(P, M), recompute)}
-        rounds = time_rounds(runs, args.rounds, args.steps)
-        t = {name: float(np.median(r)) for name, r in rounds.items()}
+        ratios = time_paired(runs, "simulate", args.rounds, args.steps)
+        r = {name: float(np.median(v)) for name, v in ratios.items()}
         bound = 1.10 if not recompute else 1 + f_share + 0.10
         for name in (n for n in ("sync", "2bw", "1f1b", "interleaved", "zb-h1", f"sync {VP}", f"2bw {VP}") if n in runs):
-            slots = t.get(f"slots {name}")  # the tick tables' slot kinds, timed alone (not for a program)
-            per_round = np.array(rounds[name]) / np.array(rounds["simulate"])  # same machine state, round by round
-            shown = (f"{slots / t['simulate']:.3f} | {t[name] / slots:.3f}" if slots else "- | -")
-            print(f"| {name} | {recompute} | {t[name] / t['simulate']:.3f} | {per_round.min():.3f}-{per_round.max():.3f} "
+            slots = r.get(f"slots {name}")  # the tick tables' slot kinds, timed alone (not for a program)
+            spread = (min(ratios[name]), max(ratios[name]))
+            shown = f"{slots:.3f} | {r[name] / slots:.3f}" if slots else "- | -"
+            print(f"| {name} | {recompute} | {r[name]:.3f} | {spread[0]:.3f}-{spread[1]:.3f} "
                   f"| {shown} | <= {bound:.2f} |", flush=True)
-            rows.append({"schedule": name, "recompute": recompute, "engine_over_simulate": t[name] / t["simulate"],
-                         "spread": [float(per_round.min()), float(per_round.max())],
-                         "slot_work_over_simulate": slots and slots / t["simulate"],
-                         "engine_over_slot_work": slots and t[name] / slots, "target": f"≤ {bound:.2f}"})
-        print(f"(simulate step {t['simulate']:.2f} s)", flush=True)
+            rows.append({"schedule": name, "recompute": recompute, "engine_over_simulate": r[name],
+                         "spread": [float(spread[0]), float(spread[1])], "slot_work_over_simulate": slots,
+                         "engine_over_slot_work": slots and r[name] / slots, "target": f"≤ {bound:.2f}"})
     print(f"\nmeasured F/(F+B) of a {costs['layers']}-layer stage's block = {f_share:.3f} (F {costs['F'] * 1e3:.1f} "
           f"ms, B {costs['B'] * 1e3:.1f} ms, last stage's fused slot {costs['last'] * 1e3:.1f} ms)")
     _record(args, "bench_pipeline_work", {

@@ -243,13 +243,17 @@ def bench_optimizers(doc: pathlib.Path) -> str:
 
 
 def bench_pipeline_work(doc: pathlib.Path) -> str:
-    latest = {r["figures"]["rows_per_microbatch"]: r for r in records.load("bench_pipeline", "bench_pipeline_work")}
-    rows = [latest[k] for k in sorted(latest)]  # the latest record at each microbatch size
+    """One block per (microbatch size, recompute): the latest record that timed it."""
+    latest = {}
+    for r in records.load("bench_pipeline", "bench_pipeline_work"):
+        for recompute in {x["recompute"] for x in r["figures"]["rows"]}:
+            latest[(r["figures"]["rows_per_microbatch"], recompute)] = r
+    rows = list({id(r): r for r in latest.values()}.values())
     lines = ["| microbatch | schedule | recompute | engine / simulate step | spread over rounds | slot work / simulate "
              "| engine / slot work | target |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        f = r["figures"]
-        for x in f["rows"]:
+    for key in sorted(latest):
+        f = latest[key]["figures"]
+        for x in (x for x in f["rows"] if x["recompute"] == key[1]):
             target = x["target"] + (f" (F/(F+B) = {f['f_over_f_plus_b']:.2f})" if x["recompute"] else "")
             slots = (f"{x['slot_work_over_simulate']:.2f} | {x['engine_over_slot_work']:.2f}"
                      if x["slot_work_over_simulate"] else "– | –")  # a program's slots are not timed alone
