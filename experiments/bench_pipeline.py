@@ -90,6 +90,8 @@ def _args():
     ap.add_argument("--steps", type=int, default=2, help="updates timed per round")
     ap.add_argument("--microbatches", default="2,4,8", help="overlap: the values of M to time")
     ap.add_argument("--recompute", default="True,False", help="work, overlap, processes: the recompute settings to time")
+    ap.add_argument("--schedules", default="", help="work: the runs to time, comma-separated (e.g. 'zb-h1,zb-h1 "
+                    f"{VP}'); default all")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # processes: one stage's process
     ap.add_argument("--profile", default="", help="processes: after the timing, trace 2 updates of each program "
                     "into this directory and print each process's device time by part (asyncpp_jax.train.profile)")
@@ -534,6 +536,29 @@ def work_recompute(args) -> list[bool]:
     return sorted({v.strip() == "True" for v in args.recompute.split(",")})
 
 
+WORK_SCHEDULES = ("sync", "2bw", "1f1b", "interleaved", "zb-h1")
+
+
+def work_runs(args, P: int, M: int, recompute: bool) -> dict:
+    """The engine runs ``work`` times beside ``simulate``: every schedule with whole tables and with
+    ``vocab_parallel`` (even splits; an uneven one runs whole tables of the tick-table schedules and
+    ``1f1b``), and the tick tables' slot kinds alone (``slots sync``, ``slots 2bw``); ``--schedules``
+    keeps those it names."""
+    tick = ("sync", "2bw", "1f1b")
+    made = {name: (lambda name=name: Pipelined(args, P, M, name, recompute, stage_layers=args.stage_layers))
+            for name in WORK_SCHEDULES if name in tick or not args.stage_layers}
+    if not args.stage_layers:
+        made.update({f"{name} {VP}": (lambda name=name: Pipelined(args, P, M, name, recompute, vocab_parallel=True))
+                     for name in WORK_SCHEDULES})
+    made["slots sync"] = lambda: SlotWork(args, P, tick_tables.sync_table(P, M), recompute)
+    made["slots 2bw"] = lambda: SlotWork(args, P, tick_tables.async_table(P, M), recompute)
+    wanted = [n.strip() for n in args.schedules.split(",")] if args.schedules else list(made)
+    unknown = sorted(set(wanted) - set(made))
+    if unknown:
+        raise SystemExit(f"--schedules: unknown {unknown}; choose from {sorted(made)}")
+    return {name: made[name]() for name in made if name in wanted}
+
+
 def work(args) -> None:
     P, M = 4, 8
     rows = []
@@ -547,20 +572,11 @@ def work(args) -> None:
     costs = cached_slot_costs(args, max(args.layers // P, 1), True)
     f_share = costs["F"] / (costs["F"] + costs["B"])
     for recompute in work_recompute(args):
-        runs = {"simulate": Simulated(args, M),
-                "sync": Pipelined(args, P, M, "sync", recompute, stage_layers=args.stage_layers),
-                "2bw": Pipelined(args, P, M, "2bw", recompute, stage_layers=args.stage_layers),
-                "1f1b": Pipelined(args, P, M, "1f1b", recompute, stage_layers=args.stage_layers),
-                **({} if args.stage_layers else {name: Pipelined(args, P, M, name, recompute)
-                                                 for name in ("interleaved", "zb-h1")}),
-                **({} if args.stage_layers else {f"{name} {VP}": Pipelined(args, P, M, name, recompute, vocab_parallel=True)
-                                                 for name in ("sync", "2bw")}),
-                "slots sync": SlotWork(args, P, tick_tables.sync_table(P, M), recompute),
-                "slots 2bw": SlotWork(args, P, tick_tables.async_table(P, M), recompute)}
+        runs = {"simulate": Simulated(args, M), **work_runs(args, P, M, recompute)}
         ratios = time_paired(runs, "simulate", args.rounds, args.steps)
         r = {name: float(np.median(v)) for name, v in ratios.items()}
         bound = 1.10 if not recompute else 1 + f_share + 0.10
-        for name in (n for n in ("sync", "2bw", "1f1b", "interleaved", "zb-h1", f"sync {VP}", f"2bw {VP}") if n in runs):
+        for name in (n for n in runs if n != "simulate" and not n.startswith("slots ")):
             slots = r.get(f"slots {name}")  # the tick tables' slot kinds, timed alone (not for a program)
             spread = (min(ratios[name]), max(ratios[name]))
             shown = f"{slots:.3f} | {r[name] / slots:.3f}" if slots else "- | -"

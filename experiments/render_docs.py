@@ -243,23 +243,28 @@ def bench_optimizers(doc: pathlib.Path) -> str:
 
 
 def bench_pipeline_work(doc: pathlib.Path) -> str:
-    """One block per (microbatch size, recompute): the latest record that timed it."""
+    """One row per (microbatch size, recompute, schedule): the latest record that timed it."""
     latest = {}
     for r in records.load("bench_pipeline", "bench_pipeline_work"):
-        for recompute in {x["recompute"] for x in r["figures"]["rows"]}:
-            latest[(r["figures"]["rows_per_microbatch"], recompute)] = r
-    rows = list({id(r): r for r in latest.values()}.values())
+        for x in r["figures"]["rows"]:
+            latest[(r["figures"]["rows_per_microbatch"], x["recompute"], x["schedule"])] = (x, r)
+    rows = list({id(r): r for _, r in latest.values()}.values())
+    order = ("sync", "2bw", "1f1b", "interleaved", "zb-h1")
+
+    def key(k):  # whole tables first, then split ones, each in the schedules' order
+        base, _, split = k[2].partition(" ")
+        return k[0], k[1], bool(split), order.index(base) if base in order else len(order), k[2]
+
     lines = ["| microbatch | schedule | recompute | engine / simulate step | spread over rounds | slot work / simulate "
              "| engine / slot work | target |", "|---|---|---|---|---|---|---|---|"]
-    for key in sorted(latest):
-        f = latest[key]["figures"]
-        for x in (x for x in f["rows"] if x["recompute"] == key[1]):
-            target = x["target"] + (f" (F/(F+B) = {f['f_over_f_plus_b']:.2f})" if x["recompute"] else "")
-            slots = (f"{x['slot_work_over_simulate']:.2f} | {x['engine_over_slot_work']:.2f}"
-                     if x["slot_work_over_simulate"] else "– | –")  # a program's slots are not timed alone
-            lines.append(f"| {f['rows_per_microbatch']} × {f['seq']} | {x['schedule']} | {x['recompute']} | "
-                         f"**{x['engine_over_simulate']:.2f}** | {x['spread'][0]:.2f}–{x['spread'][1]:.2f} | "
-                         f"{slots} | {target} |")
+    for k in sorted(latest, key=key):
+        x, f = latest[k][0], latest[k][1]["figures"]
+        target = x["target"] + (f" (F/(F+B) = {f['f_over_f_plus_b']:.2f})" if x["recompute"] else "")
+        slots = (f"{x['slot_work_over_simulate']:.2f} | {x['engine_over_slot_work']:.2f}"
+                 if x["slot_work_over_simulate"] else "– | –")  # a program's slots are not timed alone
+        lines.append(f"| {f['rows_per_microbatch']} × {f['seq']} | {x['schedule']} | {x['recompute']} | "
+                     f"**{x['engine_over_simulate']:.2f}** | {x['spread'][0]:.2f}–{x['spread'][1]:.2f} | "
+                     f"{slots} | {target} |")
     lines += ["", "Commands: " + "; ".join(f'`{r["command"]}`' for r in rows) + f". Hardware: {_hw(rows)}.",
               "", _provenance(rows, [BENCH_LINK / "bench_pipeline.jsonl"], doc)]
     return "\n".join(lines)
