@@ -119,3 +119,52 @@ def test_the_walk_finds_a_copy_in_a_branch():
         "}",
     ])
     assert vocab_moves_in_loops(text) == ["branch: copy.1 (copy)"]
+
+
+def carried(text: str) -> tuple[list, list]:
+    """``(handed, copies)``: each ``(computation, instruction, shape)`` a loop computation reads
+    off its parameter (the buffers the loop carries), and each ``copy`` it makes of one of those
+    (a carried buffer copied at every iteration)."""
+    comps = _computations(text)
+    handed, copies = [], []
+    for c in _loop_computations(comps):
+        lines = comps[c]
+        params = {m.group(1) for m in (re.match(r"\s*%([\w.\-]+) = .* parameter\(", line) for line in lines) if m}
+        names = set()
+        for m in map(_INSTR.match, lines):
+            src = m and m.group(3) == "get-tuple-element" and re.match(r"%([\w.\-]+)\)", m.group(4))
+            if src and src.group(1) in params:
+                handed.append((c, m.group(1), m.group(2)))
+                names.add(m.group(1))
+        for m in map(_INSTR.match, lines):
+            src = m and m.group(3) == "copy" and re.match(r"%([\w.\-]+)\)", m.group(4))
+            if src and src.group(1) in names:
+                copies.append((c, m.group(1), m.group(2)))
+    return handed, copies
+
+
+def _elements(shape: str) -> int:
+    dims = re.match(r"\w+\[([\d,]*)\]", shape).group(1)
+    return int(np.prod([int(d) for d in dims.split(",") if d]))
+
+
+@pytest.mark.needs_devices(4)
+@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("zb-h1", marks=pytest.mark.slow)])
+def test_the_slot_loop_copies_no_stash(schedule):
+    """Kept residuals, tables split over ``stage``: the slot's forward writes the stash in place
+    after its backward has read it, so nothing the loop carries that is larger than one
+    activation is copied per slot.  (With the last stage's loss sums added outside its block's
+    backward cond, the two were unordered and XLA copied every stash array twice a slot: 117
+    copies here, +30-50% of the step at the benchmark's shapes.)"""
+    cfg = model_cfg()
+    cfg.update(vocab_size=96, n_layers=8)
+    mesh, tx, M = engine.make_pipeline_mesh(1, 4), make_opt("adamw"), 8
+    step = engine.make_pipeline_train_step(cfg, tx, SCHED, mesh, engine_shapes(cfg), M, schedule, recompute=False,
+                                           vocab_parallel=True)
+    state = init_pipeline(cfg, tx, mesh, M, 16, schedule, recompute=False, vocab_parallel=True)
+    tokens = np.random.default_rng(0).integers(0, 96, (M, 2, T + 1))
+    batch = jax.device_put(jnp.asarray(tokens, jnp.int32), engine.global_batch_sharding(mesh))
+    handed, copies = carried(step.lower(state, batch).compile().as_text())
+    activation = 2 * T * cfg.d_model  # one microbatch's [b, T, D] on a device
+    assert any(_elements(h[2]) > activation for h in handed), "the walk sees no stash in the loop: it checks nothing"
+    assert [c for c in copies if _elements(c[2]) > activation] == []
