@@ -232,6 +232,21 @@ def reuse(source: pathlib.Path, workdir: pathlib.Path) -> None:
 RESTORED_ROW = "restored_row.json"
 
 
+def restore_with_sources(study: Study, rows, out: pathlib.Path, load, log=print) -> None:
+    """:func:`restore` for ``study`` under ``out``, and for every other study with rows in
+    ``rows`` that ``load(name)`` can build (``None`` or ``ValueError``: not at this preset): their
+    runs are then done under ``out`` too, so a run of ``study`` that one of them already did is
+    reused (the ``ladder`` study's seed 0 is ``ladder_tune``'s run) instead of run again."""
+    restore(study, rows, out / study.name, log)
+    for name in sorted({r.get("study") for r in rows} - {study.name, None}):
+        try:
+            other = load(name)
+        except ValueError:
+            continue
+        if other is not None:
+            restore(other, rows, out / name, log)
+
+
 def restore(study: Study, rows, root: pathlib.Path, log=print) -> list[str]:
     """Lay out, from results rows (a committed ``results.jsonl``), the workdir of each run of
     ``study`` that is not done under ``root`` but has a done row there with the config the study now
@@ -484,7 +499,8 @@ def main(argv=None):
                     "study first; the rest runs when the study is run again without it")
     ap.add_argument("--restore", metavar="RESULTS", default=None,
                     help="a results.jsonl (e.g. experiments/results/cpu_regime/results.jsonl) whose done rows "
-                    "stand for their runs: they are not run again")
+                    "stand for their runs: they are not run again (the other studies' rows too, so that a "
+                    "run one of them did is reused)")
     ap.add_argument("--collect", action="store_true",
                     help="write results.jsonl from the runs done so far and exit (runs nothing; a study "
                     "still running elsewhere keeps going)")
@@ -507,7 +523,7 @@ def main(argv=None):
         return
     if a.restore:
         rows = [json.loads(line) for line in pathlib.Path(a.restore).read_text().splitlines() if line.strip()]
-        restore(study, rows, pathlib.Path(a.out) / study.name)
+        restore_with_sources(study, rows, pathlib.Path(a.out), lambda name: load_study(name, a.preset))
     if a.collect:
         results, done, total = collect_done(study, pathlib.Path(a.out))
         print(f"{done} of {total} runs done -> {results}")

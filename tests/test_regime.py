@@ -364,6 +364,35 @@ def test_a_study_carried_over_by_its_committed_rows_goes_on_where_it_stopped(tmp
     assert new_rows["b__seed=0"] == committed[2] and new_rows["a__seed=1"] == committed[1]  # verbatim
 
 
+def test_restoring_a_study_also_restores_the_studies_it_reuses(tmp_path):
+    """A study whose runs repeat another's (``ladder``'s seed 0 is ``ladder_tune``'s run), carried
+    over by committed rows: the other study's rows are laid out too, so its run is reused."""
+    from helpers import fake_sweep_run, no_prepare
+
+    from asyncpp_jax import configs
+
+    src = sweep.Study("src", "configs/tiny.py", {"a": {}}, seeds=(0,))
+    dst = sweep.Study("dst", "configs/tiny.py", {"a": {}, "b": {"optimizer.lr": 0.002}}, seeds=(0,))
+
+    def runner_for(study):
+        def runner(cmd, workdir, env):
+            inner(cmd, workdir, env)
+            run = next(r for r in sweep.expand(study) if r.run_id == workdir.name)
+            (workdir / "config.json").write_text(configs.to_json(sweep.run_config(study, run)))
+            return 0
+        return runner
+
+    inner = fake_sweep_run(lambda name: 1.0)
+    rows = sweep.execute(src, tmp_path / "one", runner=runner_for(src), log=lambda *_: None, prepare=no_prepare)
+    rows = [json.loads(line) for line in rows.read_text().splitlines()]
+    inner.calls.clear()
+    sweep.restore_with_sources(dst, rows, tmp_path / "two", {"src": src}.get, log=lambda *_: None)
+    again = sweep.execute(dst, tmp_path / "two", runner=runner_for(dst), log=lambda *_: None, prepare=no_prepare)
+    assert inner.calls == ["b__seed=0"]
+    assert {r["run_id"]: r["reused_from"] for r in map(json.loads, again.read_text().splitlines())} == {
+        "a__seed=0": "src/a__seed=0", "b__seed=0": None}
+
+
 def test_sweep_only_runs_the_matching_part_of_a_study(capsys):
     sweep.main(["lr", "--preset=cpu_regime", "--only", "^muon/", "--list"])
     runs = [line for line in capsys.readouterr().out.splitlines() if "--workdir=" in line]
