@@ -12,9 +12,10 @@ side by side in alternating rounds (median of rounds); ``work`` times each progr
 with the ``simulate`` step it is divided by, so each round's ratio sees one machine state.
 
 * ``work``: with every fake device pinned to the same core, a pipeline step takes the total work
-  of all stages (``sync``, ``2bw`` and the ``1f1b``, ``interleaved`` and ``zb-h1`` programs; the last
-  two only on an even split).  Divided by the single-device ``simulate`` step on the same batch it measures
-  waste: 1.0 is ideal; recomputing each stage's forward costs at most ``1 + F/(F+B)``.
+  of all stages (``sync``, ``2bw`` and the ``1f1b``, ``interleaved`` and ``zb-h1`` programs, each
+  also with the tables split over ``stage``, ``vocab_parallel``; on an uneven split, whole tables of
+  the first three only).  Divided by the single-device ``simulate`` step on the same batch it
+  measures waste: 1.0 is ideal; recomputing each stage's forward costs at most ``1 + F/(F+B)``.
 * ``overlap``: with one core per stage the stages really run at the same time; ``sync / 2bw``
   is compared with a textbook 1F1B's ceiling ``(M + P - 1)/M`` and with the critical path the
   tick table predicts from the measured per-slot costs (``Σ_ticks max_stages cost``).
