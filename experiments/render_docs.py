@@ -583,10 +583,17 @@ def paper_regime(doc: pathlib.Path) -> str:
     lines.append("| the paper, 360M, ~10^4 updates | " + " | ".join(paper.gap(o) for o in opts) + " | "
                  + " | ".join(paper.ef_share(o) for o in opts) + " |")
     seeds = sorted({r["seed"] for r in (measured or [r for r in rows if r["study"] == "ladder_tune"])})
+    estimates = [e for per in found.values() for e in per.values() if hasattr(e, "n")]
+    if not measured:
+        spread = "One seed (the tuning runs), no standard errors yet"
+    elif all(e.n > 1 for e in estimates):
+        spread = "Three seeds, paired standard errors"
+    else:  # the ladder part-way: its seed 0 is the tuning run, the other seeds come rung by rung
+        spread = "Three seeds where a cell shows ± (paired standard error), the tuning run's one seed where not"
     done = {study: sum(1 for r in rows if r["study"] == study) for study in ("lr", "ladder_tune", "ladder")}
     note = (f"Gap = 2bw minus sync in nats/byte (the paper's in nats/token), best arm against best arm, each arm at "
             f"its own learning rate from one grid; EF share = the fraction of the gap 2bw + EF recovers. "
-            f"{'Three seeds, paired standard errors' if measured else 'One seed (the tuning runs), no standard errors yet'}; "
+            f"{spread}; "
             f"seeds {seeds}. Runs committed: {done['lr']} of the `lr` study, {done['ladder_tune']} of "
             f"`ladder_tune`'s {len(ladder_tune.variants())}, {done['ladder']} of `ladder`'s; a `-` is a rung not yet run.")
     return "\n".join(lines + ["", f"_{note} Rows: {_link(REGIME_RESULTS, doc)}._"])

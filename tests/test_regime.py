@@ -331,7 +331,12 @@ def test_readme_paper_section_renders_the_ladder_beside_the_paper(tmp_path, monk
     assert "One seed (the tuning runs)" in one_seed
     path.write_text("\n".join(json.dumps(r) for r in tune + meas) + "\n")
     three = render_docs.paper_regime(readme)
-    assert "| 3,200 x 2 | +0.150 ± 0.002 | +0.030 ± 0.002 | - |" in three and "Three seeds" in three
+    assert "| 3,200 x 2 | +0.150 ± 0.002 | +0.030 ± 0.002 | - |" in three and "Three seeds, paired" in three
+    part = [r for r in meas if r["seed"] == 0 or not r["variant"].startswith("u=200/")]  # one rung at seed 0 only
+    path.write_text("\n".join(json.dumps(r) for r in tune + part) + "\n")
+    partial = render_docs.paper_regime(readme)
+    assert "| 200 x 32 | +0.450 | +0.250 | - |" in partial and "| 3,200 x 2 | +0.150 ± 0.002 |" in partial
+    assert "Three seeds where a cell shows ±" in partial
 
 
 def test_a_study_carried_over_by_its_committed_rows_goes_on_where_it_stopped(tmp_path):
