@@ -143,6 +143,28 @@ def carried(text: str) -> tuple[list, list]:
     return handed, copies
 
 
+def test_the_carried_walk_finds_a_copy_of_what_the_loop_carries():
+    """The reader itself: a loop body's copy of an element of its parameter is found; a copy of a
+    value computed in the body is not."""
+    text = "\n".join([
+        "%body (p: (s32[], f32[5,16])) -> (s32[], f32[5,16]) {",
+        "  %p = (s32[], f32[5,16]{1,0}) parameter(0)",
+        "  %i = s32[] get-tuple-element(%p), index=0",
+        "  %ring = f32[5,16]{1,0} get-tuple-element(%p), index=1",
+        "  %copy.1 = f32[5,16]{1,0} copy(%ring)",
+        "  %neg = f32[5,16]{1,0} negate(%copy.1)",
+        "  %copy.2 = f32[5,16]{1,0} copy(%neg)",
+        "  ROOT %t = (s32[], f32[5,16]{1,0}) tuple(%i, %copy.2)",
+        "}",
+        "ENTRY %main (a: (s32[], f32[5,16])) -> (s32[], f32[5,16]) {",
+        "  ROOT %w = (s32[], f32[5,16]{1,0}) while(%a), condition=%cond, body=%body",
+        "}",
+    ])
+    handed, copies = carried(text)
+    assert [h[1] for h in handed] == ["i", "ring"]
+    assert copies == [("body", "copy.1", "f32[5,16]{1,0}")]
+
+
 def _elements(shape: str) -> int:
     dims = re.match(r"\w+\[([\d,]*)\]", shape).group(1)
     return int(np.prod([int(d) for d in dims.split(",") if d]))
