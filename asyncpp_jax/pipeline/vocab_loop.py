@@ -73,7 +73,7 @@ def _block_and_head(dev: _Device, j, fwd_buf, entry_like, acc_t):
     """Microbatch ``j``'s last block forward (the last stage's cond) and the head and loss on every
     device.  Returns ``(on_last, accumulator, entry, g_h, acc_t, stats)``: ``entry`` the block's
     stash entry (for its backward), ``g_h`` the cotangent of its output, ``stats`` what the loss
-    sums gain (:func:`_add_stats`).  ``entry_like``: the stash's arrays (for their shapes)."""
+    sums gain (added by the caller, inside its block's conditional).  ``entry_like``: the stash's arrays (for their shapes)."""
     on_last = dev.delay.live(j) & dev.is_last
     i, c = dev.delay.accumulator(j), dev.chunks - 1
 
@@ -108,25 +108,21 @@ def _block_and_head(dev: _Device, j, fwd_buf, entry_like, acc_t):
     return on_last, i, entry, g_h.astype(dev.act_dtype), acc_t, mine(stats)
 
 
-def _add_stats(sums, i, stats):
-    """The loss sums plus one microbatch's ``stats``, added inside the last stage's block-backward
-    cond: that cond runs after the slot's backward, so the forward that takes these sums and
-    writes the stash in place is ordered after the backward's reads of it.  Added outside, the
-    two conds are unordered and XLA copies every stash array twice a slot."""
-    return _add_at(sums, i, stats)
-
-
 @_scoped("pp_last")
 def last(dev: _Device, j, fwd_buf, entry_like, acc_l, acc_t, sums, g_x):
     """Microbatch ``j`` on the last (virtual) stage: block forward (its cond), head and loss on
     every device, block backward (its cond)."""
     on_last, i, entry, g_h, acc_t, stats = _block_and_head(dev, j, fwd_buf, entry_like, acc_t)
     c = dev.chunks - 1
+    # The loss sums are added inside the block's backward cond, which runs after the slot's
+    # backward: the slot's forward takes these sums and writes the stash in place, so this orders
+    # it after the backward's reads. Added outside, the two conds are unordered and XLA copies
+    # every stash array twice a slot (docs/design.md, section 6.1).
 
     def block_backward(al, _, su):
         g_l, g = dev.run(j, lambda lp: dev.fns.backward(dev.chunk_of(lp, c), entry, lambda: entry[0], g_h,
                                                         dev.template), 0)
-        return dev.add_layers(al, i, g_l, c), g.astype(dev.act_dtype), _add_stats(su, i, stats)
+        return dev.add_layers(al, i, g_l, c), g.astype(dev.act_dtype), _add_at(su, i, stats)
 
     acc_l, g_x, sums = jax.lax.cond(on_last, block_backward, lambda al, gx, su: (al, gx, su), acc_l, g_x, sums)
     return acc_l, acc_t, sums, g_x
@@ -137,12 +133,12 @@ def last_input(dev: _Device, j, fwd_buf, entry_like, acc_t, sums, save, save_at,
     """``I`` of microbatch ``j`` on the last stage (a split backward): as :func:`last`, but the
     block's input cotangent only, what its ``W`` needs into entry ``save_at`` of ``save``."""
     on_last, i, entry, g_h, acc_t, stats = _block_and_head(dev, j, fwd_buf, entry_like, acc_t)
-    c = dev.chunks - 1
+    c = dev.chunks - 1  # the sums go inside the block's cond, as in last()
 
     def block_input_grad(sv, _, su):
         g, kept = dev.run(j, lambda lp: dev.fns.input_grad(dev.chunk_of(lp, c), entry, lambda: entry[0], g_h,
                                                            dev.template), 0)
-        return _put(sv, save_at, kept), g.astype(dev.act_dtype), _add_stats(su, i, stats)
+        return _put(sv, save_at, kept), g.astype(dev.act_dtype), _add_at(su, i, stats)
 
     save, g_x, sums = jax.lax.cond(on_last, block_input_grad, lambda sv, gx, su: (sv, gx, su), save, g_x, sums)
     return acc_t, sums, save, g_x
