@@ -663,7 +663,8 @@ def _pipeline_defaults() -> ml_collections.ConfigDict:
             # True: each vocabulary-sized table (embedding, head) split along its vocabulary over
             # the stages, with its weight versions, gradient accumulators and optimizer state, so
             # that no device holds a whole table; the lookup and the loss run as collectives that
-            # every stage joins each tick.  Schedules sync and 2bw; vocab_size divisible by stages
+            # every stage joins each slot.  Every schedule; vocab_size divisible by stages.  The
+            # field-sized configs (configs/llama3_8b.py, configs/moe10b.py) set it
             vocab_parallel=False,
         )
     )

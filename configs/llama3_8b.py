@@ -6,15 +6,17 @@ embeddings, RoPE θ 500000, sequences of 4096 (Llama 3's are 8192).  A shape to 
 against, above all its vocabulary-sized tensors (the embedding and the head are 1.05B of the 8.03B
 parameters): 8 pipeline stages x 8-way data parallel on 64 H100 80GB
 (``config.hardware='h100-80gb'``), the 2bw schedule, remat on, 32 microbatches of one sequence per
-data shard.  The dry run says per device what the vocabulary-sized tensors cost, which stages read
-them and which only hold them.  On 4 stages the step needs an H200 (about 109 GB a device, 25 GB
-of it the two tables and what comes with them); ``--config.pipeline.vocab_parallel=True`` splits
-the tables over the stages (about 9.5 GB of them a device, 91 GB in all; docs/pipeline.md,
-"Vocabulary-sized tensors"):
+data shard, the embedding and the head split over the stages along the vocabulary
+(``config.pipeline.vocab_parallel=True``: 1/8 of each table, of its weight versions, accumulators
+and optimizer state on every device, and 1/8 of the lookup and the head computed there).  The dry
+run says per device what the vocabulary-sized tensors cost.  On 4 stages the step needs an H200;
+``--config.pipeline.vocab_parallel=False`` keeps both tables whole on every stage, where only stage
+0 reads the embedding and only the last stage the head (docs/pipeline.md, "Vocabulary-sized
+tensors", compares the two):
 
     python -m asyncpp_jax.main --config=configs/llama3_8b.py --dry_run
     python -m asyncpp_jax.main --config=configs/llama3_8b.py --dry_run --config.pipeline.stages=4 --config.hardware=h200-141gb
-    python -m asyncpp_jax.main --config=configs/llama3_8b.py --dry_run --config.pipeline.vocab_parallel=True
+    python -m asyncpp_jax.main --config=configs/llama3_8b.py --dry_run --config.pipeline.vocab_parallel=False
 """
 
 from asyncpp_jax.configs import base_config
@@ -33,7 +35,7 @@ def get_config():
                    checkpoint_every=500)
     c.optimizer.update(name="muon", lr=3e-3, warmup_steps=2000, weight_decay=0.1, schedule="cosine",
                        min_lr_ratio=0.1)
-    c.pipeline.update(stages=8, schedule="2bw")
+    c.pipeline.update(stages=8, schedule="2bw", vocab_parallel=True)  # 128256 = 8 x 16032
     c.staleness.update(mitigation="ef")
     c.mesh.update(data=8)
     return c

@@ -9,7 +9,9 @@ DeepSeekMoE, rather than Mixtral's 2 of 8 coarse ones.
 
 Trained with Async PP: 4 pipeline stages x 16-way data parallel on a 64-accelerator slice, experts
 sharded over the data axis (4 per device, all_to_all dispatch), the bubble-free 2bw schedule,
-Muon with error feedback.  Target hardware: 64 H100 80GB (``config.hardware='h100-80gb'``; the
+Muon with error feedback, the embedding and the head split over the stages along the vocabulary
+(``config.pipeline.vocab_parallel=True``: each device holds 1/4 of each table and of its versions and
+optimizer state, not both whole tables).  Target hardware: 64 H100 80GB (``config.hardware='h100-80gb'``; the
 per-device peak also fits TPU v5p and H200), remat on, 8 microbatches:
 
     python -m asyncpp_jax.main --config=configs/moe10b.py \\
@@ -33,7 +35,7 @@ def get_config():
     c.train.update(steps=50000, global_batch_size=1024, microbatches=8, eval_every=1000, eval_batches=32,
                    checkpoint_every=500)
     c.optimizer.update(name="muon", lr=3e-3, warmup_steps=2000, weight_decay=0.1, schedule="wsd")
-    c.pipeline.update(stages=4, schedule="2bw")
+    c.pipeline.update(stages=4, schedule="2bw", vocab_parallel=True)  # 49152 = 4 x 12288
     c.staleness.update(mitigation="ef")
     c.mesh.update(data=16, expert_parallel=True)  # 4 of the 64 experts per data shard
     return c
