@@ -101,6 +101,20 @@ def test_nothing_vocabulary_sized_is_copied_inside_the_loop(schedule, tie):
     assert _loop_computations(_computations(text)), "no loop found: the walk would check nothing"
     assert re.search(rf"f32\[16,(1,|2,)?{V}\]", text), "no vocabulary-sized array found"
     assert vocab_moves_in_loops(text) == []
+    # Nor outside it: 2bw's version shift is made by reference (engine.ShiftByReference), so the
+    # step copies no weights, where one jitted step over the donated state copied the table three times.
+    assert table_copies_outside_loops(text) == []
+    if schedule == "2bw":
+        new, _ = step(state, batch)
+        assert all(a is b for a, b in zip(jax.tree.leaves(new.runner_state.prev_params), jax.tree.leaves(state.params)))
+
+
+def table_copies_outside_loops(text: str, v: int = V, d: int = 16) -> list:
+    """The entry computation's ``copy`` instructions (outside every loop) of a whole ``[d, v]`` or
+    ``[v, d]`` table: a weight version (a gradient's partial sum is ``1/P`` of one)."""
+    entry = re.search(r"^ENTRY %?([\w.\-]+)", text, re.M).group(1)
+    return [m.group(1) for m in map(_INSTR.match, _computations(text)[entry])
+            if m and m.group(3) == "copy" and re.match(rf"f32\[({d},{v}|{v},{d})\]", m.group(2))]
 
 
 def test_the_walk_finds_a_copy_in_a_branch():

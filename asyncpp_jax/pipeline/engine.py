@@ -167,4 +167,41 @@ def make_pipeline_train_step(model_cfg, optimizer, schedule: optax.Schedule, mes
         return jax.lax.with_sharding_constraint(state, state_shardings(state, mesh, params_abstract,
                                                                        expert_parallel, vocab_parallel)), metrics
 
+    if is_2bw and weight_prediction is None:  # the version carried is the weights read: w[t] by reference
+        return ShiftByReference(train_step)
     return jax.jit(train_step, donate_argnums=0)
+
+
+class ShiftByReference:
+    """``2bw``'s train step with its weight-version shift made outside the compiled program.
+
+    Update ``t`` reads ``w[t]`` and keeps it as the previous version: ``prev[t+1] = w[t]``.  In
+    one jitted step with the whole state donated, ``w[t+1]`` is written over ``w[t]``'s buffers,
+    so ``w[t]`` must be copied into ``prev``'s, and XLA:CPU also copies both versions into the
+    tick loop: three copies of the weights a step in the compiled step (section 8 of
+    docs/design.md: a copy is a cost the size of the buffer), two of them alive during the loop.
+    Here the compiled step takes ``w[t]`` undonated beside the rest of the state (donated, with
+    ``prev = w[t-1]``), writes ``w[t+1]`` into ``w[t-1]``'s buffers, and ``w[t]``'s arrays become
+    ``prev_params`` as they are.  The same ``jit`` API: call, ``trace``, ``lower``."""
+
+    def __init__(self, train_step):
+        def step(rest: TrainState, params, batch):
+            state, metrics = train_step(rest.replace(params=params), batch)
+            ps = state.runner_state._replace(prev_params=None)  # ``params`` itself, handed back by reference
+            return state.replace(params=None, runner_state=ps), state.params, metrics
+
+        self._jit = jax.jit(step, donate_argnums=0)
+
+    @staticmethod
+    def _args(state: TrainState, batch) -> tuple:
+        return state.replace(params=None), state.params, batch
+
+    def __call__(self, state: TrainState, batch):
+        out, params, metrics = self._jit(*self._args(state, batch))
+        return out.replace(params=params, runner_state=out.runner_state._replace(prev_params=state.params)), metrics
+
+    def trace(self, state: TrainState, batch):
+        return self._jit.trace(*self._args(state, batch))
+
+    def lower(self, state: TrainState, batch):
+        return self._jit.lower(*self._args(state, batch))
