@@ -10,9 +10,10 @@ DeepSeekMoE, rather than Mixtral's 2 of 8 coarse ones.
 Trained with Async PP: 4 pipeline stages x 16-way data parallel on a 64-accelerator slice, experts
 sharded over the data axis (4 per device, all_to_all dispatch), the bubble-free 2bw schedule,
 Muon with error feedback, the embedding and the head split over the stages along the vocabulary
-(``config.pipeline.vocab_parallel=True``: each device holds 1/4 of each table and of its versions and
-optimizer state, not both whole tables).  Target hardware: 64 H100 80GB (``config.hardware='h100-80gb'``; the
-per-device peak also fits TPU v5p and H200), remat on, 8 microbatches:
+(``config.pipeline.vocab_parallel=True``: each device holds 1/4 of each table, of its weight
+versions and of its optimizer state, not both tables whole).  Target hardware: 64 H100 80GB
+(``config.hardware='h100-80gb'``; the per-device peak also fits TPU v5p and H200), remat on, 8
+microbatches:
 
     python -m asyncpp_jax.main --config=configs/moe10b.py \\
         --config.data.tokenizer=/path/to/tokenizer.json --config.data.source=hf:HuggingFaceFW/fineweb-edu:sample-10BT
