@@ -73,7 +73,8 @@ def _block_and_head(dev: _Device, j, fwd_buf, entry_like, acc_t):
     """Microbatch ``j``'s last block forward (the last stage's cond) and the head and loss on every
     device.  Returns ``(on_last, accumulator, entry, g_h, acc_t, stats)``: ``entry`` the block's
     stash entry (for its backward), ``g_h`` the cotangent of its output, ``stats`` what the loss
-    sums gain (added by the caller, inside its block's conditional).  ``entry_like``: the stash's arrays (for their shapes)."""
+    sums gain (added by the caller, inside its block's conditional).  ``entry_like``: the stash's
+    arrays (for their shapes)."""
     on_last = dev.delay.live(j) & dev.is_last
     i, c = dev.delay.accumulator(j), dev.chunks - 1
 
@@ -133,9 +134,9 @@ def last_input(dev: _Device, j, fwd_buf, entry_like, acc_t, sums, save, save_at,
     """``I`` of microbatch ``j`` on the last stage (a split backward): as :func:`last`, but the
     block's input cotangent only, what its ``W`` needs into entry ``save_at`` of ``save``."""
     on_last, i, entry, g_h, acc_t, stats = _block_and_head(dev, j, fwd_buf, entry_like, acc_t)
-    c = dev.chunks - 1  # the sums go inside the block's cond, as in last()
+    c = dev.chunks - 1
 
-    def block_input_grad(sv, _, su):
+    def block_input_grad(sv, _, su):  # the loss sums added here, inside the cond, as in last()
         g, kept = dev.run(j, lambda lp: dev.fns.input_grad(dev.chunk_of(lp, c), entry, lambda: entry[0], g_h,
                                                            dev.template), 0)
         return _put(sv, save_at, kept), g.astype(dev.act_dtype), _add_at(su, i, stats)
