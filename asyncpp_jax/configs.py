@@ -22,6 +22,8 @@ SCHEDULES = ("constant", "cosine", "linear", "wsd")
 DTYPES = ("float32", "bfloat16")
 RUNNERS = ("auto", "simulate", "pipeline")
 PIPELINE_SCHEDULES = ("sync", "2bw", "1f1b", "interleaved", "zb-h1")
+PLACEMENTS = ("spmd", "mpmd")
+MPMD_SCHEDULES = ("sync", "1f1b", "2bw")  # asyncpp_jax.pipeline.mpmd.SCHEDULES
 PIPEDREAM_GRADIENTS = ("mixed", "per_leaf")
 STALENESS_MODES = ("sync", "2bw", "pipedream")
 MITIGATIONS = ("none", "ef", "taylor")
@@ -666,6 +668,13 @@ def _pipeline_defaults() -> ml_collections.ConfigDict:
             # every stage joins each slot.  Every schedule; vocab_size divisible by stages.  The
             # field-sized configs (configs/llama3_8b.py, configs/moe10b.py) set it
             vocab_parallel=False,
+            # spmd: one program runs every stage, so every stage holds the same shapes (the
+            # embedding and head replicated, or split with vocab_parallel) | mpmd: one program per
+            # stage, each stage holding only what it uses: the embedding (its versions, optimizer
+            # state, accumulators) on the first stage, the final norm and head on the last, a
+            # tied table on those two only.  mpmd runs schedule sync, 1f1b or 2bw (2bw from
+            # microbatches >= stages - 1), with recompute=True, an even split, no vocab_parallel
+            placement="spmd",
         )
     )
 
@@ -714,6 +723,37 @@ def _vocab_parallel_errors(c) -> list[str]:
         errs.append(f"config.pipeline.vocab_parallel=True splits the vocabulary over config.pipeline.stages="
                     f"{pipe.stages}, which does not divide config.model.vocab_size={c.model.vocab_size}: pad the "
                     f"vocabulary to a multiple of {pipe.stages} or set vocab_parallel=False.")
+    return errs
+
+
+def is_mpmd(c) -> bool:
+    """Whether the pipeline engine runs one program per stage (``pipeline.placement='mpmd'``)."""
+    return uses_pipeline(c) and c.pipeline.get("placement", "spmd") == "mpmd"
+
+
+def _placement_errors(c) -> list[str]:
+    """What ``pipeline.placement='mpmd'`` runs (asyncpp_jax/pipeline/mpmd.py)."""
+    pipe, errs = c.pipeline, []
+    if not _choice(errs, "pipeline.placement", pipe.get("placement", "spmd"), PLACEMENTS) or not is_mpmd(c):
+        return errs
+    why = " under config.pipeline.placement='mpmd'"
+    if pipe.schedule not in MPMD_SCHEDULES:
+        errs.append(f"config.pipeline.schedule={pipe.schedule!r} does not run{why}, which runs "
+                    f"{', '.join(MPMD_SCHEDULES)}: pick one of them, or set placement='spmd'.")
+    if pipe.recompute is not True:
+        errs.append(f"config.pipeline.recompute=False does not run{why} (its backward recomputes each stage's "
+                    "forward from the stashed input): set recompute=True, or placement='spmd'.")
+    if pipe.stage_layers:
+        errs.append(f"config.pipeline.stage_layers does not run{why}, which splits the layers evenly: set "
+                    "stage_layers=(), or placement='spmd'.")
+    if pipe.get("vocab_parallel", False) is True:
+        errs.append(f"config.pipeline.vocab_parallel=True does not apply{why}: the embedding lives on the first "
+                    "stage and the head on the last, whole. Set vocab_parallel=False (or placement='spmd').")
+    if c.staleness.get("weight_prediction"):
+        errs.append(f"config.staleness.weight_prediction=True does not run{why}: set it False, or placement='spmd'.")
+    if c.mesh.expert_parallel is True:
+        errs.append(f"config.mesh.expert_parallel=True does not run{why} yet: set it False (each data replica then "
+                    "holds every expert), or placement='spmd'.")
     return errs
 
 
@@ -799,11 +839,18 @@ def _check_pipeline(c) -> list[str]:
     if pipe.schedule == "zb-h1":
         errs += _zero_bubble_errors(c)
     errs += _vocab_parallel_errors(c)
+    errs += _placement_errors(c)
     if st.mode not in ("sync", pipe.schedule):
         errs.append(f"config.staleness.mode={st.mode!r} cannot run on the pipeline engine with "
                     f"config.pipeline.schedule={pipe.schedule!r}: the engine's delay is physical. Use "
                     "config.pipeline.schedule=2bw for a one-step delay, or config.pipeline.stages=1 to simulate it.")
-    if _engine_2bw(c) and _is_int(t.microbatches) and t.microbatches < 2 * (pipe.stages - 1):
+    if _engine_2bw(c) and is_mpmd(c):
+        if _is_int(t.microbatches) and t.microbatches < pipe.stages - 1:
+            errs.append(f"config.train.microbatches={t.microbatches} is too few for config.pipeline.schedule=2bw "
+                        f"with config.pipeline.stages={pipe.stages} under placement='mpmd': the 2bw program keeps "
+                        f"every backward within one batch of its forward from microbatches >= stages - 1 = "
+                        f"{pipe.stages - 1}.")
+    elif _engine_2bw(c) and _is_int(t.microbatches) and t.microbatches < 2 * (pipe.stages - 1):
         errs.append(f"config.train.microbatches={t.microbatches} is too few for config.pipeline.schedule=2bw "
                     f"with config.pipeline.stages={pipe.stages}: a one-step delay needs microbatches >= "
                     f"2*(stages-1) = {2 * (pipe.stages - 1)}.")

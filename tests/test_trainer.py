@@ -265,17 +265,20 @@ def test_staleness_modes_train_and_log_the_delay(cache_dir, tmp_path, mode, miti
 @pytest.mark.needs_devices(2)
 @pytest.mark.parametrize("runner", ["pipedream_mixed", pytest.param("pipeline_2bw", marks=pytest.mark.slow),
                                     pytest.param("pipeline_2bw_vocab_parallel", marks=pytest.mark.slow),
+                                    "pipeline_2bw_mpmd",
                                     pytest.param("weight_prediction", marks=pytest.mark.slow)])
 def test_runner_state_resumes_exactly(cache_dir, tmp_path, runner):
     """A pause mid-run keeps PipeDream's weight history, the engine's in-flight microbatches (with
-    the tables whole or split over the stages), or the weight-prediction velocity."""
+    the tables whole or split over the stages, or each stage's own under the mpmd placement), or
+    the weight-prediction velocity."""
     cfg = small_config(cache_dir, steps=6, eval_every=6, checkpoint_every=6)
     if runner == "pipedream_mixed":
         cfg.staleness.update(mode="pipedream", pipedream_stages=2, pipedream_gradient="mixed", mitigation="ef")
     elif runner == "weight_prediction":
         cfg.staleness.update(mode="2bw", weight_prediction=True, weight_prediction_smoothing=0.5, nesterov=True)
     else:
-        cfg.pipeline.update(stages=2, schedule="2bw", vocab_parallel=runner.endswith("vocab_parallel"))
+        cfg.pipeline.update(stages=2, schedule="2bw", vocab_parallel=runner.endswith("vocab_parallel"),
+                            placement="mpmd" if runner.endswith("mpmd") else "spmd")
         cfg.staleness.update(mitigation="ef", sync_start_steps=1)
         if cfg.pipeline.vocab_parallel:
             cfg.model.vocab_size = 258  # the bytes' 257 padded to a multiple of the stages
@@ -287,6 +290,7 @@ def test_runner_state_resumes_exactly(cache_dir, tmp_path, runner):
             first.close()
         t = Trainer(cfg, tmp_path / name)
         assert t.runner.vocab_parallel == runner.endswith("vocab_parallel")
+        assert t.runner.mpmd == runner.endswith("mpmd")
         assert t.run().step == 6
         t.close()
         runs.append(t.state)

@@ -141,7 +141,8 @@ def weight_versions(st, total_steps: int, params_shapes) -> WeightVersions | Non
         total_steps=total_steps))
 
 
-def build_optimizer(o, total_steps: int, staleness=None, params_shapes=None, delay_in_chain: bool = True):
+def build_optimizer(o, total_steps: int, staleness=None, params_shapes=None, delay_in_chain: bool = True,
+                    clip: bool = True):
     """Returns ``(optimizer, lr_schedule)``; the schedule is also used to log the lr.
 
     With ``staleness`` (``config.staleness``) in mode ``2bw`` or ``pipedream`` the chain simulates
@@ -158,9 +159,12 @@ def build_optimizer(o, total_steps: int, staleness=None, params_shapes=None, del
     ``staleness.nesterov`` swaps the optimizer for :func:`build_nesterov_main`, and
     ``staleness.lr_rescheduling_steps > 0`` wraps the lr schedule in PipeMare's
     :func:`~asyncpp_jax.optim.delay_lr.delay_aware_lr` (the returned schedule is the wrapped one).
+    ``clip=False`` leaves the global-norm clip out, for a runner that applies the chain to groups
+    of parameters separately and clips with the norm over all of them itself (the pipeline's
+    ``mpmd`` placement).
     """
     schedule = make_schedule(o, total_steps)
-    parts = [optax.clip_by_global_norm(o.grad_clip)] if o.grad_clip else []
+    parts = [optax.clip_by_global_norm(o.grad_clip)] if o.grad_clip and clip else []
     if staleness is None or staleness.mode == "sync":
         return optax.chain(*parts, build_main(o, schedule)), schedule
     if staleness.lr_rescheduling_steps:

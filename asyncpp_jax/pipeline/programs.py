@@ -116,6 +116,10 @@ class Program:
     def render(self) -> str:
         return "\n".join(f"d{d}: " + " ".join(map(str, acts)) for d, acts in enumerate(self.actions))
 
+    def useful_fraction(self) -> float:
+        """``1 -`` :func:`bubble_fraction` at the default costs (as a tick table's)."""
+        return 1.0 - bubble_fraction(self)
+
 
 @dataclasses.dataclass(frozen=True)
 class Op:

@@ -3,7 +3,8 @@
 Shared by the trainer and the dry run, so the dry run compiles exactly the program a real run
 executes.  ``simulate`` is one jitted data-parallel program (the delay, if any, in the optimizer
 chain or, for exact PipeDream, in the runner's weight history); ``pipeline`` is the
-``shard_map`` engine over ``('data', 'stage')`` (the two runners share one contract).
+``shard_map`` engine over ``('data', 'stage')``, or with ``pipeline.placement='mpmd'`` one
+program per stage (:mod:`asyncpp_jax.pipeline.mpmd`); the runners share one contract.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from asyncpp_jax import configs
 from asyncpp_jax import train_state as state_lib
 from asyncpp_jax.models import abstract_params, hf_llama
 from asyncpp_jax.optim import build_optimizer, delay_schedule, weight_prediction, weight_versions
-from asyncpp_jax.pipeline import engine, make_mesh, slot_plan, tick_tables
+from asyncpp_jax.pipeline import engine, make_mesh, mpmd, slot_plan, tick_tables
 from asyncpp_jax.train import step as step_lib
 
 
@@ -53,6 +54,11 @@ class Runner:
         return self.pipelined and bool(self.config.pipeline.get("vocab_parallel", False))
 
     @property
+    def mpmd(self) -> bool:
+        """Whether the engine runs one program per stage (``config.pipeline.placement='mpmd'``)."""
+        return self.pipelined and configs.is_mpmd(self.config)
+
+    @property
     def chunks(self) -> int:
         """Layer chunks per device: ``virtual_stages`` under ``interleaved``, else 1."""
         return (self.interleave or (0, 1))[1]
@@ -63,6 +69,8 @@ class Runner:
         c = self.config
         if not self.pipelined:
             return None
+        if self.mpmd:
+            return self.train_step.delayed if c.pipeline.schedule == "2bw" else self.train_step.flushed
         if c.pipeline.schedule == "2bw":
             return tick_tables.async_table(c.pipeline.stages, c.train.microbatches)
         loop = engine.sync_loop(c.pipeline.schedule, c.pipeline.stages, c.train.microbatches, c.pipeline.recompute,
@@ -77,6 +85,16 @@ class Runner:
         source = c.model.get("init_from", "")
         pretrained = hf_llama.params_initializer(c.model, source[len("hf:"):]) if source else None
         return self._init(pretrained)
+
+    def init_state(self, key):
+        """A fresh train state on the mesh (the trainer's start): the jitted :meth:`init_fn` with
+        the state's shardings, or under ``mpmd`` each group initialised on its own devices."""
+        if self.mpmd:
+            source = self.config.model.get("init_from", "")
+            params = hf_llama.params_initializer(self.config.model, source[len("hf:"):])() if source else None
+            return mpmd.init_state(self.config.model, self.train_step, key, params)
+        shardings = jax.tree.map(lambda x: x.sharding, self.abstract_state(key))
+        return jax.jit(self.init_fn(), out_shardings=shardings)(key)
 
     def _init(self, pretrained: Callable | None) -> Callable:
         c = self.config
@@ -106,6 +124,8 @@ class Runner:
 
     def abstract_state(self, key):
         """The train state as sharded ``ShapeDtypeStruct``s: nothing is allocated."""
+        if self.mpmd:
+            return mpmd.abstract_state(self.train_step, self.shapes)
         abstract = jax.eval_shape(self._init(None), key)  # an imported checkpoint has these shapes too
         shardings = self.state_shardings(abstract)
         return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
@@ -114,8 +134,10 @@ class Runner:
         """Jitted ``eval_step(params, batch[B, T+1]) -> (loss sum, token count)``: under the
         pipeline engine forward-only through the stages, so the model is never gathered."""
         c = self.config
+        rows = c.train.global_batch_size // c.train.microbatches // self.data_size
+        if self.mpmd:
+            return mpmd.MpmdEvalStep(c.model, self.mesh, rows)
         if self.pipelined:
-            rows = c.train.global_batch_size // c.train.microbatches // self.data_size
             return engine.make_pipeline_eval_step(c.model, self.mesh, self.shapes, rows, c.mesh.expert_parallel,
                                                   stage_rows=self.stage_rows, chunks=self.chunks,
                                                   vocab_parallel=self.vocab_parallel)
@@ -144,9 +166,17 @@ def build(c, devices) -> Runner:
     shapes = (jax.eval_shape(engine.engine_layout(c.model, stage_rows, interleave), model_shapes) if pipelined
               else model_shapes)
     staleness = configs.effective_staleness(c)
+    is_mpmd = configs.is_mpmd(c)
+    # Under mpmd each parameter group runs the chain on its own devices; the clip's global norm
+    # is taken over all of them by the step itself.
     optimizer, schedule = build_optimizer(c.optimizer, c.train.steps, staleness, shapes,
-                                          delay_in_chain=not pipelined)
-    if pipelined:
+                                          delay_in_chain=not pipelined, clip=not is_mpmd)
+    if is_mpmd:
+        versions = None
+        train_step = mpmd.MpmdTrainStep(c.model, optimizer, schedule, mesh, shapes, c.train.microbatches,
+                                        c.pipeline.schedule, c.train.global_batch_size, c.data.seq_len,
+                                        delay_schedule(staleness, c.train.steps), c.optimizer.grad_clip)
+    elif pipelined:
         versions = None
         prediction = weight_prediction(staleness, c.train.steps)
         train_step = engine.make_pipeline_train_step(

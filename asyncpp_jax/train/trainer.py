@@ -178,7 +178,7 @@ class Trainer:
         changed = check_resume(self.workdir, c, r.abstract_state(jax.random.key(c.seed)))
         self.checkpointer = Checkpointer(self.workdir / "checkpoints", c.train.keep_checkpoints,
                                          c.train.async_checkpoint)
-        self._all_finite = None  # the jitted finiteness flag, built at the first save
+        self._all_finite = None  # the jitted finiteness flags per device set, built at the first save
         self._early: list[tuple[float, float]] = []  # (loss, grad norm) of the first updates: dead start
         self.health: health_lib.Health | None = None  # set when a run starts
         self._retired: tuple[int | None, str] | None = None  # (newest good step, what was set aside) on a divergence
@@ -212,8 +212,7 @@ class Trainer:
         step = self._intact_step()
         abstract = self.runner.abstract_state(key)
         if step is None:
-            shardings = jax.tree.map(lambda x: x.sharding, abstract)
-            return jax.jit(self.runner.init_fn(), out_shardings=shardings)(key), iterator
+            return self.runner.init_state(key), iterator
         state, iterator = self.checkpointer.restore(step, abstract, iterator)
         log.info("resumed from %s at step %d", self.checkpointer.directory / str(step), step)
         return state, iterator
@@ -411,10 +410,19 @@ class Trainer:
         the engine's in-flight buffers): one flag per leaf, reduced on device, one small transfer."""
         paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(state)[0])
         floats = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.inexact)]
-        if self._all_finite is None:
-            self._all_finite = jax.jit(lambda xs: jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]),
-                                       out_shardings=NamedSharding(self.mesh, PartitionSpec()))
-        ok = np.asarray(jax.device_get(self._all_finite([leaves[i] for i in floats])))
+        # One program per set of devices the leaves live on (the mesh, or each of mpmd's groups).
+        by_devices: dict = {}
+        for i in floats:
+            by_devices.setdefault(frozenset(leaves[i].sharding.device_set), []).append(i)
+        self._all_finite = self._all_finite or {}
+        flags = {}
+        for devices, idx in by_devices.items():
+            if devices not in self._all_finite:
+                mesh = leaves[idx[0]].sharding.mesh
+                self._all_finite[devices] = jax.jit(lambda xs: jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]),
+                                                    out_shardings=NamedSharding(mesh, PartitionSpec()))
+            flags.update(zip(idx, np.asarray(jax.device_get(self._all_finite[devices]([leaves[i] for i in idx])))))
+        ok = np.asarray([flags[i] for i in floats])
         if ok.all():
             return
         bad = [jax.tree_util.keystr(paths[i]) for i, good in zip(floats, ok) if not good]
