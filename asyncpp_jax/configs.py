@@ -674,6 +674,7 @@ def _pipeline_defaults() -> ml_collections.ConfigDict:
             # state, accumulators) on the first stage, the final norm and head on the last, a
             # tied table on those two only.  mpmd runs schedule sync, 1f1b or 2bw (2bw from
             # microbatches >= stages - 1), with recompute=True, an even split, no vocab_parallel
+            # and no weight prediction
             placement="spmd",
         )
     )
@@ -751,9 +752,6 @@ def _placement_errors(c) -> list[str]:
                     "stage and the head on the last, whole. Set vocab_parallel=False (or placement='spmd').")
     if c.staleness.get("weight_prediction"):
         errs.append(f"config.staleness.weight_prediction=True does not run{why}: set it False, or placement='spmd'.")
-    if c.mesh.expert_parallel is True:
-        errs.append(f"config.mesh.expert_parallel=True does not run{why} yet: set it False (each data replica then "
-                    "holds every expert), or placement='spmd'.")
     return errs
 
 

@@ -235,3 +235,22 @@ def test_carried_keys_follow_the_program():
     assert stash == [(s, m) for s in range(1, P - 1) for m in range(M - (P - 1 - s), M)]
     assert ct == [(s, M - P + 1 + s) for s in range(P - 1)]
     assert not [k for k in keys if k[0] == "fwd"]
+
+
+@pytest.mark.needs_devices(4)
+@pytest.mark.slow  # ~30 s; configs/moe10b.py's mpmd dry run compiles the same programs at full size
+def test_moe_expert_parallel_equals_simulate():
+    """Experts split over data = 2 on each stage's devices (all_to_all over data inside the stage's
+    programs) vs the data-parallel simulation: the same drops, the same update."""
+    cfg = model_cfg()
+    cfg.moe.update(num_experts=4, top_k=2, expert_d_ff=8, every=2, capacity_factor=1.0)
+    data = batches(3, 2, 8, seed=6)
+    want, _ = run_simulate(cfg, optax.chain(delay(1), make_opt("adamw")), data, data_size=2)
+    M, B = data[0].shape[0], data[0].shape[0] * data[0].shape[1]
+    mesh = engine.make_pipeline_mesh(2, 2)
+    shapes = jax.eval_shape(engine.engine_layout(cfg), dense.abstract_params(cfg))
+    step = mpmd.MpmdTrainStep(cfg, make_opt("adamw"), SCHED, mesh, shapes, M, "2bw", B, T, expert_parallel=True)
+    got, metrics, _ = run_mpmd(cfg, make_opt("adamw"), data, 2, "2bw", data_size=2, step=step)
+    assert metrics[-1]["moe_dropped"] > 0
+    assert got.params["layers"]["block_1"]["moe"]["gate"].sharding.spec == jax.sharding.PartitionSpec("stage", "data")
+    assert_params_close(model_params(cfg, got), want.params)

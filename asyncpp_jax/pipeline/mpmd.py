@@ -99,6 +99,19 @@ def carried_keys(window: list[tuple], n_stages: int) -> list[tuple]:
     return sorted(live)
 
 
+def stage_keys(n_stages: int, tied: bool, s: int) -> list[str]:
+    """The parameter keys stage ``s`` reads: its layers, the embedding on stage 0, the final norm
+    and head on the last (a tied table on both)."""
+    return ["layers"] + (["embed"] if s == 0 else []) + (
+        ["final_norm", "embed" if tied else "lm_head"] if s == n_stages - 1 else [])
+
+
+def stage_params(placement: Placement, tied: bool, params: dict, s: int) -> dict:
+    """What stage ``s`` reads of a weight version, as arrays on its own devices (zero-copy)."""
+    return {k: jax.tree.map(lambda x: placement.view(x, s), params[k])
+            for k in stage_keys(placement.n_stages, tied, s)}
+
+
 def _key(kind: str, s: int, m: int) -> str:
     return f"{kind}/{s}/{m}"
 
@@ -109,7 +122,7 @@ class MpmdTrainStep:
 
     def __init__(self, model_cfg, optimizer, schedule, mesh, params_abstract, microbatches: int,
                  pipeline_schedule: str, global_batch: int, seq_len: int, delay_schedule: DelaySchedule | None = None,
-                 grad_clip: float = 0.0):
+                 grad_clip: float = 0.0, expert_parallel: bool = False):
         if pipeline_schedule not in SCHEDULES:
             raise ValueError(f"config.pipeline.placement='mpmd' runs config.pipeline.schedule in {SCHEDULES}, "
                              f"not {pipeline_schedule!r}: use placement='spmd' for it.")
@@ -122,14 +135,14 @@ class MpmdTrainStep:
         self.rows, self.seq_len, self.global_batch = global_batch // microbatches // self.data, seq_len, global_batch
         self.is_2bw = pipeline_schedule == "2bw"
         self.delay_schedule = (delay_schedule or DelaySchedule(1)) if self.is_2bw else None
-        self.tied = bool(model_cfg.tie_embeddings)
+        self.tied, self.expert_parallel = bool(model_cfg.tie_embeddings), expert_parallel
         self.params_abstract = params_abstract
-        self.stages = [StagePrograms(model_cfg, pl, s, microbatches) for s in range(P_)]
+        self.stages = [StagePrograms(model_cfg, pl, s, microbatches, expert_parallel) for s in range(P_)]
         self.fwd = [st.forward() if s < P_ - 1 else None for s, st in enumerate(self.stages)]
         self.bwd = [st.backward() if s < P_ - 1 else None for s, st in enumerate(self.stages)]
         self.last = self.stages[-1].last()
         self.zeros, self.zeros_abstract = zip(*[st.zeros(params_abstract, self.data) for st in self.stages])
-        self.update = GroupedUpdate(model_cfg, optimizer, schedule, pl, params_abstract, grad_clip)
+        self.update = GroupedUpdate(model_cfg, optimizer, schedule, pl, params_abstract, grad_clip, expert_parallel)
         self.flushed = programs.validate(programs.generate("1f1b", P_, microbatches))
         self.windows = {"flushed": order(self.flushed, False)}
         if self.is_2bw:
@@ -140,10 +153,7 @@ class MpmdTrainStep:
 
     # ------------------------------------------------------------------------------ views
     def stage_params(self, params: dict, s: int) -> dict:
-        """What stage ``s`` reads of a weight version, as arrays on its own devices."""
-        keys = ["layers"] + (["embed"] if s == 0 else []) + (
-            ["final_norm", "embed" if self.tied else "lm_head"] if s == self.n_stages - 1 else [])
-        return {k: jax.tree.map(lambda x: self.placement.view(x, s), params[k]) for k in keys}
+        return stage_params(self.placement, self.tied, params, s)
 
     def _host_step(self, state: TrainState) -> int:
         if self._last_step is not None and state.step is self._last_step[0]:
@@ -253,12 +263,10 @@ class MpmdEvalStep:
     """``eval_step(params, batch[B, T+1]) -> (sum of token losses, token count)``: the forward-only
     program, each stage on its own devices."""
 
-    def __init__(self, model_cfg, mesh, microbatch_rows: int):
+    def __init__(self, model_cfg, mesh, microbatch_rows: int, expert_parallel: bool = False):
         self.placement = pl = Placement(mesh)
-        self.rows = microbatch_rows
-        self.step = MpmdTrainStep.__new__(MpmdTrainStep)  # for stage_params only
-        self.step.placement, self.step.n_stages, self.step.tied = pl, pl.n_stages, bool(model_cfg.tie_embeddings)
-        self.stages = [StagePrograms(model_cfg, pl, s, 1) for s in range(pl.n_stages)]
+        self.rows, self.n_stages, self.tied = microbatch_rows, pl.n_stages, bool(model_cfg.tie_embeddings)
+        self.stages = [StagePrograms(model_cfg, pl, s, 1, expert_parallel) for s in range(pl.n_stages)]
         self.fns = [st.eval_forward(microbatch_rows) for st in self.stages]
         self._total = jax.jit(lambda t, n: (jnp.sum(t), jnp.sum(n)))
 
@@ -266,7 +274,7 @@ class MpmdEvalStep:
         pl, last = self.placement, self.placement.n_stages - 1
         local_rows = batch.shape[0] // pl.mesh.shape["data"]
         n_mb = -(-local_rows // min(self.rows, local_rows))
-        views = [self.step.stage_params(params, s) for s in range(pl.n_stages)]
+        views = [stage_params(pl, self.tied, params, s) for s in range(pl.n_stages)]
         tokens = [pl.view(batch, s) for s in range(pl.n_stages)]
         totals, counts = [], []
         for m in range(n_mb):
@@ -285,14 +293,14 @@ def init_state(model_cfg, step: MpmdTrainStep, key, params=None) -> TrainState:
     ``key``) in the engine's layout, each group on its devices, each group's optimizer state."""
     params = dense.init_params(model_cfg, key) if params is None else params
     params = to_engine_layout(model_cfg, params)
-    shardings = step.placement.param_shardings(params, step.tied)
+    shardings = step.placement.param_shardings(params, step.tied, step.expert_parallel)
     params = jax.tree.map(lambda x, s: jax.device_put(x, s), params, shardings)
     return TrainState(step=jax.device_put(np.int32(0), NamedSharding(step.placement.mesh, P())), params=params,
                       opt_state=step.update.init(params), runner_state=step.init_runner_state(params))
 
 
 def abstract_state(step: MpmdTrainStep, params_abstract) -> TrainState:
-    shardings = step.placement.param_shardings(params_abstract, step.tied)
+    shardings = step.placement.param_shardings(params_abstract, step.tied, step.expert_parallel)
     params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params_abstract, shardings)
     return TrainState(step=jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(step.placement.mesh, P())),
                       params=params, opt_state=step.update.abstract_opt_state(),
@@ -300,4 +308,4 @@ def abstract_state(step: MpmdTrainStep, params_abstract) -> TrainState:
 
 
 __all__ = ["MpmdEvalStep", "MpmdState", "MpmdTrainStep", "abstract_state", "carried_keys", "in_force", "init_state",
-           "order", "split_groups"]
+           "order", "split_groups", "stage_keys", "stage_params"]

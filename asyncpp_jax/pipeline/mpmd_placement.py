@@ -25,6 +25,8 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from asyncpp_jax.models.moe import is_expert_weight
+
 GROUPS = ("layers", "first", "last", "ends")
 DEVICE = P("data", "stage")  # per-device arrays: leading [data, stage] axes
 
@@ -74,12 +76,15 @@ class Placement:
         last = self.n_stages - 1
         return {"layers": list(range(self.n_stages)), "first": [0], "last": [last], "ends": [0, last]}[group]
 
-    def param_shardings(self, params, tied: bool):
-        """The NamedSharding of each parameter: layer leaves over ``stage``, the rest replicated on
-        their group's devices."""
+    def param_shardings(self, params, tied: bool, expert_parallel: bool = False):
+        """The NamedSharding of each parameter: layer leaves over ``stage`` (routed experts also
+        over ``data`` with ``expert_parallel``), the rest replicated on their group's devices."""
         def one(path, _):
             group = group_of(path[0].key, tied)
-            return NamedSharding(self.group_mesh(group), P("stage") if group == "layers" else P())
+            if group != "layers":
+                return NamedSharding(self.group_mesh(group), P())
+            return NamedSharding(self.mesh, P("stage", "data") if expert_parallel and is_expert_weight(path)
+                                 else P("stage"))
         return jax.tree_util.tree_map_with_path(one, params)
 
     def stage_sharding(self, s: int, spec=P()) -> NamedSharding:

@@ -9,7 +9,9 @@ Arrays that differ per device (activations, cotangents, accumulators, loss sums)
 ``[data, 1]`` axes (``mpmd_placement.DEVICE``); the accumulators are each replica's own, summed
 over ``data`` once per update (:mod:`asyncpp_jax.pipeline.mpmd_update`).  The backward recomputes
 its block from the stashed input (``config.pipeline.recompute=True``), so the stash holds one
-activation per microbatch and no weights.
+activation per microbatch and no weights.  With expert parallelism a routed expert's weights (and
+their accumulators) are split over ``data`` on the stage's devices, and the MoE layers exchange
+tokens with ``all_to_all`` over ``data``, as in the ``spmd`` engine.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from asyncpp_jax.models import dense
+from asyncpp_jax.models.moe import is_expert_weight, with_expert_parallel
 from asyncpp_jax.pipeline.collectives import vary
 from asyncpp_jax.pipeline.mpmd_placement import DEVICE, Placement
 from asyncpp_jax.pipeline.stage import ResidualTemplate, StageFns, head_of, split_params, stat_names
@@ -39,6 +42,26 @@ def _add(acc, g):
     return jax.tree.map(lambda a, x: a + x.astype(a.dtype), acc, g)
 
 
+class _PerParamsTree:
+    """A jitted action compiled for the structure of its params argument (the specs follow the
+    leaves); ``lower`` as ``jax.jit``'s, for the dry run."""
+
+    def __init__(self, make):
+        self._make, self._fns = make, {}
+
+    def _fn(self, params):
+        key = jax.tree.structure(params)
+        if key not in self._fns:
+            self._fns[key] = self._make(params)
+        return self._fns[key]
+
+    def __call__(self, params, *args):
+        return self._fn(params)(params, *args)
+
+    def lower(self, params, *args):
+        return self._fn(params).lower(params, *args)
+
+
 def lookup_transpose_add(acc, tokens, ct, tied: bool):
     """``acc += (d lookup / d table)^T ct``: each cotangent row added to its token's row of an
     untied ``[V, D]`` table, or column of a tied table held as the head's ``[D, V]``."""
@@ -51,17 +74,28 @@ def lookup_transpose_add(acc, tokens, ct, tied: bool):
 class StagePrograms:
     """The jitted actions of stage ``s`` (built once per runner; each compiles at first use)."""
 
-    def __init__(self, model_cfg, placement: Placement, s: int, microbatches: int):
-        self.cfg, self.s, self.mesh = model_cfg, s, placement.stage_meshes[s]
+    def __init__(self, model_cfg, placement: Placement, s: int, microbatches: int, expert_parallel: bool = False):
+        self.s, self.mesh, self.expert_parallel = s, placement.stage_meshes[s], expert_parallel
+        self.data = self.mesh.shape["data"]
+        self.cfg = with_expert_parallel(model_cfg, "data", self.data) if expert_parallel else model_cfg
         self.n_stages = placement.n_stages
-        self.fns = StageFns(model_cfg, microbatches, recompute=True)
+        self.fns = StageFns(self.cfg, microbatches, recompute=True)
         self.act = dense.dtype_of(model_cfg.compute_dtype)
         self.tied = bool(model_cfg.tie_embeddings)
         self.is_first, self.is_last = s == 0, s == self.n_stages - 1
 
+    def param_spec(self, path, _=None):
+        """A stage's view of a parameter: a routed expert's split over ``data``, the rest whole."""
+        return P(None, "data") if self.expert_parallel and is_expert_weight(path) else P()
+
     def _jit(self, fn, in_specs, out_specs, donate=()):
-        return jax.jit(jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs),
-                       donate_argnums=donate)
+        # The params (argument 0) are laid out leaf by leaf: specs from the first call's tree.
+        def make(params):
+            specs = (jax.tree_util.tree_map_with_path(self.param_spec, params),) + tuple(in_specs[1:])
+            return jax.jit(jax.shard_map(fn, mesh=self.mesh, in_specs=specs, out_specs=out_specs),
+                           donate_argnums=donate)
+
+        return _PerParamsTree(make)
 
     def _view(self, params):
         """``(layers, top)`` in ``compute_dtype``, device-varying (their vjp is this device's own)."""
@@ -162,10 +196,13 @@ class StagePrograms:
         layers_abs, top_abs = split_params(params_abstract)
         n = self.n_stages
 
-        def local_layers(x):
-            return jax.ShapeDtypeStruct((data, 1, x.shape[0] // n) + x.shape[1:], jnp.float32)
+        def local_layers(path, x):
+            shape = (x.shape[0] // n,) + x.shape[1:]
+            if self.expert_parallel and is_expert_weight(path):  # this device's experts only
+                shape = (shape[0], shape[1] // data) + shape[2:]
+            return jax.ShapeDtypeStruct((data, 1) + shape, jnp.float32)
 
-        shapes = {"layers": jax.tree.map(local_layers, layers_abs)}
+        shapes = {"layers": jax.tree_util.tree_map_with_path(local_layers, layers_abs)}
         if self.is_first:
             table = top_abs["embed"]["embedding"]
             shapes["table"] = jax.ShapeDtypeStruct((data, 1) + table.shape, jnp.float32)

@@ -23,15 +23,19 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from asyncpp_jax.models import dense
+from asyncpp_jax.models.moe import is_expert_weight
 from asyncpp_jax.pipeline.mpmd_placement import DEVICE, Placement, split_groups
 
 
-def opt_shardings(placement: Placement, group: str, opt_abstract, n_rows: int):
+def opt_shardings(placement: Placement, group: str, opt_abstract, n_rows: int, expert_shapes=frozenset()):
     """Where each leaf of a group's optimizer state lives: a stacked-layer moment over ``stage``
-    like its parameter, everything else replicated on the group's devices."""
+    like its parameter (a routed expert's, of one of ``expert_shapes``, also over ``data``),
+    everything else replicated on the group's devices."""
     mesh = placement.group_mesh(group)
 
     def one(x):
+        if group == "layers" and tuple(x.shape) in expert_shapes:
+            return NamedSharding(mesh, P("stage", "data"))
         stacked = group == "layers" and x.ndim >= 1 and x.shape[0] == n_rows
         return NamedSharding(mesh, P("stage") if stacked else P())
 
@@ -43,17 +47,20 @@ class GroupedUpdate:
     the optimizer group by group with the global norm."""
 
     def __init__(self, model_cfg, optimizer: optax.GradientTransformation, schedule, placement: Placement,
-                 params_abstract, grad_clip: float = 0.0):
+                 params_abstract, grad_clip: float = 0.0, expert_parallel: bool = False):
         self.cfg, self.optimizer, self.schedule, self.placement = model_cfg, optimizer, schedule, placement
+        self.expert_parallel = expert_parallel
         self.tied = bool(model_cfg.tie_embeddings)
         self.grad_clip = float(grad_clip or 0.0)
         self.abstract = split_groups(params_abstract, self.tied)
         self.groups = list(self.abstract)
         self.n_rows = {x.shape[0] for x in jax.tree.leaves(params_abstract["layers"])}.pop()
-        shard = placement.param_shardings(params_abstract, self.tied)
+        shard = placement.param_shardings(params_abstract, self.tied, expert_parallel)
         self.param_shardings = split_groups(shard, self.tied)
+        experts = frozenset(tuple(x.shape) for path, x in jax.tree_util.tree_leaves_with_path(params_abstract)
+                            if expert_parallel and is_expert_weight(path))
         self.opt_shardings = {g: opt_shardings(placement, g, jax.eval_shape(optimizer.init, self.abstract[g]),
-                                               self.n_rows) for g in self.groups}
+                                               self.n_rows, experts) for g in self.groups}
         scalar = {g: NamedSharding(placement.group_mesh(g), P()) for g in self.groups}
         self._reduce = {g: jax.jit(getattr(self, f"_reduce_{g}"), out_shardings=(self.param_shardings[g], scalar[g]))
                         for g in self.groups}
@@ -80,8 +87,17 @@ class GroupedUpdate:
         return sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree))
 
     def _reduce_layers(self, acc):
-        """``[data, P, L/P, ...]`` per leaf -> the mean over replicas, ``[L, ...]`` over ``stage``."""
-        g = {"layers": jax.tree.map(lambda a: jnp.mean(a, 0).reshape((-1,) + a.shape[3:]), acc)}
+        """``[data, P, L/P, ...]`` per leaf -> the mean over replicas, ``[L, ...]`` over ``stage``.
+        A routed expert's (``[data, P, L/P, E/data, ...]`` under expert parallelism) holds each
+        device's own experts, which already saw every replica's tokens (all_to_all's transpose sums
+        them): laid side by side and divided by ``data`` for the mean, not reduced."""
+        def one(path, a):
+            if self.expert_parallel and is_expert_weight(path):
+                a = jnp.moveaxis(a, 0, 2) / a.shape[0]  # [P, L/P, data, E/data, ...]: device d's block of E
+                return a.reshape((a.shape[0] * a.shape[1], a.shape[2] * a.shape[3]) + a.shape[4:])
+            return jnp.mean(a, 0).reshape((-1,) + a.shape[3:])
+
+        g = {"layers": jax.tree_util.tree_map_with_path(one, acc)}
         return g, self._sq(g)
 
     def _reduce_first(self, table):

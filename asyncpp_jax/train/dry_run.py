@@ -26,8 +26,9 @@ from asyncpp_jax import configs
 from asyncpp_jax.models import count_params
 from asyncpp_jax.models.flops import active_matmul_params, flops_per_token
 from asyncpp_jax.models.moe import with_expert_parallel
-from asyncpp_jax.pipeline import engine, tick_tables
+from asyncpp_jax.pipeline import engine, mpmd_memory, tick_tables
 from asyncpp_jax.pipeline import state as pipeline_state
+from asyncpp_jax.pipeline.mpmd_placement import bytes_on_devices
 from asyncpp_jax.train import fit
 from asyncpp_jax.train import runner as runner_lib
 from asyncpp_jax.train import step as step_lib
@@ -36,12 +37,14 @@ ACCELERATORS_GB = {"H100 80GB": 80, "H200 141GB": 141, "TPU v5p 95GB": 95}
 
 
 def _bytes_per_device(tree) -> int:
-    """Bytes one device holds of a tree of sharded ShapeDtypeStructs (the largest shard)."""
-    total = 0
-    for x in jax.tree.leaves(tree):
-        shard = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
-        total += int(np.prod(shard)) * jnp.dtype(x.dtype).itemsize
-    return total
+    """Bytes the fullest device holds of a tree of sharded ShapeDtypeStructs (under the mpmd
+    placement the stages hold different trees)."""
+    leaves = jax.tree.leaves(tree)
+    if not leaves:
+        return 0
+    if all(x.sharding is not None for x in leaves):
+        return max(bytes_on_devices(leaves).values())
+    return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in leaves)
 
 
 def _global_bytes(tree) -> int:
@@ -57,6 +60,10 @@ def _peak(mem) -> int:
 def _eval_memory(runner, state) -> dict:
     """Compile the eval step on the same mesh: its temporaries come on top of the resident state."""
     c = runner.config
+    if runner.mpmd:  # each stage's forward program on top of what that stage holds
+        temps = mpmd_memory.eval_memory(runner.eval_step(), runner.train_step, state)
+        held = mpmd_memory.stage_state_bytes(runner.train_step, state)
+        return {"eval_temp_bytes": max(temps), "eval_peak_bytes_per_device": max(map(sum, zip(held, temps)))}
     rows = c.train.global_batch_size // c.train.microbatches * runner.eval_group()
     batch = jax.ShapeDtypeStruct((rows, c.data.seq_len + 1), jnp.int32, sharding=step_lib.eval_sharding(runner.mesh))
     mem = runner.eval_step().lower(state.params, batch).compile().memory_analysis()
@@ -72,7 +79,7 @@ def _stash_bytes(runner) -> dict:
     derives (``1f1b``, ``interleaved``: an entry holds one chunk's input, or its residuals, ``1/v``
     of a stage's; ``zb-h1``: with its ``save`` ring, what each ``I`` keeps for its ``W``)."""
     c = runner.config
-    if not runner.pipelined:
+    if not runner.pipelined or runner.mpmd:  # mpmd: each stage's stash is in its own line
         return {}
     out = {}
     b = c.train.global_batch_size // c.train.microbatches // runner.data_size
@@ -122,8 +129,12 @@ def _vocab_bytes(runner, state) -> dict:
     step = (2 if is_2bw else 1) * elements * 4 + casts
     if runner.vocab_parallel:  # every per-device figure is of one block of the vocabulary
         step //= c.pipeline.stages
-    return {**held, "step_estimate": step, "total": sum(held.values()) + step, "vocab_size": vocab,
-            "stages": c.pipeline.stages, "vocab_parallel": runner.vocab_parallel}
+    out = {**held, "step_estimate": step, "total": sum(held.values()) + step, "vocab_size": vocab,
+           "stages": c.pipeline.stages, "vocab_parallel": runner.vocab_parallel}
+    if runner.mpmd:  # what each stage holds: the figures above are the fullest stage's
+        per = bytes_on_devices([x for x in jax.tree.leaves(state) if is_vocab(x)])
+        out["per_stage"] = [per.get(runner.mesh.devices[0, s].id, 0) for s in range(c.pipeline.stages)]
+    return out
 
 
 def _layer_padding(runner) -> dict:
@@ -146,6 +157,8 @@ def _measure(c, devices, budget: int | None) -> fit.Measurement:
     state = runner.abstract_state(jax.random.key(c.seed))
     M, B = c.train.microbatches, c.train.global_batch_size
     batch = jax.ShapeDtypeStruct((M, B // M, c.data.seq_len + 1), jnp.int32, sharding=runner.batch_sharding())
+    if runner.mpmd:
+        return _measure_stages(runner, state)
     t0 = time.perf_counter()
     lowered = runner.train_step.lower(state, batch)
     t1 = time.perf_counter()
@@ -160,6 +173,19 @@ def _measure(c, devices, budget: int | None) -> fit.Measurement:
     m = fit.Measurement(int(train_peak), None, detail)
     if budget is None or train_peak <= budget:
         _add_eval(m)
+    return m
+
+
+def _measure_stages(runner, state) -> fit.Measurement:
+    """The mpmd placement: each stage's peak from its own compiled programs
+    (:mod:`asyncpp_jax.pipeline.mpmd_memory`); the step's peak is the fullest stage's."""
+    t0 = time.perf_counter()
+    stages = mpmd_memory.train_memory(runner.train_step, state)
+    t1 = time.perf_counter()
+    detail = {"runner": runner, "state": state, "mem": None, "lower_seconds": 0.0, "compile_seconds": t1 - t0,
+              "stages": stages}
+    m = fit.Measurement(max(st["peak"] for st in stages), None, detail)
+    _add_eval(m)
     return m
 
 
@@ -201,6 +227,7 @@ def dry_run(c, devices=None, spare_devices=None) -> dict:
         "param_bytes_total": _global_bytes(state.params),
         "checkpoint_bytes": _global_bytes(state),
         "stash_bytes_per_device": _stash_bytes(runner),
+        "stage_bytes": m.detail.get("stages", []),
         "vocab_bytes_per_device": _vocab_bytes(runner, state),
         "bubble_fraction": 0.0 if table is None else 1.0 - table.useful_fraction(),
         "lower_seconds": m.detail["lower_seconds"],
@@ -231,6 +258,11 @@ def dry_run(c, devices=None, spare_devices=None) -> dict:
 
 def _vocab_placement(v: dict, gb) -> str:
     """Which stages hold the tables, which read them, and what that costs each one."""
+    if v.get("per_stage"):
+        per, last = v["per_stage"], v["stages"] - 1
+        middle = f"; stages 1-{last - 1} hold {gb(max(per[1:last]))}" if last > 1 else ""
+        return (f"    only where they are used (config.pipeline.placement='mpmd'): stage 0 holds {gb(per[0])} (the "
+                f"embedding), stage {last} {gb(per[last])} (the head){middle}")
     if v.get("vocab_parallel"):
         return (f"    split over the vocabulary (config.pipeline.vocab_parallel=True): every stage holds 1/{v['stages']} "
                 f"of each table, {gb(v['total'])}, and computes 1/{v['stages']} of the lookup and the head")
@@ -270,6 +302,10 @@ def format_report(r: dict) -> str:
                      f"{gb(v['params'])}, optimizer state {gb(v['optimizer'])}, runner state {gb(v['runner_state'])}, "
                      f"about {gb(v['step_estimate'])} more in the step (float32 accumulators, compute-dtype casts)")
         lines.append(_vocab_placement(v, gb))
+    for st in r.get("stage_bytes", []):
+        lines.append(f"  stage {st['stage']}: peak {gb(st['peak'])} = state {gb(st['state'])} + accumulators "
+                     f"{gb(st['accumulators'])} + stash {gb(st['stash'])} + in transit {gb(st['transit'])} + "
+                     f"temporaries {gb(st['temporaries'])} (its largest compiled program)")
     if r["stash_bytes_per_device"]:
         st = r["stash_bytes_per_device"]
         lines.append(f"  stash per device: {gb(st['recompute'])} with config.pipeline.recompute=True, "

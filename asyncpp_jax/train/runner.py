@@ -136,7 +136,7 @@ class Runner:
         c = self.config
         rows = c.train.global_batch_size // c.train.microbatches // self.data_size
         if self.mpmd:
-            return mpmd.MpmdEvalStep(c.model, self.mesh, rows)
+            return mpmd.MpmdEvalStep(c.model, self.mesh, rows, c.mesh.expert_parallel)
         if self.pipelined:
             return engine.make_pipeline_eval_step(c.model, self.mesh, self.shapes, rows, c.mesh.expert_parallel,
                                                   stage_rows=self.stage_rows, chunks=self.chunks,
@@ -175,7 +175,8 @@ def build(c, devices) -> Runner:
         versions = None
         train_step = mpmd.MpmdTrainStep(c.model, optimizer, schedule, mesh, shapes, c.train.microbatches,
                                         c.pipeline.schedule, c.train.global_batch_size, c.data.seq_len,
-                                        delay_schedule(staleness, c.train.steps), c.optimizer.grad_clip)
+                                        delay_schedule(staleness, c.train.steps), c.optimizer.grad_clip,
+                                        c.mesh.expert_parallel)
     elif pipelined:
         versions = None
         prediction = weight_prediction(staleness, c.train.steps)
