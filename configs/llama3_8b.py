@@ -11,12 +11,16 @@ data shard, the embedding and the head split over the stages along the vocabular
 and optimizer state on every device, and 1/8 of the lookup and the head computed there).  The dry
 run says per device what the vocabulary-sized tensors cost.  On 4 stages the step needs an H200;
 ``--config.pipeline.vocab_parallel=False`` keeps both tables whole on every stage, where only stage
-0 reads the embedding and only the last stage the head (docs/pipeline.md, "Vocabulary-sized
-tensors", compares the two):
+0 reads the embedding and only the last stage the head; adding ``--config.pipeline.placement=mpmd``
+runs each stage as programs of its own, with the embedding on stage 0 and the head on stage 7
+alone: no middle stage holds a byte of either, and the end stages peak higher than the split's
+(docs/pipeline.md, "Vocabulary-sized tensors", compares the three):
 
     python -m asyncpp_jax.main --config=configs/llama3_8b.py --dry_run
     python -m asyncpp_jax.main --config=configs/llama3_8b.py --dry_run --config.pipeline.stages=4 --config.hardware=h200-141gb
     python -m asyncpp_jax.main --config=configs/llama3_8b.py --dry_run --config.pipeline.vocab_parallel=False
+    python -m asyncpp_jax.main --config=configs/llama3_8b.py --dry_run --config.pipeline.vocab_parallel=False \\
+        --config.pipeline.placement=mpmd
 """
 
 from asyncpp_jax.configs import base_config

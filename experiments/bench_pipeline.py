@@ -13,8 +13,8 @@ with the ``simulate`` step it is divided by, so each round's ratio sees one mach
 
 * ``work``: with every fake device pinned to the same core, a pipeline step takes the total work
   of all stages (``sync``, ``2bw`` and the ``1f1b``, ``interleaved`` and ``zb-h1`` programs, each
-  also with the tables split over ``stage``, ``vocab_parallel``; on an uneven split, whole tables of
-  the first three only).  Divided by the single-device ``simulate`` step on the same batch it
+  also with the tables split over ``stage``, ``vocab_parallel``; ``1f1b`` and ``2bw`` also under
+  the ``mpmd`` placement, with recompute; on an uneven split, whole tables of the first three only).  Divided by the single-device ``simulate`` step on the same batch it
   measures waste: 1.0 is ideal; recomputing each stage's forward costs at most ``1 + F/(F+B)``.
 * ``overlap``: with one core per stage the stages really run at the same time; ``sync / 2bw``
   is compared with a textbook 1F1B's ceiling ``(M + P - 1)/M`` and with the critical path the
@@ -60,6 +60,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 MODES = ("work", "overlap", "compile", "processes", "schedules", "conditionals")
 VP = "vocab_parallel"  # a run with the vocabulary-sized tables split over stage
+MPMD = "mpmd"  # a run under config.pipeline.placement='mpmd': one program per stage, dispatched by the host
 
 
 def _setup_host(mode: str, devices: int) -> None:
@@ -218,7 +219,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 
 from asyncpp_jax.configs import base_config  # noqa: E402
 from asyncpp_jax.models import dense  # noqa: E402
-from asyncpp_jax.pipeline import engine, make_mesh, slot_plan, tick_tables, stage  # noqa: E402
+from asyncpp_jax.pipeline import engine, make_mesh, mpmd, slot_plan, tick_tables, stage  # noqa: E402
 from asyncpp_jax import train_state as state_lib  # noqa: E402
 from asyncpp_jax.train import profile  # noqa: E402
 from asyncpp_jax.train import step as step_lib  # noqa: E402
@@ -270,6 +271,18 @@ class Pipelined:
             self.state, metrics = self.step(self.state, self.batch)
         jax.block_until_ready(metrics)
         return (time.perf_counter() - t0) / steps
+
+
+class Placed(Pipelined):
+    """The ``mpmd`` placement's step (one program per stage and action, dispatched by the host)."""
+
+    def __init__(self, args, P: int, M: int, schedule: str):
+        cfg = model_cfg(args)
+        mesh = engine.make_pipeline_mesh(1, P)
+        abstract = jax.eval_shape(engine.engine_layout(cfg), dense.abstract_params(cfg))
+        self.step = mpmd.MpmdTrainStep(cfg, TX, LR, mesh, abstract, M, schedule, M * args.rows, args.seq)
+        self.state = mpmd.init_state(cfg, self.step, jax.random.key(0))
+        self.batch = state_lib.from_host(engine.global_batch_sharding(mesh), np.asarray(tokens(args, M)))
 
 
 class Simulated(Pipelined):
@@ -551,6 +564,9 @@ def work_runs(args, P: int, M: int, recompute: bool) -> dict:
     if not args.stage_layers:
         made.update({f"{name} {VP}": (lambda name=name: Pipelined(args, P, M, name, recompute, vocab_parallel=True))
                      for name in WORK_SCHEDULES})
+        if recompute:  # mpmd's backward recomputes
+            made.update({f"{name} {MPMD}": (lambda name=name: Placed(args, P, M, name)) for name in mpmd.SCHEDULES
+                         if name != "sync"})
     made["slots sync"] = lambda: SlotWork(args, P, tick_tables.sync_table(P, M), recompute)
     made["slots 2bw"] = lambda: SlotWork(args, P, tick_tables.async_table(P, M), recompute)
     wanted = [n.strip() for n in args.schedules.split(",")] if args.schedules else list(made)

@@ -479,12 +479,17 @@ def llama3_8b_dry_run(doc: pathlib.Path) -> str:
     return _dry_runs(doc, "llama3_8b", ("--config.pipeline.stages=4 --config.hardware=h200-141gb", ""))
 
 
+def mpmd_dry_run(doc: pathlib.Path) -> str:
+    return _dry_runs(doc, "llama3_8b", (MPMD_FLAGS,))
+
+
 VOCAB_PARALLEL_CASES = (  # (config, the dry run's flags; each config splits its tables unless told not to)
     ("llama3_8b", "--config.pipeline.stages=4 --config.hardware=h200-141gb"),
     ("llama3_8b", ""),
     ("moe10b", ""),
 )
 WHOLE_FLAG = "--config.pipeline.vocab_parallel=False"
+MPMD_FLAGS = "--config.pipeline.placement=mpmd --config.pipeline.vocab_parallel=False"
 
 
 def _dry_run_figures(rec: dict) -> dict:
@@ -496,9 +501,22 @@ def _dry_run_figures(rec: dict) -> dict:
     return {"stages": int(mesh.group(1)), "peak": float(peak.group(1)), "vocab": float(held.group(1))}
 
 
+def _mpmd_figures(rec: dict) -> dict:
+    """What an mpmd dry run's report says the end stages and a middle stage hold of the tables."""
+    out = "\n".join(rec["figures"]["stdout"])
+    held = re.search(r"stage 0 holds ([\d.]+) GB \(the embedding\), stage \d+ ([\d.]+) GB \(the head\)"
+                     r"(?:; stages [\d-]+ hold ([\d.]+) GB)?", out)
+    if held is None:
+        raise ValueError(f"the dry-run record of {rec['command']!r} at {rec['commit']} is not of the mpmd placement: "
+                         "record that command again")
+    return {"end": max(float(held.group(1)), float(held.group(2))), "middle": float(held.group(3) or 0.0),
+            "peak": float(re.search(r"peak estimate per device: ([\d.]+) GB", out).group(1))}
+
+
 def vocab_parallel_table(doc: pathlib.Path) -> str:
-    """Per device, the vocabulary-sized tensors and the peak with the tables whole on every stage and
-    split over the vocabulary, from the dry-run records of each case in ``VOCAB_PARALLEL_CASES``."""
+    """Per device, the vocabulary-sized tensors and the peak with the tables whole on every stage,
+    split over the vocabulary, and under the mpmd placement (on the end stages only), from the
+    dry-run records of each case in ``VOCAB_PARALLEL_CASES``."""
     recs = records.load("dry_run", "dry_run")
 
     def latest(config, suffix):
@@ -510,18 +528,21 @@ def vocab_parallel_table(doc: pathlib.Path) -> str:
         return got[-1]
 
     lines = ["| config | stages | vocabulary-sized tensors per device: whole tables | split (`vocab_parallel`) | "
-             "peak per device: whole | split |", "|---|---|---|---|---|---|"]
+             "`mpmd`: end stage, middle stage | peak per device: whole | split | `mpmd` (fullest stage) |",
+             "|---|---|---|---|---|---|---|---|"]
     rows = []
     for config, flags in VOCAB_PARALLEL_CASES:
         whole, split = latest(config, f"{flags} {WHOLE_FLAG}".strip()), latest(config, flags)
-        rows += [whole, split]
+        placed = latest(config, f"{flags} {MPMD_FLAGS}".strip())
+        rows += [whole, split, placed]
         for rec, is_split in ((whole, False), (split, True)):
             if ("split over the vocabulary" in "\n".join(rec["figures"]["stdout"])) != is_split:
                 raise ValueError(f"the dry-run record of {rec['command']!r} at {rec['commit']} does not hold the tables "
                                  f"{'split' if is_split else 'whole'}: record that command again")
-        w, s = _dry_run_figures(whole), _dry_run_figures(split)
-        lines.append(f"| `configs/{config}.py`{f' `{flags}`' if flags else ''} | {w['stages']} | {w['vocab']:.2f} GB | {s['vocab']:.2f} GB | "
-                     f"{w['peak']:.2f} GB | {s['peak']:.2f} GB |")
+        w, s, m = _dry_run_figures(whole), _dry_run_figures(split), _mpmd_figures(placed)
+        lines.append(f"| `configs/{config}.py`{f' `{flags}`' if flags else ''} | {w['stages']} | {w['vocab']:.2f} GB | "
+                     f"{s['vocab']:.2f} GB | {m['end']:.2f} GB, {m['middle']:.2f} GB | {w['peak']:.2f} GB | "
+                     f"{s['peak']:.2f} GB | {m['peak']:.2f} GB |")
     return "\n".join(lines + ["", _provenance(rows, [BENCH_LINK / "dry_run.jsonl"], doc)])
 
 
@@ -680,7 +701,8 @@ def bench_prepare(doc: pathlib.Path) -> str:
 
 RENDERERS = {f.__name__: f for f in (paper_regime, paper_optimizers, bench_small_updates, bench_prepare, notebooks, glance, main_job, main_job_summary, tiny_optimizers, bench_optimizers, optimizers_study,
                                       bench_pipeline_work, bench_pipeline_processes, bench_pipeline_compile, bench_pipeline_conditionals, bench_pipeline_schedules,
-                                      moe10b_dry_run, llama3_8b_dry_run, vocab_parallel_table, fit_table, ci)}
+                                      moe10b_dry_run, llama3_8b_dry_run, mpmd_dry_run, vocab_parallel_table, fit_table,
+                                      ci)}
 
 
 def render(text: str, doc: pathlib.Path) -> str:

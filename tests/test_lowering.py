@@ -21,7 +21,7 @@ TARGETS = ("cuda", "tpu")
 
 
 def _config(optimizer="adamw", mode="2bw", stages=1, schedule="sync", moe=False, dtype="float32", mitigation="none",
-            vocab_parallel=False):
+            vocab_parallel=False, placement="spmd"):
     c = configs.load_file("configs/tiny.py")
     c.model.update(d_model=32, n_layers=4, n_heads=2, n_kv_heads=1, d_ff=64, compute_dtype=dtype)
     if moe:
@@ -30,7 +30,7 @@ def _config(optimizer="adamw", mode="2bw", stages=1, schedule="sync", moe=False,
     c.train.update(global_batch_size=8, microbatches=4 if stages > 1 else 1)
     c.optimizer.name = optimizer
     if stages > 1:
-        c.pipeline.update(stages=stages, schedule=schedule, vocab_parallel=vocab_parallel)
+        c.pipeline.update(stages=stages, schedule=schedule, vocab_parallel=vocab_parallel, placement=placement)
         if vocab_parallel:
             c.model.vocab_size = 258  # the byte vocabulary, padded to a multiple of the stages
         c.mesh.data = 2
@@ -76,3 +76,28 @@ def test_train_and_eval_steps_lower_for_gpu_and_tpu(case):
     for exported in (train, ev):
         text = exported.mlir_module()
         assert "lapack" not in text.lower() and "ducc" not in text.lower(), case
+
+
+@pytest.mark.needs_devices(4)
+@pytest.mark.parametrize("case", [dict(), dict(moe=True, dtype="bfloat16", expert_parallel=True)],
+                         ids=["dense", "moe-expert-parallel-bf16"])
+def test_mpmd_programs_lower_for_gpu_and_tpu(case):
+    """Under config.pipeline.placement='mpmd' a step is many programs, each on its own stage's
+    devices: every stage's actions, every group's reduction and update, and the eval's forwards."""
+    from asyncpp_jax.pipeline import mpmd_memory
+
+    ep = case.pop("expert_parallel", False)
+    c = _config(stages=2, schedule="2bw", placement="mpmd", **case)
+    c.mesh.expert_parallel = ep
+    r = runner_lib.build(c, jax.devices())
+    state = r.abstract_state(jax.random.key(0))
+    step = r.train_step
+    lowered = [p for s in range(step.n_stages) for p in mpmd_memory.stage_programs(step, s)]
+    lowered += [p for progs in mpmd_memory.update_programs(step, state).values() for p in progs]
+    lowered += mpmd_memory.eval_programs(r.eval_step(), step)
+    assert len(lowered) >= 3 + 2 * 2 + 2  # 2 stages' actions, 2 groups or more, 2 stages' eval
+    for name, fn, args in lowered:
+        exported = jax.export.export(fn, platforms=TARGETS)(*args)
+        assert exported.platforms == TARGETS, name
+        text = exported.mlir_module()
+        assert "lapack" not in text.lower() and "ducc" not in text.lower(), name

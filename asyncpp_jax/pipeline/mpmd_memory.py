@@ -56,34 +56,43 @@ def stage_params_abstract(step, params_abstract: dict, s: int) -> dict:
     return jax.tree_util.tree_map_with_path(one, {k: params_abstract[k] for k in keys})
 
 
-def _action_temps(step, params_abstract, s: int) -> int:
-    """The largest temporaries of stage ``s``'s compiled actions."""
-    w = stage_params_abstract(step, params_abstract, s)
+def stage_programs(step, s: int) -> list[tuple]:
+    """``(name, jitted function, abstract arguments)`` of each compiled action of stage ``s``."""
+    w = stage_params_abstract(step, step.params_abstract, s)
     act = step.stages[s].activation(step.rows, step.seq_len, step.data)
     acc, sums = step.zeros_abstract[s]
     batch = jax.ShapeDtypeStruct((step.M, step.global_batch // step.M, step.seq_len + 1), jnp.int32,
                                  sharding=NamedSharding(step.placement.stage_meshes[s], TOKENS))
     m = jax.ShapeDtypeStruct((), jnp.int32)
     if s == step.n_stages - 1:
-        return _temp(step.last, w, act, batch, m, acc, sums)
+        return [("last", step.last.jitted(w), (w, act, batch, m, acc, sums))]
     if s == 0:
-        return max(_temp(step.fwd[0], w, batch, m, sums), _temp(step.bwd[0], w, batch, m, act, acc))
-    return max(_temp(step.fwd[s], w, act, sums), _temp(step.bwd[s], w, act, act, acc))
+        return [("forward", step.fwd[0].jitted(w), (w, batch, m, sums)),
+                ("backward", step.bwd[0].jitted(w), (w, batch, m, act, acc))]
+    return [("forward", step.fwd[s].jitted(w), (w, act, sums)), ("backward", step.bwd[s].jitted(w), (w, act, act, acc))]
+
+
+def update_programs(step, state) -> dict:
+    """Per group, ``(name, jitted function, abstract arguments)`` of its reduction and its update."""
+    upd, pl = step.update, step.placement
+    params = split_groups(state.params, step.tied)
+    out = {}
+    for g in upd.groups:
+        mesh = pl.group_mesh(g)
+        grads = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=x.sharding), params[g])
+        sqs = [jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, P())) for _ in upd.groups]
+        out[g] = [("reduce", upd._reduce[g], (_reduce_input(step, g, params[g]),)),
+                  ("update", upd._apply[g], (params[g], state.opt_state[g], grads, sqs))]
+    return out
 
 
 def _update_temps(step, state) -> dict:
     """Per group, the larger of its reduction's and its update's temporaries, with the reduced
     gradient (a parameter-shaped float32 tree) held between them."""
-    upd, pl = step.update, step.placement
     out = {}
-    params = split_groups(state.params, step.tied)
-    for g in upd.groups:
-        mesh = pl.group_mesh(g)
-        grads = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=x.sharding), params[g])
-        sqs = [jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, P())) for _ in upd.groups]
-        apply = _temp(upd._apply[g], params[g], state.opt_state[g], grads, sqs)
-        reduce = _temp(upd._reduce[g], _reduce_input(step, g, params[g]))
-        out[g] = max(apply, reduce) + max(bytes_on_devices(grads).values())
+    for g, progs in update_programs(step, state).items():
+        grads = progs[1][2][2]
+        out[g] = max(_temp(fn, *args) for _, fn, args in progs) + max(bytes_on_devices(grads).values())
     return out
 
 
@@ -121,7 +130,8 @@ def train_memory(step, state) -> list[dict]:
         stash = (0 if s == 0 else int(np.ceil(depth[s]))) * act
         transit = 2 * act
         groups = [g for g in step.update.groups if s in step.placement.group_stages(g)]
-        temps = max([_action_temps(step, step.params_abstract, s)] + [group_temps[g] for g in groups])
+        actions = max(_temp(fn, *args) for _, fn, args in stage_programs(step, s))
+        temps = max([actions] + [group_temps[g] for g in groups])
         terms = {"stage": s, "state": held[s], "accumulators": acc, "stash": stash,
                  "transit": transit, "temporaries": temps}
         terms["peak"] = sum(v for k, v in terms.items() if k != "stage")
@@ -129,21 +139,22 @@ def train_memory(step, state) -> list[dict]:
     return out
 
 
-def eval_memory(eval_step, step, state) -> list[int]:
-    """Per stage, the largest temporaries of its forward-only program."""
+def eval_programs(eval_step, step) -> list[tuple]:
+    """``(name, jitted function, abstract arguments)`` of each stage's forward-only program."""
     out = []
     rows = eval_step.rows * step.data * step.M
+    m = jax.ShapeDtypeStruct((), jnp.int32)
     for s in range(step.n_stages):
         w = stage_params_abstract(step, step.params_abstract, s)
         batch = jax.ShapeDtypeStruct((rows, step.seq_len + 1), jnp.int32,
                                      sharding=NamedSharding(step.placement.stage_meshes[s], P("data")))
-        m = jax.ShapeDtypeStruct((), jnp.int32)
         act = step.stages[s].activation(step.rows, step.seq_len, step.data)
-        fn = eval_step.fns[s]
-        if s == 0:
-            out.append(_temp(fn, w, batch, m))
-        elif s == step.n_stages - 1:
-            out.append(_temp(fn, w, act, batch, m))
-        else:
-            out.append(_temp(fn, w, act))
+        args = (w, batch, m) if s == 0 else (w, act, batch, m) if s == step.n_stages - 1 else (w, act)
+        out.append((f"eval stage {s}", eval_step.fns[s].jitted(w), args))
     return out
+
+
+def eval_memory(eval_step, step, state) -> list[int]:
+    """Per stage, the temporaries of its forward-only program."""
+    del state  # the programs' arguments are the stage views of its params, from shapes
+    return [_temp(fn, *args) for _, fn, args in eval_programs(eval_step, step)]

@@ -49,17 +49,18 @@ class _PerParamsTree:
     def __init__(self, make):
         self._make, self._fns = make, {}
 
-    def _fn(self, params):
+    def jitted(self, params):
+        """The ``jax.jit`` for this params tree (``jax.export`` takes it)."""
         key = jax.tree.structure(params)
         if key not in self._fns:
             self._fns[key] = self._make(params)
         return self._fns[key]
 
     def __call__(self, params, *args):
-        return self._fn(params)(params, *args)
+        return self.jitted(params)(params, *args)
 
     def lower(self, params, *args):
-        return self._fn(params).lower(params, *args)
+        return self.jitted(params).lower(params, *args)
 
 
 def lookup_transpose_add(acc, tokens, ct, tied: bool):

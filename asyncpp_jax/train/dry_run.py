@@ -123,6 +123,8 @@ def _vocab_bytes(runner, state) -> dict:
                                ("runner_state", state.runner_state))}
     tables = [x for x in jax.tree.leaves(state.params) if is_vocab(x)]
     elements = sum(int(np.prod(x.shape)) for x in tables)
+    if runner.mpmd and not c.model.tie_embeddings:  # each end stage holds one of the two tables
+        elements //= 2
     is_2bw = c.pipeline.schedule == "2bw"
     compute = jnp.dtype(c.model.compute_dtype).itemsize
     casts = (2 if is_2bw else 1) * elements * compute if compute != tables[0].dtype.itemsize else 0
