@@ -166,41 +166,42 @@ class MpmdTrainStep:
         delayed = self.is_2bw and in_force(self.delay_schedule, t)
         prev_live = delayed and in_force(self.delay_schedule, t - 1)
         window = self.windows["flushed" if not delayed else "steady" if prev_live else "fill"]
-        P_, pl = self.n_stages, self.placement
+        versions, batches, acc, sums, store = self._inputs(state, batch, prev_live)
+        self._run(window, versions, batches, store, acc, sums)
+        applied = -1 if delayed else 0
+        if applied not in acc:  # the first delayed update: no batch finished (the fill)
+            acc[-1], sums[-1] = zip(*[self.zeros[s]() for s in range(self.n_stages)])
+        grads, sqs = self.update.reduce(list(acc[applied]))
+        rs = state.runner_state
+        params, opt_state, norm = self.update.apply(state.params, state.opt_state, grads, sqs,
+                                                    rs.prev_params if self.is_2bw else None)
+        metrics = self.update.metrics(list(sums[applied]), norm, t, self.delay_schedule)
+        new_rs = None
+        if self.is_2bw and delayed:
+            inflight = {_key(kind, s, m): store.pop((kind, s, 0, m)) for kind, s, m in self.carried}
+            new_rs = MpmdState(state.params, inflight, {f"s{s}": a for s, a in enumerate(acc[0])},
+                               {f"s{s}": x for s, x in enumerate(sums[0])}, batch)
+        elif self.is_2bw:  # a synchronous update: nothing in flight
+            new_rs = self._empty_runner_state(state.params, batch)
+        step = jax.device_put(np.int32(t + 1), NamedSharding(self.placement.mesh, P()))
+        self._last_step = (step, t + 1)
+        return TrainState(step=step, params=params, opt_state=opt_state, runner_state=new_rs), metrics
+
+    def _inputs(self, state: TrainState, batch, prev_live: bool) -> tuple:
+        """Per batch in the window (0: this step's, -1: the one in flight), each stage's weight
+        version, tokens, accumulators and loss sums; and what the previous window left in flight."""
+        P_, pl, rs = self.n_stages, self.placement, state.runner_state
         versions = {0: [self.stage_params(state.params, s) for s in range(P_)]}
         batches = {0: [pl.view(batch, s) for s in range(P_)]}
-        acc, sums = {0: []}, {0: []}
-        for s in range(P_):
-            a, su = self.zeros[s]()
-            acc[0].append(a)
-            sums[0].append(su)
-        store: dict = {}
-        rs = state.runner_state
+        acc, sums = map(list, zip(*[self.zeros[s]() for s in range(P_)]))
+        acc, sums, store = {0: acc}, {0: sums}, {}
         if prev_live:
             versions[-1] = [self.stage_params(rs.prev_params, s) for s in range(P_)]
             batches[-1] = [pl.view(rs.prev_batch, s) for s in range(P_)]
             acc[-1] = [rs.acc[f"s{s}"] for s in range(P_)]
             sums[-1] = [rs.sums[f"s{s}"] for s in range(P_)]
             store = {(kind, s, -1, m): rs.inflight[_key(kind, s, m)] for kind, s, m in self.carried}
-        self._run(window, versions, batches, store, acc, sums)
-        applied = -1 if delayed else 0
-        if applied not in acc:  # the first delayed update: no batch finished (the fill)
-            acc[-1], sums[-1] = zip(*[self.zeros[s]() for s in range(P_)])
-        grads, sqs = self.update.reduce(list(acc[applied]))
-        retired = rs.prev_params if self.is_2bw else None
-        params, opt_state, norm = self.update.apply(state.params, state.opt_state, grads, sqs, retired)
-        metrics = self.update.metrics(list(sums[applied]), norm, t, self.delay_schedule)
-        new_rs = None
-        if self.is_2bw:
-            if delayed:
-                inflight = {_key(kind, s, m): store.pop((kind, s, 0, m)) for kind, s, m in self.carried}
-                new_rs = MpmdState(state.params, inflight, {f"s{s}": a for s, a in enumerate(acc[0])},
-                                   {f"s{s}": x for s, x in enumerate(sums[0])}, batch)
-            else:  # a synchronous update: nothing in flight
-                new_rs = self._empty_runner_state(state.params, batch)
-        step = jax.device_put(np.int32(t + 1), NamedSharding(pl.mesh, P()))
-        self._last_step = (step, t + 1)
-        return TrainState(step=step, params=params, opt_state=opt_state, runner_state=new_rs), metrics
+        return versions, batches, acc, sums, store
 
     def _run(self, window, versions, batches, store, acc, sums) -> None:
         """Dispatch one window's actions; ``store`` holds what is in transit or stashed, keyed

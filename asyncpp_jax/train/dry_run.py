@@ -133,9 +133,10 @@ def _vocab_bytes(runner, state) -> dict:
         step //= c.pipeline.stages
     out = {**held, "step_estimate": step, "total": sum(held.values()) + step, "vocab_size": vocab,
            "stages": c.pipeline.stages, "vocab_parallel": runner.vocab_parallel}
-    if runner.mpmd:  # what each stage holds: the figures above are the fullest stage's
+    if runner.mpmd:  # what each stage holds (with the step's share where it holds a table)
         per = bytes_on_devices([x for x in jax.tree.leaves(state) if is_vocab(x)])
-        out["per_stage"] = [per.get(runner.mesh.devices[0, s].id, 0) for s in range(c.pipeline.stages)]
+        held_s = [per.get(runner.mesh.devices[0, s].id, 0) for s in range(c.pipeline.stages)]
+        out["per_stage"] = [b + (step if b else 0) for b in held_s]
     return out
 
 
