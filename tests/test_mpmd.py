@@ -146,19 +146,19 @@ def test_bf16_equals_simulate(schedule):
 @pytest.mark.needs_devices(4)
 def test_checkpoint_mid_run_resumes_exactly(tmp_path):
     """The in-flight batch (its stashed activations, cotangents in transit and partial gradients)
-    is in the state: saved after 2 updates, restored into the abstract state, and continued by a
-    fresh step, the run ends where an unbroken one does."""
+    is in the state: saved after 2 updates, restored into the abstract state, and continued, the
+    run ends where an unbroken one does."""
     cfg, data = vocab_cfg(tie=False), [b % V for b in batches(3, 4, 8, seed=6)]
-    whole, _, _ = run_mpmd(cfg, make_opt("adamw"), data, 4, "2bw")
-    half, _, step = run_mpmd(cfg, make_opt("adamw"), data[:2], 4, "2bw")
+    whole, _, step = run_mpmd(cfg, make_opt("adamw"), data, 4, "2bw")
+    half, _, _ = run_mpmd(cfg, make_opt("adamw"), data[:2], 4, "2bw", step=step)
     assert_vocabulary_only_on_the_end_stages(half, step)
     restored = orbax_round_trip(half, tmp_path / "ckpt")
     abstract = mpmd.abstract_state(step, step.params_abstract)
     for x, a in zip(jax.tree.leaves(restored), jax.tree.leaves(abstract), strict=True):
         assert x.shape == a.shape and x.dtype == a.dtype and x.sharding.device_set == a.sharding.device_set
-    M, B = data[0].shape[0], data[0].shape[0] * data[0].shape[1]
-    fresh = make_step(cfg, make_opt("adamw"), M, B, 4, "2bw")
-    resumed, _, _ = run_mpmd(cfg, make_opt("adamw"), data[2:], 4, "2bw", state=restored, step=fresh)
+    # The step reads the restored state's update count from the device, as after a restart (the
+    # trainer-level resume, through a fresh runner, is test_trainer's test_runner_state_resumes_exactly).
+    resumed, _, _ = run_mpmd(cfg, make_opt("adamw"), data[2:], 4, "2bw", state=restored, step=step)
     for x, y in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(whole.params)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 

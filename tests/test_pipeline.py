@@ -144,7 +144,8 @@ def test_sync_schedule_equals_simulate(P, M):
 
 @pytest.mark.needs_devices(2)
 @pytest.mark.parametrize("schedule", ["sync", "2bw"])
-@pytest.mark.parametrize("vocab, tie", [(32, True), (32, False), (31, False)])
+# (32, True): the tied table of every other parity test here.
+@pytest.mark.parametrize("vocab, tie", [pytest.param(32, True, marks=pytest.mark.slow), (32, False), (31, False)])
 def test_top_leaf_layouts_equal_simulate(schedule, vocab, tie):
     """The embedding and head gradients take a different road for each model: a tied table is held
     and accumulated once in the head's [D, V] layout (engine.to_engine_layout), its lookup reading
@@ -160,7 +161,7 @@ def test_top_leaf_layouts_equal_simulate(schedule, vocab, tie):
 
 
 @pytest.mark.needs_devices(2)
-@pytest.mark.parametrize("smoothing", [0.0, 0.5])
+@pytest.mark.parametrize("smoothing", [pytest.param(0.0, marks=pytest.mark.slow), 0.5])  # 0.0: 0.5's path, unsmoothed
 def test_2bw_weight_prediction_equals_simulate(smoothing):
     """SpecTrain / PipeMare in the engine: both slots of batch t run at w_t + δ_t, and the version
     carried to the next step is that predicted point; parity with the simulate runner's delay(1)
@@ -225,7 +226,8 @@ def test_2bw_parity_across_sync_start_and_cooldown_four_stages():
 
 
 @pytest.mark.needs_devices(2)
-@pytest.mark.parametrize("schedule", [pytest.param("sync", marks=pytest.mark.slow), "2bw",
+# MoE under 2bw by default: test_moe_expert_parallel_in_the_engine_equals_simulate (and mpmd's).
+@pytest.mark.parametrize("schedule", [pytest.param("sync", marks=pytest.mark.slow), pytest.param("2bw", marks=pytest.mark.slow),
                                       pytest.param("1f1b", marks=pytest.mark.slow)])
 def test_moe_model_equals_simulate(schedule):
     """MoE (every other layer, 4 experts top-2, capacity 1.25): aux losses included on every stage."""

@@ -188,6 +188,7 @@ def test_nan_in_padding_never_reaches_the_real_layers(recompute):
 
 
 @pytest.mark.needs_devices(2)
+@pytest.mark.slow  # the even split's code path is the default one, which every parity test runs
 def test_explicit_even_split_equals_default():
     cfg, data = model_cfg(), batches(2, 2, 4)
     from test_pipeline import run_pipeline
@@ -220,7 +221,9 @@ def test_eval_step_with_uneven_split_equals_simulate(P, split):
 
 
 @pytest.mark.needs_devices(2)
-@pytest.mark.parametrize("name", ["adamw", "muon", "soap", "adan", "lion", "mars"])
+# Lion and MARS: elementwise like AdamW and Adan, which run by default.
+@pytest.mark.parametrize("name", ["adamw", "muon", "soap", "adan", pytest.param("lion", marks=pytest.mark.slow),
+                                  pytest.param("mars", marks=pytest.mark.slow)])
 def test_padding_stays_zero_with_every_optimizer(name):
     """Zero gradient on a zero row gives a zero update with each optimizer of the factory, with
     weight decay, error feedback and (under 2bw) weight prediction, built on the padded shapes."""
