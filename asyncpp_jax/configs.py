@@ -674,7 +674,7 @@ def _pipeline_defaults() -> ml_collections.ConfigDict:
             # state, accumulators) on the first stage, the final norm and head on the last, a
             # tied table on those two only.  mpmd runs schedule sync, 1f1b or 2bw (2bw from
             # microbatches >= stages - 1), with recompute=True, an even split, no vocab_parallel
-            # and no weight prediction
+            # and no weight prediction, in a job of one process
             placement="spmd",
         )
     )

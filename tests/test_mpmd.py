@@ -12,10 +12,12 @@ import numpy as np
 import optax
 import pytest
 
+from asyncpp_jax import configs
 from asyncpp_jax.models import dense
 from asyncpp_jax.optim import DelaySchedule, delay
 from asyncpp_jax.pipeline import engine, make_mesh, mpmd, programs
 from asyncpp_jax.pipeline.mpmd_placement import bytes_on_devices
+from asyncpp_jax.train import runner as runner_lib
 from asyncpp_jax.train import step as step_lib
 from helpers import orbax_round_trip
 from test_pipeline import BF16_U, SCHED, T, assert_params_close, batches, make_opt, model_cfg, run_simulate
@@ -254,3 +256,14 @@ def test_moe_expert_parallel_equals_simulate():
     assert metrics[-1]["moe_dropped"] > 0
     assert got.params["layers"]["block_1"]["moe"]["gate"].sharding.spec == jax.sharding.PartitionSpec("stage", "data")
     assert_params_close(model_params(cfg, got), want.params)
+
+
+@pytest.mark.needs_devices(2)
+def test_a_job_of_several_processes_is_refused_naming_the_setting(monkeypatch):
+    c = configs.load_file("configs/tiny.py")
+    c.pipeline.update(stages=2, schedule="2bw", placement="mpmd")
+    c = configs.resolve(c)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(configs.ConfigError, match=r"config.pipeline.placement='mpmd' runs in one process .* set "
+                                                  r"config.pipeline.placement='spmd'"):
+        runner_lib.build(c, jax.devices()[:2])

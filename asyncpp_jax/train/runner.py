@@ -167,6 +167,11 @@ def build(c, devices) -> Runner:
               else model_shapes)
     staleness = configs.effective_staleness(c)
     is_mpmd = configs.is_mpmd(c)
+    if is_mpmd and jax.process_count() > 1:
+        raise configs.ConfigError(
+            f"config.pipeline.placement='mpmd' runs in one process (its host dispatches every stage's programs), "
+            f"and this job has {jax.process_count()}: set config.pipeline.placement='spmd' for a job of several "
+            "processes.")
     # Under mpmd each parameter group runs the chain on its own devices; the clip's global norm
     # is taken over all of them by the step itself.
     optimizer, schedule = build_optimizer(c.optimizer, c.train.steps, staleness, shapes,
