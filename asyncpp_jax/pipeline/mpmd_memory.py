@@ -2,7 +2,7 @@
 
 Each stage runs its own programs, so its peak is its own:
 
-    peak(s) = state(s) + batch + accumulators(s) + stash(s) + in transit + max temporaries(s)
+    peak(s) = state(s) + accumulators(s) + stash(s) + in transit + max temporaries(s)
 
 * ``state(s)``: the bytes of the train state (params, optimizer state, the in-flight state) on one
   of stage ``s``'s devices, from their shardings: exact;
@@ -81,8 +81,8 @@ def update_programs(step, state) -> dict:
         mesh = pl.group_mesh(g)
         grads = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=x.sharding), params[g])
         sqs = [jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, P())) for _ in upd.groups]
-        out[g] = [("reduce", upd._reduce[g], (_reduce_input(step, g, params[g]),)),
-                  ("update", upd._apply[g], (params[g], state.opt_state[g], grads, sqs))]
+        out[g] = [("reduce", upd.reduce_fns[g], (_reduce_input(step, g, params[g]),)),
+                  ("update", upd.apply_fns[g], (params[g], state.opt_state[g], grads, sqs))]
     return out
 
 
@@ -99,7 +99,10 @@ def _update_temps(step, state) -> dict:
 def _reduce_input(step, group: str, params_g):
     """The abstract accumulators a group's reduction takes (``GroupedUpdate.reduce``'s inputs)."""
     pl, data, n = step.placement, step.data, step.n_stages
-    dev = lambda mesh, shape: jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, DEVICE))  # noqa: E731
+
+    def dev(mesh, shape):
+        return jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, DEVICE))
+
     if group == "layers":  # each stage's accumulators side by side (a routed expert's: this device's)
         return jax.tree.map(lambda z: dev(pl.mesh, (data, n) + z.shape[2:]), step.zeros_abstract[0][0]["layers"])
     if group == "ends":

@@ -62,12 +62,12 @@ class GroupedUpdate:
         self.opt_shardings = {g: opt_shardings(placement, g, jax.eval_shape(optimizer.init, self.abstract[g]),
                                                self.n_rows, experts) for g in self.groups}
         scalar = {g: NamedSharding(placement.group_mesh(g), P()) for g in self.groups}
-        self._reduce = {g: jax.jit(getattr(self, f"_reduce_{g}"), out_shardings=(self.param_shardings[g], scalar[g]))
+        self.reduce_fns = {g: jax.jit(getattr(self, f"_reduce_{g}"), out_shardings=(self.param_shardings[g], scalar[g]))
                         for g in self.groups}
         outs = {g: (self.param_shardings[g], self.opt_shardings[g], scalar[g]) for g in self.groups}
-        self._apply = {g: jax.jit(self._apply_fn, donate_argnums=(0, 1), out_shardings=outs[g])
+        self.apply_fns = {g: jax.jit(self._apply_fn, donate_argnums=(0, 1), out_shardings=outs[g])
                        for g in self.groups}
-        self._apply_retiring = {g: jax.jit(self._apply_retiring_fn, donate_argnums=(1, 4), out_shardings=outs[g])
+        self.retiring_fns = {g: jax.jit(self._apply_retiring_fn, donate_argnums=(1, 4), out_shardings=outs[g])
                                 for g in self.groups}
 
     # --------------------------------------------------------------------------- init
@@ -128,7 +128,7 @@ class GroupedUpdate:
             inputs["last"] = head
         grads, sqs = {}, {}
         for g in self.groups:
-            grads[g], sqs[g] = self._reduce[g](inputs[g])
+            grads[g], sqs[g] = self.reduce_fns[g](inputs[g])
         return grads, sqs
 
     # -------------------------------------------------------------------------- apply
@@ -158,9 +158,9 @@ class GroupedUpdate:
             mesh = self.placement.group_mesh(g)
             here = [jax.device_put(sqs[h], NamedSharding(mesh, P())) for h in order]
             if retired is None:
-                new_params[g], new_opt[g], norms[g] = self._apply[g](groups[g], opt_state[g], grads[g], here)
+                new_params[g], new_opt[g], norms[g] = self.apply_fns[g](groups[g], opt_state[g], grads[g], here)
             else:
-                new_params[g], new_opt[g], norms[g] = self._apply_retiring[g](groups[g], opt_state[g], grads[g],
+                new_params[g], new_opt[g], norms[g] = self.retiring_fns[g](groups[g], opt_state[g], grads[g],
                                                                               here, retired[g])
         return {k: v for g in order for k, v in new_params[g].items()}, new_opt, norms["last"]
 
