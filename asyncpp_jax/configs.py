@@ -23,7 +23,7 @@ DTYPES = ("float32", "bfloat16")
 RUNNERS = ("auto", "simulate", "pipeline")
 PIPELINE_SCHEDULES = ("sync", "2bw", "1f1b", "interleaved", "zb-h1")
 PLACEMENTS = ("spmd", "mpmd")
-MPMD_SCHEDULES = ("sync", "1f1b", "2bw")  # asyncpp_jax.pipeline.mpmd.SCHEDULES
+MPMD_SCHEDULES = ("sync", "1f1b", "2bw")  # what config.pipeline.placement='mpmd' runs (asyncpp_jax.pipeline.mpmd)
 PIPEDREAM_GRADIENTS = ("mixed", "per_leaf")
 STALENESS_MODES = ("sync", "2bw", "pipedream")
 MITIGATIONS = ("none", "ef", "taylor")

@@ -26,6 +26,7 @@ program and drop what is in flight, as the ``spmd`` engine does.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -34,16 +35,17 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from asyncpp_jax import configs
 from asyncpp_jax.models import dense
 from asyncpp_jax.optim.staleness import DelaySchedule
 from asyncpp_jax.pipeline import programs
 from asyncpp_jax.pipeline.layout import to_engine_layout
-from asyncpp_jax.pipeline.mpmd_placement import Placement, split_groups
+from asyncpp_jax.pipeline.mpmd_placement import Placement
 from asyncpp_jax.pipeline.mpmd_stages import StagePrograms
 from asyncpp_jax.pipeline.mpmd_update import GroupedUpdate
 from asyncpp_jax.train_state import BATCH_SPEC, TrainState
 
-SCHEDULES = ("sync", "1f1b", "2bw")
+SCHEDULES = configs.MPMD_SCHEDULES  # the config's check reads the same list
 
 
 class MpmdState(NamedTuple):
@@ -142,6 +144,10 @@ class MpmdTrainStep:
         self.bwd = [st.backward() if s < P_ - 1 else None for s, st in enumerate(self.stages)]
         self.last = self.stages[-1].last()
         self.zeros, self.zeros_abstract = zip(*[st.zeros(params_abstract, self.data) for st in self.stages])
+        acts = [st.activation(self.rows, seq_len, self.data) for st in self.stages]
+        # One compiled program per stage, reused at every synchronous step.
+        self.zero_activation = [jax.jit(functools.partial(jnp.zeros, a.shape, a.dtype), out_shardings=a.sharding)
+                                for a in acts]
         self.update = GroupedUpdate(model_cfg, optimizer, schedule, pl, params_abstract, grad_clip, expert_parallel)
         self.flushed = programs.validate(programs.generate("1f1b", P_, microbatches))
         self.windows = {"flushed": order(self.flushed, False)}
@@ -231,14 +237,10 @@ class MpmdTrainStep:
 
     # ------------------------------------------------------------------------------ state
     def _empty_runner_state(self, prev_params, batch) -> MpmdState:
-        inflight = {_key(kind, s, m): self._zero_activation(s) for kind, s, m in self.carried}
+        inflight = {_key(kind, s, m): self.zero_activation[s]() for kind, s, m in self.carried}
         made = [self.zeros[s]() for s in range(self.n_stages)]
         return MpmdState(prev_params, inflight, {f"s{s}": a for s, (a, _) in enumerate(made)},
                          {f"s{s}": x for s, (_, x) in enumerate(made)}, batch)
-
-    def _zero_activation(self, s: int):
-        spec = self.stages[s].activation(self.rows, self.seq_len, self.data)
-        return jax.jit(lambda: jnp.zeros(spec.shape, spec.dtype), out_shardings=spec.sharding)()
 
     def init_runner_state(self, params) -> MpmdState | None:
         """The in-flight state of a fresh run (``None`` unless ``2bw``)."""
@@ -309,4 +311,4 @@ def abstract_state(step: MpmdTrainStep, params_abstract) -> TrainState:
 
 
 __all__ = ["MpmdEvalStep", "MpmdState", "MpmdTrainStep", "abstract_state", "carried_keys", "in_force", "init_state",
-           "order", "split_groups", "stage_keys", "stage_params"]
+           "order", "stage_keys", "stage_params"]

@@ -157,7 +157,6 @@ def eval_programs(eval_step, step) -> list[tuple]:
     return out
 
 
-def eval_memory(eval_step, step, state) -> list[int]:
+def eval_memory(eval_step, step) -> list[int]:
     """Per stage, the temporaries of its forward-only program."""
-    del state  # the programs' arguments are the stage views of its params, from shapes
     return [_temp(fn, *args) for _, fn, args in eval_programs(eval_step, step)]

@@ -61,7 +61,7 @@ def _eval_memory(runner, state) -> dict:
     """Compile the eval step on the same mesh: its temporaries come on top of the resident state."""
     c = runner.config
     if runner.mpmd:  # each stage's forward program on top of what that stage holds
-        temps = mpmd_memory.eval_memory(runner.eval_step(), runner.train_step, state)
+        temps = mpmd_memory.eval_memory(runner.eval_step(), runner.train_step)
         held = mpmd_memory.stage_state_bytes(runner.train_step, state)
         return {"eval_temp_bytes": max(temps), "eval_peak_bytes_per_device": max(map(sum, zip(held, temps)))}
     rows = c.train.global_batch_size // c.train.microbatches * runner.eval_group()
@@ -158,10 +158,10 @@ def _measure(c, devices, budget: int | None) -> fit.Measurement:
     unless the train step alone is already over ``budget``."""
     runner = runner_lib.build(c, devices)
     state = runner.abstract_state(jax.random.key(c.seed))
-    M, B = c.train.microbatches, c.train.global_batch_size
-    batch = jax.ShapeDtypeStruct((M, B // M, c.data.seq_len + 1), jnp.int32, sharding=runner.batch_sharding())
     if runner.mpmd:
         return _measure_stages(runner, state)
+    M, B = c.train.microbatches, c.train.global_batch_size
+    batch = jax.ShapeDtypeStruct((M, B // M, c.data.seq_len + 1), jnp.int32, sharding=runner.batch_sharding())
     t0 = time.perf_counter()
     lowered = runner.train_step.lower(state, batch)
     t1 = time.perf_counter()

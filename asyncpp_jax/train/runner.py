@@ -81,18 +81,20 @@ class Runner:
         """``init(key) -> state`` for a fresh run (the trainer jits it with the state's shardings).
         With ``config.model.init_from = 'hf:DIR'`` the weights are read from that Hugging Face
         checkpoint (checked against ``config.model`` now, read when the jitted init runs)."""
-        c = self.config
-        source = c.model.get("init_from", "")
-        pretrained = hf_llama.params_initializer(c.model, source[len("hf:"):]) if source else None
-        return self._init(pretrained)
+        return self._init(self._pretrained())
+
+    def _pretrained(self) -> Callable | None:
+        """The reader of ``config.model.init_from = 'hf:DIR'``'s weights (checked now), or None."""
+        source = self.config.model.get("init_from", "")
+        return hf_llama.params_initializer(self.config.model, source[len("hf:"):]) if source else None
 
     def init_state(self, key):
         """A fresh train state on the mesh (the trainer's start): the jitted :meth:`init_fn` with
         the state's shardings, or under ``mpmd`` each group initialised on its own devices."""
         if self.mpmd:
-            source = self.config.model.get("init_from", "")
-            params = hf_llama.params_initializer(self.config.model, source[len("hf:"):])() if source else None
-            return mpmd.init_state(self.config.model, self.train_step, key, params)
+            pretrained = self._pretrained()
+            return mpmd.init_state(self.config.model, self.train_step, key,
+                                   pretrained() if pretrained is not None else None)
         shardings = jax.tree.map(lambda x: x.sharding, self.abstract_state(key))
         return jax.jit(self.init_fn(), out_shardings=shardings)(key)
 

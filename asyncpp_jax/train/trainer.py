@@ -178,7 +178,7 @@ class Trainer:
         changed = check_resume(self.workdir, c, r.abstract_state(jax.random.key(c.seed)))
         self.checkpointer = Checkpointer(self.workdir / "checkpoints", c.train.keep_checkpoints,
                                          c.train.async_checkpoint)
-        self._all_finite = None  # the jitted finiteness flags per device set, built at the first save
+        self._all_finite: dict = {}  # the jitted finiteness flags per device set, built at the first save
         self._early: list[tuple[float, float]] = []  # (loss, grad norm) of the first updates: dead start
         self.health: health_lib.Health | None = None  # set when a run starts
         self._retired: tuple[int | None, str] | None = None  # (newest good step, what was set aside) on a divergence
@@ -414,7 +414,6 @@ class Trainer:
         by_devices: dict = {}
         for i in floats:
             by_devices.setdefault(frozenset(leaves[i].sharding.device_set), []).append(i)
-        self._all_finite = self._all_finite or {}
         flags = {}
         for devices, idx in by_devices.items():
             if devices not in self._all_finite:
