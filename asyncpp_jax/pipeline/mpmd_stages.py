@@ -139,7 +139,7 @@ class StagePrograms:
         def middle(params, x, ct, acc):
             layers, _ = self._view(params)
             g_l, g_x = self.fns.backward(layers, None, lambda: x[0, 0], ct[0, 0], ResidualTemplate())
-            return _grow(g_x.astype(self.act)), _grow(_add(_strip(acc), {"layers": g_l}))
+            return _grow(g_x.astype(self.act)), _add(acc, _grow({"layers": g_l}))
 
         if self.is_first:
             return self._jit(first, (P(), TOKENS, P(), DEVICE, DEVICE), DEVICE, donate=(4,))
@@ -150,10 +150,9 @@ class StagePrograms:
         norm, head and loss of one microbatch as one fused vjp (its forward runs once)."""
         def fn(params, x, batch, m, acc, sums):
             layers, top = self._view(params)
-            acc = _strip(acc)
             g_l, g_h, g_x, stats = self.fns.last(layers, head_of(self.cfg, top), x[0, 0], batch[m])
-            acc = {"layers": _add(acc["layers"], g_l), "head": _add(acc["head"], g_h)}
-            return _grow(g_x.astype(self.act)), _grow(acc), _grow(_add(_strip(sums), stats))
+            acc = _add(acc, _grow({"layers": g_l, "head": g_h}))
+            return _grow(g_x.astype(self.act)), acc, _grow(_add(_strip(sums), stats))
 
         return self._jit(fn, (P(), DEVICE, TOKENS, P(), DEVICE, DEVICE), (DEVICE, DEVICE, DEVICE), donate=(4, 5))
 
