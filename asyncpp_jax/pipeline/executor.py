@@ -67,17 +67,21 @@ def _put(ring: list, at, entry: list) -> list:
     return [r.at[at].set(e.astype(r.dtype)) for r, e in zip(ring, entry)]
 
 
-def _lookup_transpose_add(acc, tokens, ct, i, axis: int, tied: bool):
+def _lookup_transpose_add(acc, tokens, ct, i, axis: int, tied: bool, keep=True):
     """``acc[i] += (d lookup / d table)^T ct``: each cotangent row added to its token's row of an
     untied ``[V, D]`` table, or column of a tied table held as the head's ``[D, V]``; ``b x T``
     entries, not a dense table per call.  ``axis``: the accumulator axis (:func:`_acc_axis`).  (Numpy's
-    rule places the advanced ``[b, T]`` axes first when the indices are apart, in place when adjacent.)"""
+    rule places the advanced ``[b, T]`` axes first when the indices are apart, in place when adjacent.)
+    Where ``keep`` is false nothing is added: the indices point past the table and are dropped, so
+    a device with no embedding gradient in this slot skips the scatter's strided writes."""
     ct = ct.astype(acc.dtype)
+    vocab = acc.shape[-1] if tied else acc.shape[1 if axis == 0 else 0]
+    tokens = jnp.where(keep, tokens, vocab)
     if not tied:  # [V, D] table: acc [n, V, D] or [V, n, D]; both index to [b, T, D]
-        return acc.at[(i, tokens) if axis == 0 else (tokens, i)].add(ct)
+        return acc.at[(i, tokens) if axis == 0 else (tokens, i)].add(ct, mode="drop")
     if axis == 0:  # acc [n, D, V]: indexes to [b, T, D]
-        return acc.at[i, :, tokens].add(ct)
-    return acc.at[:, i, tokens].add(jnp.moveaxis(ct, -1, 0))  # acc [D, n, V]: indexes to [D, b, T]
+        return acc.at[i, :, tokens].add(ct, mode="drop")
+    return acc.at[:, i, tokens].add(jnp.moveaxis(ct, -1, 0), mode="drop")  # acc [D, n, V]: indexes to [D, b, T]
 
 
 def _scoped(name: str):
@@ -230,11 +234,15 @@ class _Device:
         return self.add_layers(acc_l, i, g_l, c), acc_t, _add_at(sums, i, stats), g_x.astype(self.act_dtype)
 
     @_scoped("pp_embed_grad")
-    def lookup_transpose_add(self, acc_t, tokens, ct, i):
+    def lookup_transpose_add(self, acc_t, tokens, ct, i, keep):
         """Stage 0's embedding gradient, added to accumulator ``i`` (of a tied table: in the head's
-        ``[D, V]`` accumulator, which the last stage also adds to)."""
-        # Split over its vocabulary, a device adds the rows of its own block's tokens only.
-        add = vocab_parallel.lookup_transpose_add if self.vocab_parallel else _lookup_transpose_add
+        ``[D, V]`` accumulator, which the last stage also adds to).  Whole tables: only where
+        ``keep`` (this device ran the first stage's backward in this slot; ``ct`` is zeros
+        elsewhere).  Split tables: on every device (``keep`` unused), each its own block's rows."""
+        if self.vocab_parallel:  # split over its vocabulary, every device adds its own block's tokens
+            add = vocab_parallel.lookup_transpose_add
+        else:  # whole tables: the scatter's column writes into [D, V] cost ~1 ms per call on a CPU core
+            add = functools.partial(_lookup_transpose_add, keep=keep)
         if self.tied:
             w = add(acc_t["head"]["w"], tokens, ct, i, self.top_axes["head"]["w"], True)
             return {**acc_t, "head": {**acc_t["head"], "w": w}}
@@ -262,8 +270,9 @@ class _Device:
         # Stage 0's input cotangent into the embedding's gradient rows, outside the conds (every
         # stage scatters, the others zeros: b x T rows): updated inside a cond branch, XLA copies
         # the whole vocabulary-sized accumulator at every backward slot.
-        ct = jnp.where(self.is_first, g_x, jnp.zeros_like(g_x)).astype(jnp.float32)
-        acc_t = self.lookup_transpose_add(acc_t, self.tokens_of(jb)[:, :-1], ct, self.delay.accumulator(jb))
+        keep = self.is_first & live
+        ct = jnp.where(keep, g_x, jnp.zeros_like(g_x)).astype(jnp.float32)
+        acc_t = self.lookup_transpose_add(acc_t, self.tokens_of(jb)[:, :-1], ct, self.delay.accumulator(jb), keep)
         fwd_buf, bwd_buf = send(self.n_stages, h_out, g_x)
         return (stash, fwd_buf, bwd_buf, acc_l, acc_t, sums), None
 

@@ -129,15 +129,21 @@ class SlotLoop:
     def embedding_cotangent(self, dev, r, g_x):
         """``(ct, j)``: the cotangent of the embedding's output for microbatch ``j`` (``IDLE``:
         none), this device's ``g_x`` where it ran the first virtual stage's ``B``, else zeros."""
-        ct = jnp.where(dev.first(r["b_chunk"]) & (r["b"] != slot_plan.IDLE), g_x, jnp.zeros_like(g_x))
+        ct = jnp.where(self.ran_first_backward(dev, r), g_x, jnp.zeros_like(g_x))
         return ct.astype(jnp.float32), r["b"]
+
+    @staticmethod
+    def ran_first_backward(dev, r):
+        """Whether this device ran the first virtual stage's ``B`` (or ``I``) in the slot."""
+        return dev.first(r["b_chunk"]) & (r["b"] != slot_plan.IDLE)
 
     def embedding_grad(self, dev, r, acc_t, g_x):
         """The first virtual stage's input cotangent into the embedding's gradient rows, outside
         the conds as in the tick loop."""
         ct, jb = self.embedding_cotangent(dev, r, g_x)
         jb_live = jnp.where(jb != slot_plan.IDLE, jb, 0)
-        return dev.lookup_transpose_add(acc_t, dev.tokens_of(jb_live)[:, :-1], ct, dev.delay.accumulator(jb_live))
+        return dev.lookup_transpose_add(acc_t, dev.tokens_of(jb_live)[:, :-1], ct, dev.delay.accumulator(jb_live),
+                                        self.ran_first_backward(dev, r))
 
     def final_backward(self, dev, r, stash, fwd, acc_l, acc_t, sums, g_x):
         """The last virtual stage's ``B``: block, head and loss as one fused vjp under its cond."""

@@ -169,7 +169,8 @@ def tick(dev: _Device, carry, row):
                               lambda al: (al, jnp.zeros_like(bwd_buf)), acc_l)
     acc_l, acc_t, sums, g_x = last(dev, last_j, fwd_buf, stash, acc_l, acc_t, sums, g_x)
     ct = jax.lax.psum(jnp.where(dev.is_first, g_x, jnp.zeros_like(g_x)).astype(jnp.float32), "stage")
-    acc_t = dev.lookup_transpose_add(acc_t, dev.tokens_of(first_b)[:, :-1], ct, dev.delay.accumulator(first_b))
+    acc_t = dev.lookup_transpose_add(acc_t, dev.tokens_of(first_b)[:, :-1], ct, dev.delay.accumulator(first_b),
+                                     keep=True)  # every device adds its block's rows (keep is for whole tables)
     fwd_buf, bwd_buf = send(dev.n_stages, h_out, g_x)
     return (stash, fwd_buf, bwd_buf, acc_l, acc_t, sums), None
 
