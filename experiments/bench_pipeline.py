@@ -9,7 +9,10 @@
 
 Absolute times on a shared machine are noise, so every figure is a ratio of two programs timed
 side by side in alternating rounds (median of rounds); ``work`` times each program back to back
-with the ``simulate`` step it is divided by, so each round's ratio sees one machine state.
+with the ``simulate`` step it is divided by, so each round's ratio sees one machine state.  Every
+mode keeps freed memory for reuse (``host_setup.reuse_freed_memory``, as ``main`` and the tests do
+on a CPU host); ``--glibc_default`` leaves glibc's allocator as it starts, where each compiled
+call faults its buffers' pages in afresh, a cost a step pays per device.
 
 * ``work``: with every fake device pinned to the same core, a pipeline step takes the total work
   of all stages (``sync``, ``2bw`` and the ``1f1b``, ``interleaved`` and ``zb-h1`` programs, each
@@ -63,10 +66,14 @@ VP = "vocab_parallel"  # a run with the vocabulary-sized tables split over stage
 MPMD = "mpmd"  # a run under config.pipeline.placement='mpmd': one program per stage, dispatched by the host
 
 
-def _setup_host(mode: str, devices: int) -> None:
+def _setup_host(mode: str, devices: int, glibc_default: bool = False) -> None:
     """Before JAX starts: the fake devices, and for ``work`` one core for all of them; a
-    ``processes`` worker keeps to the core the launcher gave it (``ASYNCPP_CPUS``)."""
+    ``processes`` worker keeps to the core the launcher gave it (``ASYNCPP_CPUS``); freed memory
+    kept for reuse unless ``glibc_default`` (every program timed alike, the simulate step too)."""
     from asyncpp_jax import host_setup  # no JAX import
+
+    if not glibc_default:
+        host_setup.reuse_freed_memory()
 
     if mode == "processes":
         # The launcher set this process's one device and the job, and named its core; unpinned,
@@ -105,6 +112,10 @@ def _args():
     ap.add_argument("--p2p", type=float, default=0.0, help="schedules: point-to-point latency, in the costs' unit")
     ap.add_argument("--measure", action="store_true",
                     help="schedules: measure F, B, I (W = B - I) of a stage of --layers/P layers on this CPU instead of --costs")
+    ap.add_argument("--glibc_default", action="store_true",
+                    help="leave glibc's allocator as it starts (freed memory handed back to the kernel, so every "
+                         "compiled call faults its buffers' pages in afresh) instead of keeping freed memory for "
+                         "reuse, as the project's entry points do on a CPU host (host_setup.reuse_freed_memory)")
     ap.add_argument("--record", default="", metavar="FILE.jsonl",
                     help="work, overlap, processes, compile, schedules: append the table's figures with the command, commit, date and "
                          "hardware as one JSON line to this file (experiments/results/bench/bench_pipeline.jsonl "
@@ -209,7 +220,7 @@ if ARGS is not None and ARGS.mode == "processes" and not ARGS.worker:
                                           module="experiments.bench_pipeline", pin_cpus=True,
                                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 if ARGS is not None:
-    _setup_host(ARGS.mode, {"overlap": 2, "processes": 2, "conditionals": 8}.get(ARGS.mode, 4))
+    _setup_host(ARGS.mode, {"overlap": 2, "processes": 2, "conditionals": 8}.get(ARGS.mode, 4), ARGS.glibc_default)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -582,7 +593,8 @@ def work(args) -> None:
     split = split_of(args, P)
     print(f"work ratio: {jax.device_count()} fake devices on {len(os.sched_getaffinity(0))} core; "
           f"vocab {args.vocab}, d_model {args.d_model}, {args.layers} layers, P={P}, M={M}, "
-          f"microbatch {args.rows} x {args.seq} tokens, stage layers {','.join(map(str, split))}\n")
+          f"microbatch {args.rows} x {args.seq} tokens, stage layers {','.join(map(str, split))}, freed memory "
+          f"{'returned to the kernel (glibc default)' if args.glibc_default else 'kept for reuse'}\n")
     print("| schedule | recompute | engine / simulate step | spread over rounds | slot work / simulate step | "
           "engine / slot work | bound |")
     print("|---|---|---|---|---|---|---|")
@@ -606,7 +618,8 @@ def work(args) -> None:
           f"ms, B {costs['B'] * 1e3:.1f} ms, last stage's fused slot {costs['last'] * 1e3:.1f} ms)")
     _record(args, "bench_pipeline_work", {
         "rows_per_microbatch": args.rows, "seq": args.seq, "stages": P, "microbatches": M, "layers": args.layers,
-        "vocab": args.vocab, "d_model": args.d_model, "rounds": args.rounds, "f_over_f_plus_b": f_share, "rows": rows})
+        "vocab": args.vocab, "d_model": args.d_model, "rounds": args.rounds, "f_over_f_plus_b": f_share,
+        "freed_memory": "returned" if args.glibc_default else "kept", "rows": rows})
     for recompute in (True, False):
         print_balanced_split(args, P, cached_slot_costs(args, max(args.layers // P, 1), recompute), recompute)
 

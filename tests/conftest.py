@@ -26,6 +26,7 @@ FAKE_CPU_DEVICES = 4
 
 if host_setup.cpu_only_host():
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    host_setup.reuse_freed_memory()  # as `main` does on a CPU host: no fresh pages per compiled call
 else:  # the references are float32/float64 NumPy: no TF32 or bf16 passes in an accelerator's f32 matmuls
     os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 host_setup.add_host_devices(FAKE_CPU_DEVICES)  # affects the CPU backend only

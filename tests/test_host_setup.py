@@ -66,3 +66,39 @@ def test_bench_processes_worker_keeps_to_its_core_and_refuses_without_one():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=configs.REPO_ROOT, env={**env, "JAX_PLATFORMS": "cpu"})
     assert out.returncode != 0 and "ASYNCPP_CPUS" in out.stderr
+
+
+_HEAP_PROBE = """
+import ctypes, ctypes.util, sys
+from asyncpp_jax import host_setup
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+class Info(ctypes.Structure):  # glibc's struct mallinfo2
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+libc.mallinfo2.restype = Info
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+def freed_kept(n=20 << 20):  # a 20 MB block, the size of a step's buffer: mmapped, or from the heap?
+    p = libc.malloc(n)
+    ctypes.memset(p, 1, n)
+    mapped = libc.mallinfo2().hblkhd >= n
+    libc.free(p)
+    return not mapped and libc.mallinfo2().fordblks >= n
+before = freed_kept()
+print(before, host_setup.reuse_freed_memory(), freed_kept())
+"""
+
+
+def test_reuse_freed_memory_keeps_a_freed_block_in_the_heap():
+    """glibc's default maps a 20 MB block afresh and hands it back on ``free``, so the next call
+    faults its pages in again; after ``reuse_freed_memory`` it is served from the heap and stays
+    there, free for the next allocation."""
+    import ctypes
+    import ctypes.util
+
+    if not hasattr(ctypes.CDLL(ctypes.util.find_library("c")), "mallinfo2"):
+        pytest.skip("not glibc >= 2.33 (no mallinfo2 to read the heap with)")
+    out = subprocess.run([sys.executable, "-c", _HEAP_PROBE], capture_output=True, text=True, timeout=60,
+                         cwd=configs.REPO_ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "True", "True"]
