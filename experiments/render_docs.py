@@ -243,26 +243,29 @@ def bench_optimizers(doc: pathlib.Path) -> str:
 
 
 def bench_pipeline_work(doc: pathlib.Path) -> str:
-    """One row per (microbatch size, recompute, schedule): the latest record that timed it."""
+    """One row per (microbatch size, recompute, freed memory, schedule): the latest record that timed
+    it.  Records from before the benchmark kept freed memory for reuse say nothing: glibc's default,
+    freed memory returned to the kernel."""
     latest = {}
     for r in records.load("bench_pipeline", "bench_pipeline_work"):
+        freed = r["figures"].get("freed_memory", "returned")
         for x in r["figures"]["rows"]:
-            latest[(r["figures"]["rows_per_microbatch"], x["recompute"], x["schedule"])] = (x, r)
+            latest[(r["figures"]["rows_per_microbatch"], x["recompute"], freed, x["schedule"])] = (x, r)
     rows = list({id(r): r for _, r in latest.values()}.values())
     order = ("sync", "2bw", "1f1b", "interleaved", "zb-h1")
 
-    def key(k):  # whole tables first, then split ones, each in the schedules' order
-        base, _, split = k[2].partition(" ")
-        return k[0], k[1], bool(split), order.index(base) if base in order else len(order), k[2]
+    def key(k):  # kept first; whole tables, then split ones, each in the schedules' order
+        base, _, split = k[3].partition(" ")
+        return k[0], k[1], k[2] != "kept", bool(split), order.index(base) if base in order else len(order), k[3]
 
-    lines = ["| microbatch | schedule | recompute | engine / simulate step | spread over rounds | slot work / simulate "
-             "| engine / slot work | target |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| microbatch | schedule | recompute | freed memory | engine / simulate step | spread over rounds "
+             "| slot work / simulate | engine / slot work | target |", "|---|---|---|---|---|---|---|---|---|"]
     for k in sorted(latest, key=key):
         x, f = latest[k][0], latest[k][1]["figures"]
         target = x["target"] + (f" (F/(F+B) = {f['f_over_f_plus_b']:.2f})" if x["recompute"] else "")
         slots = (f"{x['slot_work_over_simulate']:.2f} | {x['engine_over_slot_work']:.2f}"
                  if x["slot_work_over_simulate"] else "– | –")  # a program's slots are not timed alone
-        lines.append(f"| {f['rows_per_microbatch']} × {f['seq']} | {x['schedule']} | {x['recompute']} | "
+        lines.append(f"| {f['rows_per_microbatch']} × {f['seq']} | {x['schedule']} | {x['recompute']} | {k[2]} | "
                      f"**{x['engine_over_simulate']:.2f}** | {x['spread'][0]:.2f}–{x['spread'][1]:.2f} | "
                      f"{slots} | {target} |")
     lines += ["", "Commands: " + "; ".join(f'`{r["command"]}`' for r in rows) + f". Hardware: {_hw(rows)}.",
