@@ -69,7 +69,7 @@ def test_bench_processes_worker_keeps_to_its_core_and_refuses_without_one():
 
 
 _HEAP_PROBE = """
-import ctypes, ctypes.util, sys
+import ctypes, ctypes.util
 from asyncpp_jax import host_setup
 libc = ctypes.CDLL(ctypes.util.find_library("c"))
 class Info(ctypes.Structure):  # glibc's struct mallinfo2

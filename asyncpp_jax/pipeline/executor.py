@@ -267,9 +267,9 @@ class _Device:
         acc_l, acc_t, sums, g_x = jax.lax.cond(live & self.is_last,
                                                lambda al, at, su, _: self.last(jb, fwd_buf, al, at, su),
                                                lambda *a: a, acc_l, acc_t, sums, g_x)
-        # Stage 0's input cotangent into the embedding's gradient rows, outside the conds (every
-        # stage scatters, the others zeros: b x T rows): updated inside a cond branch, XLA copies
-        # the whole vocabulary-sized accumulator at every backward slot.
+        # Stage 0's input cotangent into the embedding's gradient rows, outside the conds (on every
+        # stage; where ``keep`` is false the indices are dropped): updated inside a cond branch, XLA
+        # copies the whole vocabulary-sized accumulator at every backward slot.
         keep = self.is_first & live
         ct = jnp.where(keep, g_x, jnp.zeros_like(g_x)).astype(jnp.float32)
         acc_t = self.lookup_transpose_add(acc_t, self.tokens_of(jb)[:, :-1], ct, self.delay.accumulator(jb), keep)
