@@ -67,7 +67,7 @@ def _put(ring: list, at, entry: list) -> list:
     return [r.at[at].set(e.astype(r.dtype)) for r, e in zip(ring, entry)]
 
 
-def _lookup_transpose_add(acc, tokens, ct, i, axis: int, tied: bool, keep=True):
+def _lookup_transpose_add(acc, tokens, ct, i, axis: int, tied: bool, keep):
     """``acc[i] += (d lookup / d table)^T ct``: each cotangent row added to its token's row of an
     untied ``[V, D]`` table, or column of a tied table held as the head's ``[D, V]``; ``b x T``
     entries, not a dense table per call.  ``axis``: the accumulator axis (:func:`_acc_axis`).  (Numpy's

@@ -63,12 +63,12 @@ class GroupedUpdate:
                                                self.n_rows, experts) for g in self.groups}
         scalar = {g: NamedSharding(placement.group_mesh(g), P()) for g in self.groups}
         self.reduce_fns = {g: jax.jit(getattr(self, f"_reduce_{g}"), out_shardings=(self.param_shardings[g], scalar[g]))
-                        for g in self.groups}
+                           for g in self.groups}
         outs = {g: (self.param_shardings[g], self.opt_shardings[g], scalar[g]) for g in self.groups}
         self.apply_fns = {g: jax.jit(self._apply_fn, donate_argnums=(0, 1), out_shardings=outs[g])
-                       for g in self.groups}
+                          for g in self.groups}
         self.retiring_fns = {g: jax.jit(self._apply_retiring_fn, donate_argnums=(1, 4), out_shardings=outs[g])
-                                for g in self.groups}
+                             for g in self.groups}
 
     # --------------------------------------------------------------------------- init
     def init(self, params: dict) -> dict:
@@ -161,7 +161,7 @@ class GroupedUpdate:
                 new_params[g], new_opt[g], norms[g] = self.apply_fns[g](groups[g], opt_state[g], grads[g], here)
             else:
                 new_params[g], new_opt[g], norms[g] = self.retiring_fns[g](groups[g], opt_state[g], grads[g],
-                                                                              here, retired[g])
+                                                                           here, retired[g])
         return {k: v for g in order for k, v in new_params[g].items()}, new_opt, norms["last"]
 
     # ------------------------------------------------------------------------ metrics
