@@ -63,24 +63,30 @@ def add_host_devices(n: int) -> None:
                            "the first JAX array or device query, e.g. at the top of the script.") from None
 
 
-# glibc's mallopt(3) parameters, and the largest mmap threshold it accepts on 64-bit hosts
-_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
-_MMAP_THRESHOLD_MAX = 32 << 20
+# glibc's mallopt(3) parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -2, -4, -8
 _KEEP = 2**31 - 1  # mallopt takes an int: "never trim"
 
 
 def reuse_freed_memory() -> bool:
     """Have glibc keep freed memory for reuse (``mallopt``); whether it did (False off glibc).
 
-    XLA:CPU allocates a compiled call's buffers on every call and frees them after.  By default
-    glibc serves blocks above its (adaptive) mmap threshold with fresh ``mmap`` pages and trims the
-    heap's top when it is freed, so every call faults its buffers' pages in again: ~22 ms for
-    50 MB on one core, against ~4 ms to rewrite a reused buffer.  The pipeline engine on fake
-    devices holds a stash, rings and accumulators per device and pays that at every step.  Blocks
-    up to 32 MB (glibc's cap) now come from the heap, and the heap is never trimmed, so a
-    process's resident memory stays at its peak instead of returning to the kernel between steps.
-    Called by entry points on a CPU host (``prepare``, the tests, the benchmarks), never on
-    import: a library must not change its host process's allocator."""
+    XLA:CPU allocates a compiled call's buffers on every call and frees them after; at the work
+    benchmark's shape a pipeline step's loop state (stash, rings, accumulators) is one ~250 MB
+    block per fake device.  By
+    default glibc serves such blocks with fresh ``mmap`` pages and unmaps them on ``free``, so every
+    call faults its pages in again: ~0.4 ms per MB on one core, about a tenth of the engine's step
+    at the benchmark's shape.  Three settings keep them:
+
+    * ``M_MMAP_MAX = 0``: no block is mmapped (the mmap threshold caps at 32 MB);
+    * ``M_ARENA_MAX = 1``: threads started afterwards (XLA's device threads) share the main heap,
+      since a thread's own arena mmaps any block above its 64 MB heap whatever the settings;
+    * ``M_TRIM_THRESHOLD`` never, ``M_TOP_PAD`` 64 MB: freed memory stays in the heap.
+
+    A process's resident memory therefore stays at its peak instead of returning to the kernel
+    between steps.  Call it before JAX's backend starts, from an entry point on a CPU host
+    (``prepare``, the tests, the benchmarks), never on import: a library must not change its host
+    process's allocator."""
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name)
@@ -88,7 +94,7 @@ def reuse_freed_memory() -> bool:
     except (OSError, AttributeError, TypeError):  # not glibc (musl, macOS): nothing to tune
         return False
     return all(mallopt(param, value) == 1 for param, value in (
-        (_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX), (_M_TRIM_THRESHOLD, _KEEP), (_M_TOP_PAD, 64 << 20)))
+        (_M_MMAP_MAX, 0), (_M_ARENA_MAX, 1), (_M_TRIM_THRESHOLD, _KEEP), (_M_TOP_PAD, 64 << 20)))
 
 
 def parse_cpus(spec: str) -> set[int]:
