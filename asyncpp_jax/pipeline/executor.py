@@ -35,7 +35,8 @@ from asyncpp_jax.pipeline import tick_tables, vocab_parallel
 from asyncpp_jax.pipeline.collectives import hop_perms, mean_over_data, reduce_top, vary
 from asyncpp_jax.pipeline.layout import on_data_axis, param_specs, update_specs
 from asyncpp_jax.pipeline.stage import (ResidualTemplate, StageFns, chunk_rows, head_of, is_first_virtual,
-                                        is_last_virtual, join_params, residual_shapes, split_params, stat_names)
+                                        is_last_virtual, join_params, lookup_transpose_add, residual_shapes,
+                                        split_params, stat_names)
 from asyncpp_jax.pipeline.state import PipelineState, pipeline_state_specs
 from asyncpp_jax.pipeline.tick_tables import OneStepDelay
 from asyncpp_jax.train_state import BATCH_SPEC
@@ -68,20 +69,12 @@ def _put(ring: list, at, entry: list) -> list:
 
 
 def _lookup_transpose_add(acc, tokens, ct, i, axis: int, tied: bool, keep):
-    """``acc[i] += (d lookup / d table)^T ct``: each cotangent row added to its token's row of an
-    untied ``[V, D]`` table, or column of a tied table held as the head's ``[D, V]``; ``b x T``
-    entries, not a dense table per call.  ``axis``: the accumulator axis (:func:`_acc_axis`).  (Numpy's
-    rule places the advanced ``[b, T]`` axes first when the indices are apart, in place when adjacent.)
-    Where ``keep`` is false nothing is added: the indices point past the table and are dropped, so
-    a device with no embedding gradient in this slot skips the scatter's strided writes."""
-    ct = ct.astype(acc.dtype)
+    """:func:`~asyncpp_jax.pipeline.stage.lookup_transpose_add` into accumulator ``i`` of a whole
+    table (``axis``: :func:`_acc_axis`).  Where ``keep`` is false nothing is added: the ids point
+    past the table and are dropped, so a device with no embedding gradient in this slot skips the
+    scatter's strided writes."""
     vocab = acc.shape[-1] if tied else acc.shape[1 if axis == 0 else 0]
-    tokens = jnp.where(keep, tokens, vocab)
-    if not tied:  # [V, D] table: acc [n, V, D] or [V, n, D]; both index to [b, T, D]
-        return acc.at[(i, tokens) if axis == 0 else (tokens, i)].add(ct, mode="drop")
-    if axis == 0:  # acc [n, D, V]: indexes to [b, T, D]
-        return acc.at[i, :, tokens].add(ct, mode="drop")
-    return acc.at[:, i, tokens].add(jnp.moveaxis(ct, -1, 0), mode="drop")  # acc [D, n, V]: indexes to [D, b, T]
+    return lookup_transpose_add(acc, jnp.where(keep, tokens, vocab), ct, tied, i, axis)
 
 
 def _scoped(name: str):

@@ -25,7 +25,8 @@ from asyncpp_jax.models import dense
 from asyncpp_jax.models.moe import is_expert_weight, with_expert_parallel
 from asyncpp_jax.pipeline.collectives import vary
 from asyncpp_jax.pipeline.mpmd_placement import DEVICE, Placement
-from asyncpp_jax.pipeline.stage import ResidualTemplate, StageFns, head_of, split_params, stat_names
+from asyncpp_jax.pipeline.stage import (ResidualTemplate, StageFns, head_of, lookup_transpose_add, split_params,
+                                        stat_names)
 
 TOKENS = P(None, "data")  # a stage's view of the batch [M, B, T+1]
 
@@ -61,15 +62,6 @@ class _PerParamsTree:
 
     def lower(self, params, *args):
         return self.jitted(params).lower(params, *args)
-
-
-def lookup_transpose_add(acc, tokens, ct, tied: bool):
-    """``acc += (d lookup / d table)^T ct``: each cotangent row added to its token's row of an
-    untied ``[V, D]`` table, or column of a tied table held as the head's ``[D, V]``."""
-    ct = ct.astype(acc.dtype)
-    if not tied:
-        return acc.at[tokens].add(ct)
-    return acc.at[:, tokens].add(jnp.moveaxis(ct, -1, 0))
 
 
 class StagePrograms:

@@ -66,6 +66,24 @@ def lookup(cfg, top: dict, tokens: Array) -> Array:
     return jnp.moveaxis(jnp.take(table, tokens, axis=1), 0, -1)
 
 
+def lookup_transpose_add(acc, ids: Array, ct: Array, tied: bool, i=None, axis: int = 0):
+    """``acc[i] += (d lookup / d table)^T ct``: each cotangent row ``ct[b, t]`` (``[b, T, D]``)
+    added to row ``ids[b, t]`` of an untied ``[V, D]`` table, or to that column of a tied table held
+    as the head's ``[D, V]``; ``b x T`` entries, not a dense table per call.  An id past the table is
+    dropped (a caller points an id there to skip it).  ``i``: the accumulator's index along
+    ``axis`` (``[n, V, D]``/``[n, D, V]`` for axis 0, ``[V, n, D]``/``[D, n, V]`` for axis 1), or
+    ``None`` for one table.  (NumPy's rule places the advanced ``[b, T]`` axes first when the
+    indices are apart, in place when adjacent.)"""
+    ct = ct.astype(acc.dtype)
+    if not tied:  # every layout indexes to [b, T, D]
+        index = (ids,) if i is None else (i, ids) if axis == 0 else (ids, i)
+        return acc.at[index].add(ct, mode="drop")
+    if i is not None and axis == 0:  # [n, D, V]: indexes to [b, T, D]
+        return acc.at[i, :, ids].add(ct, mode="drop")
+    index = (slice(None), ids) if i is None else (slice(None), i, ids)  # [D, V] or [D, n, V]: to [D, b, T]
+    return acc.at[index].add(jnp.moveaxis(ct, -1, 0), mode="drop")
+
+
 def chunk_rows(layers, chunk, chunks: int):
     """Rows ``[chunk n, (chunk+1) n)`` of each stacked layer leaf (``n`` = rows / ``chunks``): one
     chunk of an interleaved device's stack (the whole stack when ``chunks`` is 1)."""

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from asyncpp_jax.models import dense
+from asyncpp_jax.pipeline import stage
 from asyncpp_jax.pipeline.collectives import vary
 
 Array = jax.Array
@@ -78,15 +79,9 @@ def lookup_transpose_add(acc, tokens: Array, ct: Array, i, axis: int, tied: bool
     """``acc[i] += (d lookup / d block)^T ct`` for this device's block: ``ct`` (``[b, T, D]``, the
     same on every device) added to the rows (columns of a tied ``[D, n, V/P]`` accumulator) of
     the tokens in the block; the others are dropped.  ``axis``: the accumulator axis."""
-    ct = ct.astype(acc.dtype)
-    if not tied:  # acc [n, V/P, D] or [V/P, n, D]
-        ids, _ = _local_ids(tokens, acc.shape[1 if axis == 0 else 0])
-        return acc.at[(i, ids) if axis == 0 else (ids, i)].add(ct, mode="drop")
-    if axis == 0:  # acc [n, D, V/P]
-        ids, _ = _local_ids(tokens, acc.shape[2])
-        return acc.at[i, :, ids].add(ct, mode="drop")
-    ids, _ = _local_ids(tokens, acc.shape[2])  # acc [D, n, V/P]
-    return acc.at[:, i, ids].add(jnp.moveaxis(ct, -1, 0), mode="drop")
+    block = acc.shape[2] if tied else acc.shape[1 if axis == 0 else 0]  # V/P
+    ids, _ = _local_ids(tokens, block)
+    return stage.lookup_transpose_add(acc, ids, ct, tied, i, axis)
 
 
 def _lse_and_target(logits: Array, targets: Array):
