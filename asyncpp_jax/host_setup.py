@@ -6,7 +6,7 @@
   fighting over all of them.
 * ``reuse_freed_memory()``: on a CPU host with glibc, keep freed memory in the process for reuse
   instead of handing it back to the kernel, so a jitted step's buffers do not fault fresh pages in
-  at every call.
+  at every call (``prepare`` applies it to runs on several fake devices).
 * ``add_host_devices(n)``: ``n`` fake CPU devices for a mesh on a CPU-only host, through JAX's
   ``jax_num_cpu_devices`` option.  Left alone when the user has chosen a count already
   (``JAX_NUM_CPU_DEVICES``, which ``launch`` sets per process, or ``--xla_force_host_platform_device_count``
@@ -73,20 +73,21 @@ def reuse_freed_memory() -> bool:
 
     XLA:CPU allocates a compiled call's buffers on every call and frees them after; at the work
     benchmark's shape a pipeline step's loop state (stash, rings, accumulators) is one ~250 MB
-    block per fake device.  By
-    default glibc serves such blocks with fresh ``mmap`` pages and unmaps them on ``free``, so every
-    call faults its pages in again: ~0.4 ms per MB on one core, about a tenth of the engine's step
-    at the benchmark's shape.  Three settings keep them:
+    block per fake device.  By default glibc serves such blocks with fresh ``mmap`` pages and
+    unmaps them on ``free``, so every call faults its pages in again: ~0.4 ms per MB on one core,
+    about a tenth of the engine's step at that shape.  Three settings keep them:
 
     * ``M_MMAP_MAX = 0``: no block is mmapped (the mmap threshold caps at 32 MB);
     * ``M_ARENA_MAX = 1``: threads started afterwards (XLA's device threads) share the main heap,
       since a thread's own arena mmaps any block above its 64 MB heap whatever the settings;
     * ``M_TRIM_THRESHOLD`` never, ``M_TOP_PAD`` 64 MB: freed memory stays in the heap.
 
-    A process's resident memory therefore stays at its peak instead of returning to the kernel
-    between steps.  Call it before JAX's backend starts, from an entry point on a CPU host
-    (``prepare``, the tests, the benchmarks), never on import: a library must not change its host
-    process's allocator."""
+    The price is resident memory: it stays at its peak instead of returning to the kernel between
+    steps, and the one heap fragments, so over the first steps it settles at 1.6-2.8 times the
+    peak glibc's defaults reach (``zb-h1`` at the work benchmark's shape: 3.7 GB against 2.35 GB;
+    the simulate step there: 2.1 GB against 1.2 GB).  Call it before JAX's backend starts, from an
+    entry point on a CPU host (``prepare`` for several fake devices, the tests, the benchmarks),
+    never on import: a library must not change its host process's allocator."""
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name)
@@ -126,9 +127,14 @@ def pin_cpus(environ=os.environ) -> set[int] | None:
 
 
 def prepare(host_devices: int = 1) -> None:
-    """Everything above, for a run with ``host_devices`` mesh devices (``reuse_freed_memory`` on a
-    CPU host only: an accelerator's runtime keeps its device memory itself)."""
+    """Everything above, for a run with ``host_devices`` mesh devices.
+
+    ``reuse_freed_memory`` only for several fake devices on a CPU host: there each device's
+    per-call loop state is faulted in afresh at every step (about a tenth of the engine's step),
+    and keeping it costs resident memory (3.7 GB against a 2.35 GB peak for ``zb-h1`` at the work
+    benchmark's shape).  A one-device run gains less than it pays (120 updates of the main job: 11% faster, but
+    3.6 GB resident against 1.3 GB), and an accelerator's runtime keeps its device memory itself."""
     pin_cpus()
-    if cpu_only_host():
+    if host_devices > 1 and cpu_only_host():
         reuse_freed_memory()
     add_host_devices(host_devices)

@@ -10,8 +10,8 @@
 Absolute times on a shared machine are noise, so every figure is a ratio of two programs timed
 side by side in alternating rounds (median of rounds); ``work`` times each program back to back
 with the ``simulate`` step it is divided by, so each round's ratio sees one machine state.  Every
-mode keeps freed memory for reuse (``host_setup.reuse_freed_memory``, as ``main`` and the tests do
-on a CPU host); ``--glibc_default`` leaves glibc's allocator as it starts, where each compiled
+mode keeps freed memory for reuse (``host_setup.reuse_freed_memory``, as the tests and ``main`` on
+several fake CPU devices do); ``--glibc_default`` leaves glibc's allocator as it starts, where each compiled
 call faults its buffers' pages in afresh, a cost a step pays per device.
 
 * ``work``: with every fake device pinned to the same core, a pipeline step takes the total work
@@ -115,7 +115,7 @@ def _args():
     ap.add_argument("--glibc_default", action="store_true",
                     help="leave glibc's allocator as it starts (freed memory handed back to the kernel, so every "
                          "compiled call faults its buffers' pages in afresh) instead of keeping freed memory for "
-                         "reuse, as the project's entry points do on a CPU host (host_setup.reuse_freed_memory)")
+                         "reuse, as the tests and main on several fake CPU devices do (host_setup.reuse_freed_memory)")
     ap.add_argument("--record", default="", metavar="FILE.jsonl",
                     help="work, overlap, processes, compile, schedules: append the table's figures with the command, commit, date and "
                          "hardware as one JSON line to this file (experiments/results/bench/bench_pipeline.jsonl "

@@ -108,3 +108,19 @@ def test_reuse_freed_memory_keeps_a_freed_block_in_the_heap():
                          cwd=configs.REPO_ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["False", "True", "True", "True"]
+
+
+@pytest.mark.parametrize("devices, cpu_host, want", [(1, True, 0), (4, True, 1), (4, False, 0)])
+def test_prepare_keeps_freed_memory_only_for_several_fake_devices(monkeypatch, devices, cpu_host, want):
+    """The engine on fake CPU devices faults its per-device loop state in at every step, so
+    ``prepare`` keeps freed memory there; a one-device run, or an accelerator's, keeps glibc's
+    defaults (resident memory would settle well above its peak for little gain)."""
+    from asyncpp_jax import host_setup
+
+    calls = []
+    monkeypatch.delenv(host_setup.CPUS_ENV, raising=False)
+    monkeypatch.setattr(host_setup, "cpu_only_host", lambda: cpu_host)
+    monkeypatch.setattr(host_setup, "reuse_freed_memory", lambda: calls.append(1) or True)
+    monkeypatch.setattr(host_setup, "add_host_devices", lambda n: calls.append(("devices", n)))
+    host_setup.prepare(devices)
+    assert calls.count(1) == want and ("devices", devices) in calls
