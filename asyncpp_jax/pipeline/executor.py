@@ -36,7 +36,7 @@ from asyncpp_jax.pipeline.collectives import hop_perms, mean_over_data, reduce_t
 from asyncpp_jax.pipeline.layout import on_data_axis, param_specs, update_specs
 from asyncpp_jax.pipeline.stage import (ResidualTemplate, StageFns, chunk_rows, head_of, is_first_virtual,
                                         is_last_virtual, join_params, lookup_transpose_add, residual_shapes,
-                                        split_params, stat_names)
+                                        split_params, stat_names, table_size)
 from asyncpp_jax.pipeline.state import PipelineState, pipeline_state_specs
 from asyncpp_jax.pipeline.tick_tables import OneStepDelay
 from asyncpp_jax.train_state import BATCH_SPEC
@@ -73,8 +73,7 @@ def _lookup_transpose_add(acc, tokens, ct, i, axis: int, tied: bool, keep):
     table (``axis``: :func:`_acc_axis`).  Where ``keep`` is false nothing is added: the ids point
     past the table and are dropped, so a device with no embedding gradient in this slot skips the
     scatter's strided writes."""
-    vocab = acc.shape[-1] if tied else acc.shape[1 if axis == 0 else 0]
-    return lookup_transpose_add(acc, jnp.where(keep, tokens, vocab), ct, tied, i, axis)
+    return lookup_transpose_add(acc, jnp.where(keep, tokens, table_size(acc, tied, i, axis)), ct, tied, i, axis)
 
 
 def _scoped(name: str):

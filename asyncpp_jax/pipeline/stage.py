@@ -66,6 +66,14 @@ def lookup(cfg, top: dict, tokens: Array) -> Array:
     return jnp.moveaxis(jnp.take(table, tokens, axis=1), 0, -1)
 
 
+def table_size(acc, tied: bool, i=None, axis: int = 0) -> int:
+    """The vocabulary length of a table accumulator laid out as :func:`lookup_transpose_add` takes
+    it (an id equal to it is dropped there)."""
+    if tied:
+        return acc.shape[-1]
+    return acc.shape[1 if i is not None and axis == 0 else 0]
+
+
 def lookup_transpose_add(acc, ids: Array, ct: Array, tied: bool, i=None, axis: int = 0):
     """``acc[i] += (d lookup / d table)^T ct``: each cotangent row ``ct[b, t]`` (``[b, T, D]``)
     added to row ``ids[b, t]`` of an untied ``[V, D]`` table, or to that column of a tied table held

@@ -79,8 +79,7 @@ def lookup_transpose_add(acc, tokens: Array, ct: Array, i, axis: int, tied: bool
     """``acc[i] += (d lookup / d block)^T ct`` for this device's block: ``ct`` (``[b, T, D]``, the
     same on every device) added to the rows (columns of a tied ``[D, n, V/P]`` accumulator) of
     the tokens in the block; the others are dropped.  ``axis``: the accumulator axis."""
-    block = acc.shape[2] if tied else acc.shape[1 if axis == 0 else 0]  # V/P
-    ids, _ = _local_ids(tokens, block)
+    ids, _ = _local_ids(tokens, stage.table_size(acc, tied, i, axis))  # this device's V/P
     return stage.lookup_transpose_add(acc, ids, ct, tied, i, axis)
 
 
