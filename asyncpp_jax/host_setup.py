@@ -129,11 +129,10 @@ def pin_cpus(environ=os.environ) -> set[int] | None:
 def prepare(host_devices: int = 1) -> None:
     """Everything above, for a run with ``host_devices`` mesh devices.
 
-    ``reuse_freed_memory`` only for several fake devices on a CPU host: there each device's
-    per-call loop state is faulted in afresh at every step (about a tenth of the engine's step),
-    and keeping it costs resident memory (3.7 GB against a 2.35 GB peak for ``zb-h1`` at the work
-    benchmark's shape).  A one-device run gains less than it pays (120 updates of the main job:
-    11% faster, but 3.6 GB resident against 1.3 GB), and an accelerator's runtime keeps its device
+    ``reuse_freed_memory`` only for several fake devices on a CPU host, where each device's
+    per-call loop state would be faulted in afresh at every step; its price in resident memory is
+    in its docstring.  A one-device run gains less than it pays (120 updates of the main job: 11%
+    faster, but 3.6 GB resident against 1.3 GB), and an accelerator's runtime keeps its device
     memory itself."""
     pin_cpus()
     if host_devices > 1 and cpu_only_host():

@@ -11,8 +11,8 @@ Absolute times on a shared machine are noise, so every figure is a ratio of two 
 side by side in alternating rounds (median of rounds); ``work`` times each program back to back
 with the ``simulate`` step it is divided by, so each round's ratio sees one machine state.  Every
 mode keeps freed memory for reuse (``host_setup.reuse_freed_memory``, as the tests and ``main`` on
-several fake CPU devices do); ``--glibc_default`` leaves glibc's allocator as it starts, where each compiled
-call faults its buffers' pages in afresh, a cost a step pays per device.
+several fake CPU devices do); ``--glibc_default`` leaves glibc's allocator as it starts, where each
+compiled call faults its buffers' pages in afresh, a cost a step pays per device.
 
 * ``work``: with every fake device pinned to the same core, a pipeline step takes the total work
   of all stages (``sync``, ``2bw`` and the ``1f1b``, ``interleaved`` and ``zb-h1`` programs, each
