@@ -402,8 +402,8 @@ def test_conditionals_per_tick(schedule, per_tick):
     step = engine.make_pipeline_train_step(cfg, tx, SCHED, mesh, abstract, 4, schedule)
     state = init_pipeline(cfg, tx, mesh, 4, 8, schedule)
     batch = jax.device_put(data[0], engine.global_batch_sharding(mesh))
-    table = (tick_tables.async_table if schedule == "2bw" else tick_tables.sync_table)(2, 4)
-    assert census(jax.make_jaxpr(step)(state, batch)) == Census(per_tick * table.ticks, 0)
+    plan = slot_plan.compile_schedule(schedule, 2, 4)
+    assert census(jax.make_jaxpr(step)(state, batch)) == Census(per_tick * plan.slots, 0)
     evaluate = engine.make_pipeline_eval_step(cfg, mesh, abstract, microbatch_rows=2)
     rows = jax.device_put(data[0].reshape(8, -1), NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
     # 8 rows in microbatches of 2 through 2 stages: 4 + 2 - 1 ticks

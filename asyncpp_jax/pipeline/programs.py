@@ -316,6 +316,15 @@ GENERATORS = {
 }
 
 
+def register(name: str, generator) -> None:
+    """Add schedule ``name``: ``generator(P, M, v=1) -> Program``.  The engine runs it as it runs the
+    built-in ones (``config.pipeline.schedule=name``, or ``engine.make_pipeline_train_step``): a new
+    schedule is a generator and nothing else (docs/pipeline.md, "Add a schedule")."""
+    if name in GENERATORS:
+        raise ProgramError(f"a schedule named {name!r} exists already; pick another name")
+    GENERATORS[name] = generator
+
+
 def generate(name: str, P: int, M: int, v: int | None = None) -> Program:
     """The program of schedule ``name`` (a key of ``GENERATORS``) for ``P`` devices and ``M`` microbatches."""
     if name not in GENERATORS:
@@ -632,8 +641,8 @@ def _deadlock(p: Program, lists, nxt, done):
     stuck = [(d, lists[d][nxt[d]]) for d in range(p.devices) if nxt[d] < len(lists[d])]
 
     def waits(o):
-        deps = [f"{k} of {g} on stage {u}" for k, u, g in deps(o, p.stages) if ended(done, k, u, g) is None]
-        return ", ".join(deps) or "the step's update"
+        missing = [f"{k} of {g} on stage {u}" for k, u, g in deps(o, p.stages) if ended(done, k, u, g) is None]
+        return ", ".join(missing) or "the step's update"
 
     text = "; ".join(f"device {e} at {o.kind} of microbatch {o.g} on stage {o.stage} (step {o.step}) waits for "
                      f"{waits(o)}" for e, o in stuck)

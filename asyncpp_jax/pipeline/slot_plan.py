@@ -370,7 +370,7 @@ def _compile_flushless(program: programs.Program, recompute: bool, paired: bool)
                     if u > 0:
                         rows[k, program.device_of(u - 1), INDEX["bwd_store"]] = m % S["bwd"]
     depth = {name: s + 1 for name, s in S.items()}
-    for name in BUFFERS:  # unused reads and writes point at the write-only entry
-        cols = [INDEX[c] for c in COLUMNS if c.endswith("_" + name)]
+    for name in BUFFERS:  # unused reads, and stores where nothing arrives, point at the write-only entry
+        cols = [INDEX[c] for c in COLUMNS if c.endswith("_" + name) or c == f"{name}_store"]
         rows[..., cols] = np.where(rows[..., cols] < 0, depth[name] - 1, rows[..., cols])
     return SlotPlan(program, rows, depth, paired, cyclic=True)
