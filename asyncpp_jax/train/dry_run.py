@@ -150,7 +150,7 @@ def _layer_padding(runner) -> dict:
             "param_bytes_total": padded - real}
 
 
-def _measure(c, devices, budget: int | None) -> fit.Measurement:
+def measure(c, devices, budget: int | None) -> fit.Measurement:
     """Lower and compile ``c``'s train step on ``devices`` from abstract shapes; the eval step too
     unless the train step alone is already over ``budget``."""
     runner = runner_lib.build(c, devices)
@@ -204,7 +204,7 @@ def dry_run(c, devices=None, spare_devices=None) -> dict:
 
     def measure(cfg):
         n = len(devices) if cfg.mesh.data == -1 else configs.devices_needed(cfg)
-        return _measure(cfg, pool[:n] if n > len(devices) else devices, budget)
+        return measure(cfg, pool[:n] if n > len(devices) else devices, budget)
 
     decision = fit.decide(c, measure, budget)
     suggestion = [] if decision.fits else fit.suggest(decision, max_devices=len(pool))
