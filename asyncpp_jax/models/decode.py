@@ -158,7 +158,7 @@ def sample(logits: Array, key: Array, temperature: float, top_p: float) -> Array
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-def _bucket(n: int, floor: int = 16) -> int:
+def bucket_length(n: int, floor: int = 16) -> int:
     """``n`` rounded up to a power of two (at least ``floor``): one compilation per bucket."""
     return max(floor, 1 << max(0, int(n) - 1).bit_length())
 
@@ -187,8 +187,8 @@ class Generator:
         if len(lengths) != 1 or 0 in lengths:
             raise ValueError("generate() takes non-empty prompts of one length (one prompt repeated for samples)")
         n, b = lengths.pop(), len(prompts)
-        padded = _bucket(n)
-        length = _bucket(padded + sampling.max_new_tokens, 64)
+        padded = bucket_length(n)
+        length = bucket_length(padded + sampling.max_new_tokens, 64)
         tokens = np.zeros((b, padded), np.int32)
         tokens[:, :n] = np.asarray(prompts, np.int32)
         # Positions past the prompt get pad tokens' keys now; each is overwritten by the generated
