@@ -74,6 +74,7 @@ def test_greedy_with_the_cache_equals_the_full_forward_moe():
     assert len(set(want)) > 2
 
 
+@pytest.mark.slow  # ~8 s; the greedy test above fails too when the cache is broken
 def test_cached_logits_equal_the_forward_at_every_position(dense_model):
     """Prefill half the sequence, then feed the rest one token at a time: every position's logits
     are the full forward's."""
@@ -111,3 +112,11 @@ def test_top_p_keeps_the_nucleus_and_temperature_samples_it():
     assert np.asarray(decode.sample(logits[:1], keys, temperature=0.0, top_p=1.0)).tolist() == [0]
     hot = np.asarray(decode.sample(logits, keys, temperature=100.0, top_p=1.0))
     np.testing.assert_allclose(np.bincount(hot, minlength=4) / 4000, [0.25] * 4, atol=0.03)
+
+
+
+def test_generate_command_refuses_bad_options_and_missing_runs(tmp_path, capsys):
+    assert generate.main([f"--workdir={tmp_path}", "--prompt=x", "--top_p=0"]) == 2
+    assert "--top_p=0.0 must be in (0, 1]" in capsys.readouterr().err
+    assert generate.main([f"--workdir={tmp_path}", "--prompt=x"]) == 1
+    assert "no config.json" in capsys.readouterr().err

@@ -6,6 +6,7 @@ No torch, no transformers: the reference for the weight conventions is a NumPy f
 format is the ``safetensors`` package's NumPy API.
 """
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -389,3 +390,47 @@ def test_export_takes_the_newest_verified_checkpoint(run_of, tmp_path):
     with pytest.raises(export.ExportError, match="step 4: .*checksum"):
         export.export(work, tmp_path / "out4", step=4)
     assert export.main([f"--workdir={tmp_path / 'nothing'}", f"--out={tmp_path / 'x'}"]) == 1
+
+
+# ------------------------------------------------------------------------------ generate from a run
+
+
+def test_generate_command_continues_the_prompt_from_the_checkpoint(run_of, capsys):
+    """``python -m asyncpp_jax.generate`` on the run: greedy, with the cache, equals greedy by the
+    full forward (tests/test_generate.py has the model-level tests)."""
+    from test_generate import greedy_without_cache
+
+    from asyncpp_jax import generate, trained
+
+    t = run_of("simulate")
+    assert generate.main([f"--workdir={t.workdir}", "--prompt=import json", "--max_new_tokens=8"]) == 0
+    printed = capsys.readouterr().out
+    model = trained.load(t.workdir)
+    assert model.step == 4 and same(jax.device_get(model.params), _model_params(t))
+    ids = [int(i) for i in model.tokenizer.encode("import json")]
+    want = greedy_without_cache(model.model_cfg, model.params, ids, 8)
+    if model.tokenizer.eos_id in want:
+        want = want[:want.index(model.tokenizer.eos_id) + 1]
+    assert printed == "import json" + model.tokenizer.decode(want) + "\n"
+
+
+@pytest.mark.slow  # lm-eval's own start-up: ~20 s
+@pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None,
+                    reason="lm-eval is not installed (pip install 'lm-eval>=0.4,<0.5'); tests/test_evaluate.py "
+                    "checks the adapter's arithmetic without it")
+def test_evaluate_command_scores_the_run_on_a_local_task(run_of, tmp_path, capsys, monkeypatch):
+    from test_evaluate import TASKS, write_tasks
+
+    from asyncpp_jax import evaluate
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    t = run_of("simulate")
+    tasks = write_tasks(tmp_path)
+    args = [f"--workdir={t.workdir}", f"--include_path={tasks}", f"--output={tmp_path / 'r.json'}"]
+    assert evaluate.main(args + ["--tasks=" + ",".join(TASKS)]) == 0
+    results = json.loads((tmp_path / "r.json").read_text())
+    assert set(results["results"]) == set(TASKS) and results["asyncpp_jax"]["step"] == 4
+    assert "tiny_choice" in capsys.readouterr().out
+    assert evaluate.main(args + ["--tasks=no_such_task"]) == 2
+    assert "lm-eval has no task no_such_task" in capsys.readouterr().err
