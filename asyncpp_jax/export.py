@@ -90,8 +90,9 @@ def model_layout(c, params: dict) -> dict:
 
 
 def _write_tokenizer(c, out: pathlib.Path) -> tuple[int | None, str | None]:
-    """Copy the run's ``tokenizer.json`` (if it used one) with a ``tokenizer_config.json``; returns
-    ``(eos id, tokenizer.json path)``, the byte tokenizer's eos id and ``None`` for a byte run."""
+    """Write the run's tokenizer as ``tokenizer.json`` (a copy of the run's file, or the byte
+    tokenizer written as one) with ``tokenizer_config.json`` and ``special_tokens_map.json``;
+    returns ``(eos id, the source tokenizer.json or 'byte')``."""
     eos_token = c.data.get("eos_token") or None
     try:
         tok = get_tokenizer(c.data.tokenizer, eos_token)
@@ -103,14 +104,17 @@ def _write_tokenizer(c, out: pathlib.Path) -> tuple[int | None, str | None]:
                           f"model's config.model.vocab_size={c.model.vocab_size}: not the tokenizer the run used.")
     path = getattr(tok, "path", None)
     if path is None:
-        return tok.eos_id, None
-    shutil.copyfile(path, out / "tokenizer.json")
+        tok.write_tokenizer_json(str(out / "tokenizer.json"))
+    else:
+        shutil.copyfile(path, out / "tokenizer.json")
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.eos_token, "bos_token": None,
         "unk_token": None, "pad_token": None, "add_bos_token": False, "add_eos_token": False,
+        # Without it transformers 4.x returns token_type_ids too, which generate() refuses.
+        "model_input_names": ["input_ids", "attention_mask"],
         "clean_up_tokenization_spaces": False, "model_max_length": int(c.data.seq_len)}, indent=2))
     (out / "special_tokens_map.json").write_text(json.dumps({"eos_token": tok.eos_token}, indent=2))
-    return tok.eos_id, path
+    return tok.eos_id, path or "byte"
 
 
 def export(workdir, out, step: int | None = None, dtype: str = "float32", log=print) -> dict:

@@ -344,6 +344,25 @@ def _model_params(t):
     return params
 
 
+TEXTS = ["import json\n", "h\u00e9llo  w\u00f6rld\t\U0001F600", "", " x" * 700]
+
+
+def _check_byte_tokenizer_files(d):
+    """A byte-level run exports a tokenizer.json that encodes as the byte tokenizer does, and a
+    tokenizer_config.json whose model_input_names leave out token_type_ids."""
+    import tokenizers
+
+    from asyncpp_jax.data.tokenizers import ByteTokenizer
+
+    tok = tokenizers.Tokenizer.from_file(str(d / "tokenizer.json"))
+    for text in TEXTS:
+        ids = tok.encode(text, add_special_tokens=False).ids
+        assert ids == ByteTokenizer().encode(text).tolist() and tok.decode(ids) == text
+    assert tok.token_to_id("<|endoftext|>") == 256 and tok.get_vocab_size() == 257
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    assert cfg["model_input_names"] == ["input_ids", "attention_mask"] and cfg["eos_token"] == "<|endoftext|>"
+
+
 @pytest.mark.needs_devices(2)
 @pytest.mark.parametrize("name", ["simulate", pytest.param("pipeline", marks=pytest.mark.slow)])
 def test_export_reads_back_bit_identically(run_of, tmp_path, name):
@@ -351,7 +370,8 @@ def test_export_reads_back_bit_identically(run_of, tmp_path, name):
     assert export.main([f"--workdir={t.workdir}", f"--out={tmp_path}"]) == 0
     hf = json.loads((tmp_path / "config.json").read_text())
     assert (hf["num_hidden_layers"], hf["hidden_size"], hf["vocab_size"], hf["tie_word_embeddings"]) == (4, 32, 257, True)
-    assert hf["eos_token_id"] == 256 and not (tmp_path / "tokenizer.json").exists()  # the byte tokenizer
+    assert hf["eos_token_id"] == 256
+    _check_byte_tokenizer_files(tmp_path)
     info = json.loads((tmp_path / export.EXPORT_INFO).read_text())
     assert info["step"] == 4 and info["runner"] == name
     assert same(hf_llama.read_params(t.config.model, str(tmp_path)), _model_params(t))
@@ -434,3 +454,38 @@ def test_evaluate_command_scores_the_run_on_a_local_task(run_of, tmp_path, capsy
     assert "tiny_choice" in capsys.readouterr().out
     assert evaluate.main(args + ["--tasks=no_such_task"]) == 2
     assert "lm-eval has no task no_such_task" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # imports torch and transformers: ~15 s
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None or importlib.util.find_spec("torch") is None,
+                    reason="transformers and torch are not installed (pip install torch transformers); the files are "
+                    "checked against the tokenizers package and the NumPy reference without them")
+def test_transformers_loads_a_byte_run_export_and_generates_as_the_run_does(run_of, tmp_path):
+    """AutoTokenizer and AutoModelForCausalLM on a byte-level run's export: the tokenizer encodes as
+    the run's, the logits are the model's, and ``generate(**tok(text, return_tensors='pt'))``
+    (which fails on transformers 4.57 when the tokenizer also returns token_type_ids) continues
+    greedily as ``python -m asyncpp_jax.generate`` does."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from asyncpp_jax import trained
+    from asyncpp_jax.data.tokenizers import ByteTokenizer
+    from asyncpp_jax.models import decode
+
+    t = run_of("simulate")
+    export.export(t.workdir, tmp_path, log=lambda _: None)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    for text in TEXTS:
+        assert tok(text)["input_ids"] == ByteTokenizer().encode(text).tolist()
+    batch = tok("import json", return_tensors="pt")
+    assert "token_type_ids" not in batch
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(**batch).logits[0].numpy()
+    ours = trained.load(t.workdir)
+    ids = batch["input_ids"][0].tolist()
+    want = np.asarray(dense.forward(ours.model_cfg, ours.params, np.asarray([ids])))[0]
+    np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    out = model.generate(**batch, max_new_tokens=6, do_sample=False, pad_token_id=tok.eos_token_id)
+    new = decode.Generator(ours.model_cfg, ours.params).generate([ids], decode.Sampling(max_new_tokens=6), [256])[0]
+    assert out[0, len(ids):].tolist()[:len(new)] == new
