@@ -307,6 +307,24 @@ def test_init_from_errors_before_anything_compiles(tmp_path):
         runner_lib.build(c, jax.devices()[:1]).init_fn()
 
 
+def test_init_from_is_checked_before_any_data_is_prepared(tmp_path, monkeypatch, cache_dir):
+    """At FineWeb scale the corpus takes hours to prepare: a checkpoint that does not fit the
+    config is reported before that starts."""
+    from helpers import small_train_config
+
+    from asyncpp_jax.train import trainer as trainer_lib
+
+    def prepare(*_, **__):
+        raise AssertionError("the corpus was prepared before the init_from check")
+
+    monkeypatch.setattr(trainer_lib, "prepare_corpus_for", prepare)
+    c = small_train_config(cache_dir, "init_from_first", 1, steps=2)
+    hf = write_hf(tmp_path / "hf", c.model, random_params(c.model))
+    c.model.update(d_ff=c.model.d_ff * 2, init_from="hf:" + hf)
+    with pytest.raises(HFCheckpointError, match=f"--config.model.d_ff={c.model.d_ff // 2}"):
+        trainer_lib.Trainer(c, tmp_path / "run")
+
+
 # ------------------------------------------------------------------------------ export a run
 
 
