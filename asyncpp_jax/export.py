@@ -73,11 +73,17 @@ def latest_verified_step(workdir: pathlib.Path, step: int | None = None) -> tupl
 def read_params(step_dir: pathlib.Path) -> dict:
     """The ``params`` of a saved train state, as NumPy arrays in the layout they were saved in."""
     path = step_dir / "state"
-    ckptr = ocp.PyTreeCheckpointer()
-    tree = ckptr.metadata(path).item_metadata
-    item = {"params": jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree["params"])}
-    restore_args = {"params": jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree["params"])}
-    out = ckptr.restore(path, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True))
+    # The item's handler, not a Checkpointer: the step's own metadata file sits one level up
+    # (the trainer's CheckpointManager wrote it), and a Checkpointer warns that it is missing here.
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        tree = handler.metadata(path)
+        item = {"params": jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree["params"])}
+        restore_args = {"params": jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree["params"])}
+        out = handler.restore(path, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args,
+                                                                partial_restore=True))
+    finally:
+        handler.close()
     return out["params"]
 
 
