@@ -31,7 +31,7 @@ import orbax.checkpoint as ocp
 
 from asyncpp_jax import configs
 from asyncpp_jax.data.tokenizers import get_tokenizer
-from asyncpp_jax.models import hf_llama
+from asyncpp_jax.models import hf_llama, hf_moe
 from asyncpp_jax.models.hf_llama import HFCheckpointError
 from asyncpp_jax.pipeline import engine
 from asyncpp_jax.train import checkpoint
@@ -48,10 +48,7 @@ def run_config(workdir: pathlib.Path) -> ml_collections.ConfigDict:
     if not path.is_file():
         raise ExportError(f"{workdir} has no config.json: not a run directory (python -m asyncpp_jax.main "
                           "--workdir=... writes one when a run starts).")
-    c = ml_collections.ConfigDict(json.loads(path.read_text()))
-    if c.model.get("moe") and c.model.moe.num_experts:
-        raise ExportError(f"{workdir} is an MoE run; only the dense model maps onto a Hugging Face Llama.")
-    return c
+    return ml_collections.ConfigDict(json.loads(path.read_text()))
 
 
 def latest_verified_step(workdir: pathlib.Path, step: int | None = None) -> tuple[int, pathlib.Path]:
@@ -127,12 +124,14 @@ def export(workdir, out, step: int | None = None, dtype: str = "float32", log=pr
     """Write the run in ``workdir`` to ``out`` as a Hugging Face Llama directory; returns what was written."""
     workdir, out = pathlib.Path(workdir), pathlib.Path(out)
     c = run_config(workdir)
+    # An MoE run becomes a Mixtral or a Qwen2-MoE model, or is refused (before anything is read).
+    writer = hf_moe.write_checkpoint if hf_moe.uses_moe(c.model) and hf_moe.architecture(c.model) else \
+        hf_llama.write_checkpoint
     s, step_dir = latest_verified_step(workdir, step)
     params = model_layout(c, read_params(step_dir))
     out.mkdir(parents=True, exist_ok=True)
     eos_id, tokenizer = _write_tokenizer(c, out)
-    hf_llama.write_checkpoint(str(out), c.model, params, max_position_embeddings=int(c.data.seq_len),
-                              eos_token_id=eos_id, dtype=dtype)
+    writer(str(out), c.model, params, max_position_embeddings=int(c.data.seq_len), eos_token_id=eos_id, dtype=dtype)
     info = {"workdir": str(workdir.resolve()), "step": s, "run": c.get("name"), "dtype": dtype,
             "runner": "pipeline" if configs.uses_pipeline(c) else "simulate", "tokenizer": tokenizer,
             "params": int(sum(int(x.size) for x in _leaves(params)))}

@@ -77,9 +77,9 @@ def hf_llama_forward(hf: dict, t: dict, ids: np.ndarray) -> np.ndarray:
     for i in range(hf["num_hidden_layers"]):
         p = lambda n: t[f"model.layers.{i}.{n}"]  # noqa: E731
         x = _rms(h, p("input_layernorm.weight"), eps)
-        q = (x @ p("self_attn.q_proj.weight").T).reshape(T, H, hd).transpose(1, 0, 2)
-        k = (x @ p("self_attn.k_proj.weight").T).reshape(T, K, hd).transpose(1, 0, 2)
-        v = (x @ p("self_attn.v_proj.weight").T).reshape(T, K, hd).transpose(1, 0, 2)
+        q, k, v = (x @ p(f"self_attn.{n}_proj.weight").T + t.get(f"model.layers.{i}.self_attn.{n}_proj.bias", 0.0)
+                   for n in "qkv")  # Qwen2-MoE's q/k/v have biases
+        q, k, v = (y.reshape(T, -1, hd).transpose(1, 0, 2) for y in (q, k, v))
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         k, v = np.repeat(k, H // K, axis=0), np.repeat(v, H // K, axis=0)  # repeat_kv
         s = q @ k.transpose(0, 2, 1) / np.sqrt(hd) + np.triu(np.full((T, T), -np.inf), 1)
@@ -87,12 +87,43 @@ def hf_llama_forward(hf: dict, t: dict, ids: np.ndarray) -> np.ndarray:
         a /= a.sum(-1, keepdims=True)
         o = (a @ v).transpose(1, 0, 2).reshape(T, H * hd)
         h = h + o @ p("self_attn.o_proj.weight").T
-        x = _rms(h, p("post_attention_layernorm.weight"), eps)
-        g, u = x @ p("mlp.gate_proj.weight").T, x @ p("mlp.up_proj.weight").T
-        h = h + (g / (1 + np.exp(-g)) * u) @ p("mlp.down_proj.weight").T
+        h = h + _hf_mlp(hf, t, i, _rms(h, p("post_attention_layernorm.weight"), eps))
     h = _rms(h, t["model.norm.weight"], eps)
     head = t["model.embed_tokens.weight"] if hf["tie_word_embeddings"] else t["lm_head.weight"]
     return h @ head.T
+
+
+def _swiglu(x, gate, up, down):
+    g = x @ gate.T
+    return (g / (1 + np.exp(-g)) * (x @ up.T)) @ down.T
+
+
+def _hf_mlp(hf: dict, t: dict, i: int, x: np.ndarray) -> np.ndarray:
+    """Layer ``i``'s feed-forward as ``transformers`` computes it: Llama's SwiGLU, Mixtral's sparse
+    block (softmax, top-k, renormalised), or Qwen2-MoE's (sparse every ``decoder_sparse_step``-th
+    layer, ``norm_topk_prob``, plus a shared expert scaled by ``sigmoid(x W_g)``)."""
+    p = lambda n: t[f"model.layers.{i}.{n}"]  # noqa: E731
+    kind = hf["model_type"]
+    if kind == "llama" or (kind == "qwen2_moe" and (i + 1) % hf["decoder_sparse_step"]):
+        return _swiglu(x, p("mlp.gate_proj.weight"), p("mlp.up_proj.weight"), p("mlp.down_proj.weight"))
+    pre, (wg, wu, wd) = (("block_sparse_moe.", ("w1", "w3", "w2")) if kind == "mixtral" else
+                         ("mlp.", ("gate_proj", "up_proj", "down_proj")))
+    s = x @ p(pre + "gate.weight").T
+    probs = np.exp(s - s.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    top = np.argsort(-probs, -1)[:, :hf["num_experts_per_tok"]]
+    w = np.take_along_axis(probs, top, -1)
+    if kind == "mixtral" or hf["norm_topk_prob"]:
+        w = w / w.sum(-1, keepdims=True)
+    y = np.zeros_like(x)
+    for n in range(len(x)):
+        for r, e in enumerate(top[n]):
+            e = pre + f"experts.{e}."
+            y[n] += w[n, r] * _swiglu(x[n], p(e + f"{wg}.weight"), p(e + f"{wu}.weight"), p(e + f"{wd}.weight"))
+    if kind == "qwen2_moe":
+        shared = _swiglu(x, *(p(f"mlp.shared_expert.{n}.weight") for n in ("gate_proj", "up_proj", "down_proj")))
+        y += shared / (1 + np.exp(-(x @ p("mlp.shared_expert_gate.weight").T)))
+    return y
 
 
 def write_hf(directory, m, params, **kw):
@@ -259,6 +290,49 @@ def test_unsupported_architectures_are_refused(tmp_path, change, says):
     hf = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**hf, **change}))
     assert says in _error(m, d)
+
+
+MOE_EXPORTS = {
+    "mixtral": dict(num_experts=4, top_k=2, expert_d_ff=16, every=1, shared_experts=0),
+    "qwen2_moe": dict(num_experts=4, top_k=2, expert_d_ff=16, every=2, shared_experts=1, normalize_gates=False),
+}
+
+
+@pytest.mark.parametrize("arch", list(MOE_EXPORTS))
+def test_moe_exports_compute_mixtral_and_qwen2_moe(tmp_path, arch):
+    """An MoE model's export, run by a NumPy float64 forward of the Hugging Face architecture its
+    config names (softmax top-k routing; Qwen2-MoE's dense layers, sigmoid-gated shared expert and
+    q/k/v biases), gives the model's own (dropless) logits."""
+    from asyncpp_jax.models import decode, hf_moe
+
+    m = model_cfg(n_layers=4, tie_embeddings=arch == "qwen2_moe")
+    m.moe.update(MOE_EXPORTS[arch])
+    params = random_params(decode.inference_config(m))
+    hf_moe.write_checkpoint(str(tmp_path), m, params, max_position_embeddings=64, eos_token_id=1)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    assert hf["model_type"] == arch and hf["architectures"] == [hf_moe.ARCHITECTURES[arch]]
+    f = hf_llama.SafetensorsFile(str(tmp_path / "model.safetensors"))
+    tensors = {n: f.tensor(n) for n in f.names()}
+    ids = np.random.default_rng(2).integers(0, m.vocab_size, 9)
+    want = hf_llama_forward(hf, tensors, ids)
+    got = np.asarray(dense.forward(decode.inference_config(m), params, ids[None]))[0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("change, says", [
+    (dict(gating="sigmoid", shared_experts=1), "config.model.moe.gating='sigmoid'"),
+    (dict(every=2), "config.model.moe.every=2 without shared experts"),
+    (dict(normalize_gates=False), "config.model.moe.normalize_gates=False without shared experts"),
+])
+def test_moe_runs_without_a_counterpart_are_refused_naming_the_settings(tmp_path, capsys, change, says):
+    c = configs.base_config()
+    c.model.update(n_layers=4)
+    c.model.moe.update(num_experts=4, top_k=2, expert_d_ff=16, **change)
+    (tmp_path / "config.json").write_text(configs.to_json(c))
+    assert export.main([f"--workdir={tmp_path}", f"--out={tmp_path / 'out'}"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no Hugging Face counterpart" in err and says in err, err
+    assert not (tmp_path / "out").exists()
 
 
 def test_model_overrides_read_smollm2_135m_config():
@@ -524,3 +598,27 @@ def test_transformers_loads_a_byte_run_export_and_generates_as_the_run_does(run_
     out = model.generate(**batch, max_new_tokens=6, do_sample=False, pad_token_id=tok.eos_token_id)
     new = decode.Generator(ours.model_cfg, ours.params).generate([ids], decode.Sampling(max_new_tokens=6), [256])[0]
     assert out[0, len(ids):].tolist()[:len(new)] == new
+
+
+@pytest.mark.slow  # imports torch and transformers: ~15 s
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None or importlib.util.find_spec("torch") is None,
+                    reason="transformers and torch are not installed (pip install torch transformers); the MoE "
+                    "mapping is checked against a NumPy forward of both architectures without them")
+@pytest.mark.parametrize("arch", list(MOE_EXPORTS))
+def test_transformers_runs_moe_exports(tmp_path, arch):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from asyncpp_jax.models import decode, hf_moe
+
+    m = model_cfg(n_layers=4, tie_embeddings=arch == "qwen2_moe")
+    m.moe.update(MOE_EXPORTS[arch])
+    params = random_params(decode.inference_config(m))
+    hf_moe.write_checkpoint(str(tmp_path), m, params, max_position_embeddings=64, eos_token_id=1)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+    assert type(model).__name__ == hf_moe.ARCHITECTURES[arch]
+    ids = np.random.default_rng(2).integers(0, m.vocab_size, 9)
+    with torch.no_grad():
+        logits = model(torch.as_tensor(ids[None])).logits[0].numpy()
+    want = np.asarray(dense.forward(decode.inference_config(m), params, ids[None]))[0]
+    np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
