@@ -1,12 +1,15 @@
-"""Export a run's latest verified checkpoint as a Hugging Face Llama directory.
+"""Export a run's latest verified checkpoint as a Hugging Face model directory.
 
     python -m asyncpp_jax.export --workdir=runs/dense135m --out=exported/dense135m [--step=N] [--dtype=bfloat16]
 
-writes ``config.json`` (``LlamaForCausalLM``), ``model.safetensors`` and, when the run tokenized
-with a ``tokenizer.json``, that file with a ``tokenizer_config.json`` beside it, so that
+writes ``config.json`` (``LlamaForCausalLM``; an MoE run's ``MixtralForCausalLM`` or
+``Qwen2MoeForCausalLM``, :mod:`asyncpp_jax.models.hf_moe`), the weights as safetensors
+(``model.safetensors``, or shards with an index past :data:`asyncpp_jax.models.hf_llama.SHARD_BYTES`)
+and the tokenizer: the run's ``tokenizer.json``, or the byte tokenizer written as one, with a
+``tokenizer_config.json`` and ``special_tokens_map.json`` beside it, so that
 ``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` and ``AutoTokenizer.from_pretrained(DIR)``
-load it (docs/interop.md).  ``--config.model.init_from=hf:DIR`` reads it back bit for bit
-(``--dtype=float32``, the default).
+load it (docs/interop.md).  ``--config.model.init_from=hf:DIR`` reads a dense export back bit for
+bit (``--dtype=float32``, the default).
 
 The checkpoint is the newest step whose files match their sealed manifest (the check a resume
 makes, :func:`asyncpp_jax.train.checkpoint.verify`); only its parameters are read (orbax partial
