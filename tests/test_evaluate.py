@@ -30,8 +30,9 @@ def model_cfg():
 @pytest.fixture(scope="module")
 def scorer():
     m = model_cfg()
-    params = dense.init_params(m, jax.random.key(0))
-    params = jax.tree.map(lambda x: x if x.ndim == 1 else 10.0 * x, params)  # sharper than at init
+    from test_generate import random_params
+
+    params = random_params(m, std=0.2)  # sharper than at init
     return Scorer(m, params, ByteTokenizer(), max_length=MAX_LENGTH, batch_size=4)
 
 

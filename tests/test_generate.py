@@ -26,11 +26,14 @@ MOE = dict(n_layers=4, moe=dict(num_experts=4, top_k=2, expert_d_ff=16, every=2,
                                  capacity_factor=1.0))
 
 
-def random_params(m, seed=0):
+def random_params(m, seed=0, std=0.3):
     """Weights large enough that the logits have clear winners (a random model at init_std 0.02
-    is nearly uniform, and a near tie could flip on float rounding alone)."""
-    params = dense.init_params(decode.inference_config(m), jax.random.key(seed))
-    return jax.tree.map(lambda x: x * (1.0 if x.ndim == 1 or x.shape[-1] == 1 else 20.0), params)
+    is nearly uniform, and a near tie could flip on float rounding alone); norm scales 1."""
+    rng = np.random.default_rng(seed)
+    shapes = dense.abstract_params(decode.inference_config(m))
+    return jax.tree_util.tree_map_with_path(
+        lambda path, s: np.ones(s.shape, np.float32) if path[-1].key == "scale"
+        else rng.normal(0.0, std, s.shape).astype(np.float32), shapes)
 
 
 def greedy_without_cache(m, params, prompt, n_new):
@@ -96,21 +99,22 @@ def test_stop_token_ends_a_row_and_is_kept(dense_model):
     free = gen.generate([PROMPT], decode.Sampling(max_new_tokens=12))[0]
     stopped = gen.generate([PROMPT], decode.Sampling(max_new_tokens=12), stop_ids=[free[2]])[0]
     assert stopped == free[:free.index(free[2]) + 1]
-    two = gen.generate([PROMPT] * 2, decode.Sampling(max_new_tokens=12, temperature=1.0, seed=4))
-    assert two[0] != two[1]  # each row of a batch draws its own samples
+    hot = [gen.generate([PROMPT], decode.Sampling(max_new_tokens=12, temperature=2.0, seed=k))[0] for k in (4, 5)]
+    assert hot[0] != hot[1] and free not in hot  # the same compiled programs, sampling by seed
 
 
 def test_top_p_keeps_the_nucleus_and_temperature_samples_it():
     logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]] * 4000))
     keys = jax.random.key(0)
-    draws = np.asarray(decode.sample(logits, keys, temperature=1.0, top_p=0.7))
+    sample = jax.jit(decode.sample)  # one program for every setting: temperature and top_p are traced
+    draws = np.asarray(sample(logits, keys, temperature=1.0, top_p=0.7))
     assert set(draws.tolist()) == {0, 1}  # 0.5 + 0.3 reaches 0.7; 0.15 and 0.05 are cut
     np.testing.assert_allclose(np.bincount(draws, minlength=4)[:2] / 4000, [0.625, 0.375], atol=0.03)
-    draws = np.asarray(decode.sample(logits, keys, temperature=1.0, top_p=1.0))
+    draws = np.asarray(sample(logits, keys, temperature=1.0, top_p=1.0))
     np.testing.assert_allclose(np.bincount(draws, minlength=4) / 4000, [0.5, 0.3, 0.15, 0.05], atol=0.03)
-    assert set(np.asarray(decode.sample(logits, keys, temperature=1.0, top_p=0.1)).tolist()) == {0}
-    assert np.asarray(decode.sample(logits[:1], keys, temperature=0.0, top_p=1.0)).tolist() == [0]
-    hot = np.asarray(decode.sample(logits, keys, temperature=100.0, top_p=1.0))
+    assert set(np.asarray(sample(logits, keys, temperature=1.0, top_p=0.1)).tolist()) == {0}
+    assert np.asarray(sample(logits, keys, temperature=0.0, top_p=1.0)).tolist() == [0] * 4000
+    hot = np.asarray(sample(logits, keys, temperature=100.0, top_p=1.0))
     np.testing.assert_allclose(np.bincount(hot, minlength=4) / 4000, [0.25] * 4, atol=0.03)
 
 

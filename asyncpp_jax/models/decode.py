@@ -142,20 +142,20 @@ def forward_cached(cfg, params: dict, tokens: Array, cache: dict, start: Array):
     return model.apply({"params": params}, h, method=dense.Decoder.logits), cache
 
 
-def sample(logits: Array, key: Array, temperature: float, top_p: float) -> Array:
-    """Token ids ``[B]`` from ``logits [B, V]``: argmax when ``temperature`` is 0, else a draw from
-    the temperature-scaled distribution cut to its top-``top_p`` mass (module docstring)."""
-    if temperature <= 0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits.astype(jnp.float32) / temperature
-    if top_p < 1.0:
-        ordered = jnp.sort(logits, axis=-1)[:, ::-1]
-        probs = jax.nn.softmax(ordered, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the tokens ranked above each
-        keep = jnp.sum(before < top_p, axis=-1, keepdims=True)  # >= 1: the most probable always stays
-        threshold = jnp.take_along_axis(ordered, keep - 1, axis=-1)
-        logits = jnp.where(logits >= threshold, logits, -jnp.inf)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+def sample(logits: Array, key: Array, temperature, top_p) -> Array:
+    """Token ids ``[B]`` from ``logits [B, V]``: argmax where ``temperature`` is 0, else a draw from
+    the temperature-scaled distribution cut to its top-``top_p`` mass (module docstring).  Both
+    settings may be traced, so one compiled program serves every setting."""
+    logits = logits.astype(jnp.float32)
+    scaled = logits / jnp.maximum(temperature, 1e-6)
+    ordered = jnp.sort(scaled, axis=-1)[:, ::-1]
+    probs = jax.nn.softmax(ordered, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass of the tokens ranked above each
+    keep = jnp.sum(before < top_p, axis=-1, keepdims=True)  # >= 1: the most probable always stays
+    keep = jnp.where(top_p >= 1.0, ordered.shape[-1], keep)  # all, even where the cumsum rounds to 1 early
+    threshold = jnp.take_along_axis(ordered, keep - 1, axis=-1)
+    drawn = jax.random.categorical(key, jnp.where(scaled >= threshold, scaled, -jnp.inf), axis=-1)
+    return jnp.where(temperature <= 0, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
 
 
 def bucket_length(n: int, floor: int = 16) -> int:
@@ -177,8 +177,8 @@ class Generator:
             logits, cache = forward_cached(cfg, p, token[:, None], cache, pos)
             return sample(logits[:, -1], key, temperature, top_p), cache
 
-        self._step = jax.jit(step, static_argnames=("temperature", "top_p"))
-        self._first = jax.jit(sample, static_argnames=("temperature", "top_p"))
+        self._step = jax.jit(step)
+        self._first = jax.jit(sample)
 
     def generate(self, prompts: list[list[int]], sampling: Sampling, stop_ids=()) -> list[list[int]]:
         """New tokens after each prompt (all of one length; a batch samples independently), at most
@@ -195,7 +195,7 @@ class Generator:
         # token at that position before any query can see it (the causal mask).
         logits, cache = self._prefill(self.params, tokens, init_cache(self.cfg, b, length))
         key = jax.random.key(sampling.seed)
-        opts = dict(temperature=float(sampling.temperature), top_p=float(sampling.top_p))
+        opts = dict(temperature=jnp.float32(sampling.temperature), top_p=jnp.float32(sampling.top_p))
         out, done = [], np.zeros(b, bool)
         stop = np.asarray(sorted(set(int(s) for s in stop_ids)), np.int64)
         token = None
