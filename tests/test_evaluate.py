@@ -7,6 +7,7 @@ lm-eval tests run a tiny local task (task YAML files over local JSON lines) thro
 they are skipped where ``lm_eval`` is not importable (it is an optional extra).
 """
 
+import importlib.util
 import json
 
 import jax
@@ -176,3 +177,12 @@ def test_lm_eval_responses_equal_the_models_forward(scorer, tmp_path, monkeypatc
     for s, d in zip(samples["tiny_generate"], DOCS):
         assert s["resps"][0][0] == scorer.generate_until([(d["question"], {"until": ["\n"], "max_gen_toks": 5})])[0]
     assert set(results["results"]) == set(TASKS)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("lm_eval") is not None, reason="lm-eval is installed here")
+def test_evaluate_command_without_lm_eval_says_how_to_install_it(tmp_path, capsys):
+    from asyncpp_jax import evaluate
+
+    assert evaluate.main([f"--workdir={tmp_path}", "--tasks=arc_easy"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pip install 'lm-eval>=0.4,<0.5'" in err, err
