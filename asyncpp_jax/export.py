@@ -124,12 +124,13 @@ def _write_tokenizer(c, out: pathlib.Path) -> tuple[int | None, str | None]:
 
 
 def export(workdir, out, step: int | None = None, dtype: str = "float32", log=print) -> dict:
-    """Write the run in ``workdir`` to ``out`` as a Hugging Face Llama directory; returns what was written."""
+    """Write the run in ``workdir`` to ``out`` as a Hugging Face model directory; returns what was written."""
     workdir, out = pathlib.Path(workdir), pathlib.Path(out)
     c = run_config(workdir)
-    # An MoE run becomes a Mixtral or a Qwen2-MoE model, or is refused (before anything is read).
-    writer = hf_moe.write_checkpoint if hf_moe.uses_moe(c.model) and hf_moe.architecture(c.model) else \
-        hf_llama.write_checkpoint
+    writer = hf_llama.write_checkpoint
+    if hf_moe.uses_moe(c.model):
+        hf_moe.architecture(c.model)  # Mixtral or Qwen2-MoE, or refused naming the settings: before any read
+        writer = hf_moe.write_checkpoint
     s, step_dir = latest_verified_step(workdir, step)
     params = model_layout(c, read_params(step_dir))
     out.mkdir(parents=True, exist_ok=True)
