@@ -164,10 +164,12 @@ def test_resume_with_changed_layout_is_refused_before_anything_changes(damaged_c
     assert "model.d_model: 32 -> 48" in message and "optimizer.name: 'adamw' -> 'lion'" in message
     assert "a new --workdir" in message and "Nothing in the workdir was changed" in message
     assert snapshot(damaged_copy) == before
-    # a compatible change (more steps) resumes, and config.json keeps the settings the run started with
+    # a compatible change (more steps) resumes; config.json holds the settings of this latest start,
+    # and each checkpoint keeps those it was trained under
     c = fault_config(cache_dir, steps=6)
     Trainer(c, damaged_copy).close()
-    assert json.loads((damaged_copy / "config.json").read_text())["train"]["steps"] == 4
+    assert json.loads((damaged_copy / "config.json").read_text())["train"]["steps"] == 6
+    assert ckpt_lib.read_manifest(damaged_copy / "checkpoints" / "4")["run"]["config"]["train"]["steps"] == 4
 
 
 def test_checkpoint_directory_lost_mid_run_fails_at_the_next_save(trainer, tmp_path):

@@ -241,6 +241,15 @@ class Corpus:
             "val_cross_entropy": val_nats / self.num_bytes("val"),
         }
 
+    @property
+    def fingerprint(self) -> str:
+        """16 hex digits of a SHA-256 over the corpus key (its sources, tokenizer and split settings)
+        and every shard's recorded SHA-256: the same only for the same token streams of the same
+        sources (a resume compares it, train/resume.py)."""
+        shards = {s: [x["sha256"] for x in self._split(s)["shards"]] for s in SPLITS}
+        material = json.dumps({"key": self.meta.get("key"), "shards": shards}, sort_keys=True)
+        return hashlib.sha256(material.encode()).hexdigest()[:16]
+
     def tokenizer(self):
         """The tokenizer this corpus was prepared with (for decoding samples)."""
         tok_meta = self.meta["tokenizer"]
