@@ -389,3 +389,25 @@ def test_export_takes_the_newest_verified_checkpoint(run_of, tmp_path):
     with pytest.raises(export.ExportError, match="step 4: .*checksum"):
         export.export(work, tmp_path / "out4", step=4)
     assert export.main([f"--workdir={tmp_path / 'nothing'}", f"--out={tmp_path / 'x'}"]) == 1
+
+
+def test_export_out_must_be_a_new_or_empty_directory(run_of, tmp_path, capsys):
+    """Before: a traceback for --out on a file or below one, and an export into a non-empty directory
+    mixed a stale tokenizer and shard index with the new weights.  Now exit 2 with one line; --replace
+    removes the export's own files and leaves the others."""
+    work = run_of("simulate").workdir
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    for out in (a_file, a_file / "below"):
+        assert export.main([f"--workdir={work}", f"--out={out}"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "an existing file, not a directory" in err and "Traceback" not in err
+    out = tmp_path / "hf"
+    out.mkdir()
+    for stale in ("tokenizer.json", hf_llama.INDEX_FILE, "notes.txt"):
+        (out / stale).write_text("{}")
+    assert export.main([f"--workdir={work}", f"--out={out}"]) == 2
+    assert "is not empty" in capsys.readouterr().err and not (out / "config.json").exists()
+    assert export.main([f"--workdir={work}", f"--out={out}", "--replace"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", hf_llama.WEIGHTS_FILE, "notes.txt",
+                                                            export.EXPORT_INFO])
