@@ -47,6 +47,11 @@ class CorpusError(ValueError):
     """A corpus source, setting or prepared directory is unusable; the message says the fix."""
 
 
+class CorpusWriteError(CorpusError):
+    """The machine stopped a prepare (a file-size limit, a full disk, a worker out of memory): the
+    environment's doing, not a setting's."""
+
+
 def default_cache_dir() -> str:
     """`$ASYNCPP_JAX_CACHE` if set, else `~/.cache/asyncpp_jax/corpora`."""
     return os.environ.get("ASYNCPP_JAX_CACHE") or os.path.join(
