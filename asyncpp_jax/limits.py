@@ -13,6 +13,8 @@ allocation or the write happened to fail.
   floor is checked first.
 * :func:`describe`: the one-line message for an exception that is a limit's doing (MemoryError,
   a write refused with EFBIG / ENOSPC / EDQUOT, XLA's RESOURCE_EXHAUSTED), else None.
+* :func:`file_size_note`: the limit named beside a message that reports a write refused for
+  its size (orbax's checkpoint writes report it as text, not as an OSError).
 
 No JAX import here: ``main`` asks before JAX starts.
 """
@@ -70,3 +72,12 @@ def describe(e: BaseException) -> str | None:
         first = str(e).strip().splitlines()[0]
         return f"{first}{address_space_note() or ' (free memory, or run a smaller config)'}."
     return None
+
+
+def file_size_note(text: str) -> str:
+    """`` (... ulimit -f ...)`` when ``text`` reports a write refused for its size (EFBIG, as the OS or
+    a C++ library words it) under a file-size limit, else ``''``."""
+    size = _soft(resource.RLIMIT_FSIZE)
+    if size is None or not ("File too large" in text or f"os_error_code='{errno.EFBIG}'" in text):
+        return ""
+    return f" (a file may hold at most {size:,} bytes in this shell: ulimit -f; raise that limit and run again)"

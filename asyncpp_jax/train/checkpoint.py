@@ -43,6 +43,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from asyncpp_jax import limits
+
 log = logging.getLogger("asyncpp_jax")
 
 MANIFEST = "asyncpp_manifest.json"
@@ -229,7 +231,7 @@ class Checkpointer:
 
     def _error(self, message: str) -> CheckpointError:
         self.failed = True
-        return CheckpointError(message)
+        return CheckpointError(message + limits.file_size_note(message))
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()

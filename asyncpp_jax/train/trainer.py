@@ -19,7 +19,9 @@ Guarantees (each is tested):
 - an exception waits for in-flight checkpoint writes, so no saved work is lost;
 - checkpoints are verified before a restore (the newest intact one is used) and a checkpoint that
   cannot be written stops the run at once with :class:`CheckpointError` (see checkpoint.py);
-- a resume whose state layout differs from the checkpoints' is refused before the workdir changes.
+- a resume whose state layout differs from the checkpoints', or whose identity does (tokenizer,
+  corpus, seq_len, model shape; train/resume.py) unless ``train.accept_changed`` names it, is
+  refused before the workdir changes; each checkpoint records the config it was trained under.
 """
 
 from __future__ import annotations
