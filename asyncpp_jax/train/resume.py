@@ -109,8 +109,8 @@ def _identity_change(item: str, saved: dict, now: dict) -> str:
     if item == "model":
         a, b = saved["identity"].get("model") or {}, now["identity"]["model"]
         fields = [f for f in sorted(set(a) | set(b)) if a.get(f) != b.get(f)]
-        return "; ".join(f"config.model.{f}: the checkpoint was trained with {a.get(f)!r}, this config has {b.get(f)!r}"
-                         for f in fields)
+        return "; ".join(f"config.model.{f}: the checkpoint was trained with {a.get(f)!r}, this config has "
+                         f"{b.get(f)!r}" for f in fields)
     return (f"{_SETTING[item]}: the checkpoint was trained on {_show(item, saved['identity'], saved.get('about', {}))}, "
             f"this config gives {_show(item, now['identity'], now['about'])}")
 
@@ -180,7 +180,8 @@ def _refuse(workdir, saved: str, now: str, settings: str, why: str, fix: str, ot
     raise ResumeRefused(
         f"refusing to resume the run in {workdir}: its checkpoints hold the layer stack {saved}, this config "
         f"asks for it {now} ({settings}); {why}.\n"
-        f"Fix: rerun with {fix} (as its checkpoints were trained) to resume,{other} or pass a new --workdir to start a new run. "
+        f"Fix: rerun with {fix} (as its checkpoints were trained) to resume,{other} or pass a new --workdir to "
+        "start a new run. "
         "Nothing in the workdir was changed.")
 
 
@@ -210,6 +211,6 @@ def check_resume(workdir: pathlib.Path, config, abstract_state, record: dict | N
         f"refusing to resume the run in {workdir}: its checkpoints hold a state of a different layout.\n"
         f"  settings that differ from those of its checkpoints:\n    {settings}\n"
         f"  state leaves that differ ({len(differences)}):\n    {leaves}\n"
-        "Fix: rerun with the saved settings (those its checkpoints were trained under) to resume, or pass a new --workdir to "
-        "start a new run with these. Nothing in the workdir was changed."
+        "Fix: rerun with the saved settings (those its checkpoints were trained under) to resume, or pass a new "
+        "--workdir to start a new run with these. Nothing in the workdir was changed."
     )
