@@ -832,6 +832,7 @@ def test_resume_refuses_a_changed_identity_in_one_line(damaged_copy, cache_dir, 
         assert "\n" not in message and f"pass --config.train.accept_changed={item};" in message, message
         assert all(n in message for n in needles), message
     assert snapshot(damaged_copy) == before
+    Trainer(fault_config(cache_dir, global_batch_size=16), damaged_copy).close()  # not part of the identity
 
 
 def test_new_data_resumes_only_when_accepted_and_from_its_start(sealed_run, cache_dir, tmp_path, caplog):
