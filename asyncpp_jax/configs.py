@@ -41,6 +41,9 @@ HARDWARE_GB = {"cpu": 8.0, "t4-16gb": 15.0, "tpu-v5e-16gb": 16.0, "a100-40gb": 4
 MAX_MESH_DEVICES = 65536
 MAX_NS_STEPS = 50  # Newton-Schulz steps are unrolled at trace time: 1e5 of them never finish compiling
 MAX_CPU_DEVICES = 1024  # measured on XLA:CPU: 512 start in ~1 s, 4096 in ~9 s, 100000 hang
+# What a run was trained on, recorded in each checkpoint and compared on resume (train/resume.py);
+# ``config.train.accept_changed`` names those a resume may change on purpose.
+RUN_IDENTITY = ("tokenizer", "corpus", "seq_len", "model")
 
 
 class ConfigError(ValueError):
@@ -428,8 +431,17 @@ def _train_defaults() -> ml_collections.ConfigDict:
             # python -m asyncpp_jax.train.profile WORKDIR prints where the device time went
             profile_start=0,
             profile_steps=0,
+            # what a resume may change on purpose, comma separated, of RUN_IDENTITY: e.g. 'corpus' to
+            # continue training on new data (the data iterator then starts afresh on it); '' = none
+            accept_changed="",
         )
     )
+
+
+def accepted_changes(c) -> tuple[str, ...]:
+    """``config.train.accept_changed`` as a tuple of :data:`RUN_IDENTITY` names."""
+    value = c.train.get("accept_changed", "")
+    return tuple(x.strip() for x in value.split(",") if x.strip()) if isinstance(value, str) else ()
 
 
 def _check_train(c) -> list[str]:
@@ -444,6 +456,10 @@ def _check_train(c) -> list[str]:
     _number(errs, "train.device_memory_gb", t.device_memory_gb, ge=0,
             why=" (0: the accelerator's limit in a run, config.hardware's memory in a dry run)")
     _flag(errs, "train.auto_remat", t.auto_remat)
+    unknown = [x for x in accepted_changes(c) if x not in RUN_IDENTITY]
+    if not isinstance(t.get("accept_changed", ""), str) or unknown:
+        errs.append(f"config.train.accept_changed={t.get('accept_changed')!r}: name what a resume may change, comma "
+                    f"separated, of {', '.join(RUN_IDENTITY)} (or '' for none).")
     for f in ("profile_start", "profile_steps"):
         if not (_is_int(t[f]) and t[f] >= 0):
             errs.append(f"config.train.{f}={t[f]!r} must be a non-negative integer (profile_steps=0: no profile).")

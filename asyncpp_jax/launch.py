@@ -46,6 +46,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_problem(port: int) -> str | None:
+    """Why the coordinator could not listen on ``port`` (None: it can).  Checked before any process
+    starts: process 0's coordinator fails on a busy port deep inside JAX (a crash after "Failed to
+    add port to server", the others waiting for it), with no word about the port."""
+    if not 0 < port < 65536:
+        return f"--port={port} is not a TCP port (1-65535); leave it out to pick a free one."
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a server binds: TIME_WAIT is no obstacle
+        try:
+            s.bind(("", port))
+        except OSError as e:
+            return (f"--port={port} cannot be used on this machine ({e.strerror}: another program listens there); "
+                    "pass another --port, or leave it out to pick a free one.")
+    return None
+
+
 def process_env(base: dict, processes: int, devices_per_process: int, process_id: int, port: int,
                 cpus: list[int] | None = None) -> dict:
     """The environment of process ``process_id`` of a local ``processes`` x ``devices_per_process`` job.
@@ -121,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pin_cpus", action="store_true",
                     help="give each process its own share of this machine's cores (else all share them all)")
     a = ap.parse_args(own)
+    if a.port and port_problem(a.port):
+        print(f"launch: error: {port_problem(a.port)}", file=sys.stderr)
+        return 1
     try:
         procs = spawn(main_args, a.processes, a.devices_per_process, a.port or None, pin_cpus=a.pin_cpus)
     except ValueError as e:

@@ -17,7 +17,7 @@ from absl import logging as absl_logging
 import ml_collections
 from ml_collections import config_flags
 
-from asyncpp_jax import configs, host_setup
+from asyncpp_jax import configs, host_setup, limits
 
 # Defining the config flag already applies the --config.* overrides, and ml_collections fails on a
 # renamed field with a bare AttributeError: name the new field first.
@@ -138,9 +138,10 @@ def main(argv):
         _fail(str(e))
     from asyncpp_jax.train.workdir_lock import WorkdirLock  # no JAX import
 
-    busy = WorkdirLock(workdir).probe()  # the Trainer takes the lock; this only answers a second run at once
-    if busy:
-        _fail(busy, code=1)
+    # The Trainer takes the lock; this only answers a second run at once.  Then the machine's limits.
+    problem = WorkdirLock(workdir).probe() or limits.start_problem()
+    if problem:
+        _fail(problem, code=1)
     needed = configs.devices_needed(config)
     # The dry run may compile its suggestions (2x/4x data or stages) on more fake devices.
     chosen_count = host_setup.FORCE_DEVICES in os.environ.get("XLA_FLAGS", "")
@@ -169,7 +170,7 @@ def main(argv):
         return
     # Imported here, after XLA_FLAGS is final: this is where JAX starts.
     from asyncpp_jax import distributed
-    from asyncpp_jax.data import CorpusError
+    from asyncpp_jax.data import CorpusError, CorpusWriteError
     from asyncpp_jax.train.checkpoint import CheckpointError
     from asyncpp_jax.train.trainer import DeadStart, Trainer, TrainingDiverged, WorkdirBusy, WorkdirError
 
@@ -195,10 +196,14 @@ def main(argv):
         print(f"\ninterrupted: stopped at once; {saved} (anything newer is unsealed and will be set aside on "
               "resume); run the same command again to resume.", file=sys.stderr, flush=True)
         os._exit(130)  # not a clean exit: in-flight writes are abandoned, as asked
+    except (TrainingDiverged, CheckpointError, WorkdirBusy, WorkdirError, CorpusWriteError) as e:
+        _fail(str(e), code=1)
     except (configs.ConfigError, CorpusError, DeadStart) as e:
         _fail(str(e))
-    except (TrainingDiverged, CheckpointError, WorkdirBusy, WorkdirError) as e:
-        _fail(str(e), code=1)
+    except Exception as e:  # noqa: BLE001 - a machine's limit (ulimit -v / -f, a full disk) is one line
+        if limits.describe(e) is None:
+            raise
+        _fail(limits.describe(e), code=1)
 
     print(f"\n{result.status} at step {result.step}/{config.train.steps}; outputs in {workdir}")
     if result.status == "preempted":

@@ -125,7 +125,8 @@ def is_finished(workdir: pathlib.Path) -> bool:
 
 
 # Settings that change how a run is watched, not what it computes: runs differing only here are one run.
-_NOT_COMPUTED = {("train", "progress_bar"), ("train", "profile_start"), ("train", "profile_steps")}
+_NOT_COMPUTED = {("train", "progress_bar"), ("train", "profile_start"), ("train", "profile_steps"),
+                 ("train", "accept_changed")}
 
 
 # Settings added after runs were saved, with the value that means what the code did before them

@@ -38,7 +38,7 @@ def main(workdir, cache_dir, step, phase, keep="5"):
     ckpt_lib._sha256 = slow_sha
     real_write_manifest = ckpt_lib.write_manifest
 
-    def write_manifest(step_dir, s, layout):
+    def write_manifest(step_dir, s, *rest):
         if s == step and phase == "commit":
             die()
         if s == step and phase == "seal":
@@ -54,7 +54,7 @@ def main(workdir, cache_dir, step, phase, keep="5"):
                     real_replace(src, dst)
 
             ckpt_lib.os = Os()
-        return real_write_manifest(step_dir, s, layout)
+        return real_write_manifest(step_dir, s, *rest)
 
     ckpt_lib.write_manifest = write_manifest
     t = Trainer(fault_config(cache_dir, keep_checkpoints=int(keep)), workdir)

@@ -67,6 +67,7 @@ BAD = [
     ("data.source", "", {}, "is empty"),
     ("data.tokenizer", "", {}, "is empty"),
     # training loop
+    ("train.accept_changed", "corpus,optimizer", {}, "tokenizer, corpus, seq_len, model"),
     ("train.steps", 0, {}, "positive integer"),
     ("train.global_batch_size", 0, {}, "positive integer"),
     ("train.microbatches", -2, {}, "positive integer"),

@@ -164,10 +164,12 @@ def test_resume_with_changed_layout_is_refused_before_anything_changes(damaged_c
     assert "model.d_model: 32 -> 48" in message and "optimizer.name: 'adamw' -> 'lion'" in message
     assert "a new --workdir" in message and "Nothing in the workdir was changed" in message
     assert snapshot(damaged_copy) == before
-    # a compatible change (more steps) resumes, and config.json keeps the settings the run started with
+    # a compatible change (more steps) resumes; config.json holds the settings of this latest start,
+    # and each checkpoint keeps those it was trained under
     c = fault_config(cache_dir, steps=6)
     Trainer(c, damaged_copy).close()
-    assert json.loads((damaged_copy / "config.json").read_text())["train"]["steps"] == 4
+    assert json.loads((damaged_copy / "config.json").read_text())["train"]["steps"] == 6
+    assert ckpt_lib.read_manifest(damaged_copy / "checkpoints" / "4")["run"]["config"]["train"]["steps"] == 4
 
 
 def test_checkpoint_directory_lost_mid_run_fails_at_the_next_save(trainer, tmp_path):
@@ -257,6 +259,25 @@ def test_metrics_rows_after_the_resumed_step_are_dropped(tmp_path):
     path.write_text("\n".join(rows) + '\n{"step": 5, "lo')  # killed mid-line after step 4
     assert drop_rows_after(path, 2) == 3
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2]
+
+
+def _bytes_read() -> int:
+    return int(next(line.split()[1] for line in open("/proc/self/io") if line.startswith("rchar:")))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="counts the bytes read through /proc/self/io")
+def test_a_resume_reads_only_the_tail_of_metrics_jsonl(tmp_path):
+    """Before: the whole file was read (and rewritten) at every start.  Now: 24 MB of rows, of which
+    the last two are dropped, cost well under one MB of reads, and the head is left as it was."""
+    path = tmp_path / "metrics.jsonl"
+    row = lambda s: json.dumps({"step": s, "loss": 1.0, "note": "x" * 200}) + "\n"  # noqa: E731
+    path.write_text("".join(row(s) for s in range(1, 100_001)) + '{"step": 100001, "lo')
+    before = _bytes_read()
+    assert drop_rows_after(path, 99_998) == 3
+    assert _bytes_read() - before < 1 << 20
+    with open(path, "rb") as f:
+        f.seek(-2 * len(row(99_998)), os.SEEK_END)
+        assert f.read().decode() == row(99_997) + row(99_998)
 
 
 def _unshare_works() -> bool:
@@ -758,3 +779,112 @@ def test_a_nan_seen_one_update_late_still_stops_before_the_save(trainer, tmp_pat
     assert events[-2:] == [("run", 4), ("get", 3)]
     assert t.checkpointer.sealed_steps() == []
     assert json.loads((tmp_path / "status.json").read_text())["step"] == 3
+
+
+# ---------------------------------------------------------------------------------------------- identity
+
+def _small_bpe(path, texts) -> str:
+    """A word-piece BPE under 257 ids (the fault config's model.vocab_size), so only the tokenizer differs."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<|endoftext|>"],
+                                                       limit_alphabet=100, show_progress=False))
+    tok.save(str(path))
+    return str(path)
+
+
+def _run_reusing(sealed_run, c, workdir, until=None):
+    """Run ``c`` (the fault config's shapes) in ``workdir`` with the sealed run's compiled steps."""
+    t = Trainer(c, workdir)
+    t.train_step, t.eval_step = sealed_run[2]
+    result = t.run(until_step=until)
+    t.close()
+    return result
+
+
+def _stdlib_texts() -> list[str]:
+    return [p.read_text() for p in sorted(pathlib.Path(SOURCE.split(",")[0].rsplit("/", 1)[0]).glob("*.py"))]
+
+
+def test_resume_refuses_a_changed_identity_in_one_line(damaged_copy, cache_dir, tmp_path):
+    """Before: a new tokenizer, seq_len or head arrangement of the same layout resumed with a warning
+    (every embedding row then meant another token).  Now: one line naming the setting, both values
+    and the flag that accepts it; nothing in the workdir changes."""
+    before = snapshot(damaged_copy)
+    bpe = _small_bpe(tmp_path / "tokenizer.json", _stdlib_texts())
+    cases = [
+        ("tokenizer", lambda c: c.data.update(tokenizer=bpe), ["config.data.tokenizer", "trained on bytes",
+                                                               f"this config gives sha256:", bpe]),
+        ("seq_len", lambda c: c.data.update(seq_len=16), ["config.data.seq_len: the checkpoint was trained on 32, "
+                                                          "this config gives 16"]),
+        # 4 heads of 8 over 2 K/V heads: the same [32, 32] and [32, 16] kernels as 2 heads of 16 over 1
+        ("model", lambda c: c.model.update(n_heads=4, n_kv_heads=2),
+         ["config.model.n_heads: the checkpoint was trained with 2, this config has 4"]),
+    ]
+    for item, change, needles in cases:
+        c = fault_config(cache_dir)
+        change(c)
+        with pytest.raises(ResumeRefused) as e:
+            Trainer(c, damaged_copy)
+        message = str(e.value)
+        assert "\n" not in message and f"pass --config.train.accept_changed={item};" in message, message
+        assert all(n in message for n in needles), message
+    assert snapshot(damaged_copy) == before
+    Trainer(fault_config(cache_dir, global_batch_size=16), damaged_copy).close()  # not part of the identity
+
+
+def test_new_data_resumes_only_when_accepted_and_from_its_start(sealed_run, cache_dir, tmp_path, caplog):
+    """Files added to a local data.source directory make another corpus under an unchanged config.
+    Before: the run resumed on it silently, at the saved data position.  Now: refused, naming both
+    corpora; with accept_changed=corpus it resumes and reads the new data from its start; the
+    checkpoints record which corpus each was trained on."""
+    stdlib = pathlib.Path(SOURCE.split(",")[0].rsplit("/", 1)[0]).parent
+    src = tmp_path / "src"
+    src.mkdir()
+    for p in sorted((stdlib / "json").glob("*.py")):
+        shutil.copy(p, src / p.name)
+    run = lambda c, until=None: _run_reusing(sealed_run, c, tmp_path / "run", until)  # noqa: E731
+    c = fault_config(cache_dir)
+    c.data.source = str(src)
+    assert run(c, until=2).step == 2
+    for p in sorted((stdlib / "email").glob("*.py"))[:4]:
+        shutil.copy(p, src / p.name)
+    with pytest.raises(ResumeRefused) as e:
+        Trainer(c, tmp_path / "run")
+    message = str(e.value)
+    assert "the corpus of config.data.source: the checkpoint was trained on" in message and "train tokens" in message
+    assert "continue training on the new data on purpose, pass --config.train.accept_changed=corpus" in message
+    c.train.accept_changed = "corpus"
+    with caplog.at_level(logging.INFO, logger="asyncpp_jax"):
+        assert run(c).step == 4
+    assert "the data changed on purpose, so its iterator starts afresh" in caplog.text
+    corpora = [ckpt_lib.read_manifest(tmp_path / "run" / "checkpoints" / s)["run"]["identity"]["corpus"] for s in "24"]
+    assert corpora[0] != corpora[1]
+
+
+def test_export_describes_the_checkpoint_it_holds(sealed_run, cache_dir, tmp_path):
+    """A run trained on bytes to step 2, then (accepted) on a BPE to step 4.  Before: the export read
+    config.json, kept from the start, so step 4's export got eos_token_id 256 and no tokenizer.json.
+    Now each export follows its checkpoint's own config; a tokenizer file replaced since is refused."""
+    from tokenizers import Tokenizer
+
+    from asyncpp_jax import export
+
+    bpe = _small_bpe(tmp_path / "tokenizer.json", _stdlib_texts())
+    c = fault_config(cache_dir)
+    _run_reusing(sealed_run, c, tmp_path / "run", until=2)
+    c.data.tokenizer, c.train.accept_changed = bpe, "tokenizer"
+    assert _run_reusing(sealed_run, c, tmp_path / "run").step == 4
+    quiet = lambda _: None  # noqa: E731
+    info = export.export(tmp_path / "run", tmp_path / "e4", log=quiet)
+    hf = json.loads((tmp_path / "e4" / "config.json").read_text())
+    assert info["step"] == 4 and info["tokenizer"] == bpe and (tmp_path / "e4" / "tokenizer.json").is_file()
+    assert hf["eos_token_id"] == Tokenizer.from_file(bpe).token_to_id("<|endoftext|>") != 256
+    info = export.export(tmp_path / "run", tmp_path / "e2", step=2, log=quiet)
+    hf = json.loads((tmp_path / "e2" / "config.json").read_text())
+    assert info["tokenizer"] is None and hf["eos_token_id"] == 256 and not (tmp_path / "e2" / "tokenizer.json").exists()
+    _small_bpe(bpe, _stdlib_texts()[:2])  # another tokenizer at the same path
+    with pytest.raises(export.ExportError, match="the file changed since"):
+        export.export(tmp_path / "run", tmp_path / "e4b", log=quiet)

@@ -623,3 +623,43 @@ def test_transformers_runs_moe_exports(tmp_path, arch):
         logits = model(torch.as_tensor(ids[None])).logits[0].numpy()
     want = np.asarray(dense.forward(decode.inference_config(m), params, ids[None]))[0]
     np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_export_out_must_be_a_new_or_empty_directory(run_of, tmp_path, capsys):
+    """Before: a traceback for --out on a file or below one, and an export into a non-empty directory
+    mixed a stale tokenizer and shard index with the new weights.  Now exit 2 with one line; --replace
+    removes the export's own files and leaves the others."""
+    work = run_of("simulate").workdir
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    for out in (a_file, a_file / "below"):
+        assert export.main([f"--workdir={work}", f"--out={out}"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "an existing file, not a directory" in err and "Traceback" not in err
+    out = tmp_path / "hf"
+    out.mkdir()
+    for stale in ("tokenizer.json", hf_llama.INDEX_FILE, "notes.txt"):
+        (out / stale).write_text("{}")
+    assert export.main([f"--workdir={work}", f"--out={out}"]) == 2
+    assert "is not empty" in capsys.readouterr().err and not (out / "config.json").exists()
+    assert export.main([f"--workdir={work}", f"--out={out}", "--replace"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", hf_llama.WEIGHTS_FILE, "notes.txt",
+                                                            export.EXPORT_INFO])
+
+
+def test_a_damaged_config_or_index_is_named_not_a_traceback(tmp_path):
+    """Before: a JSONDecodeError or KeyError traceback for invalid JSON in config.json or an index
+    without weight_map, and "config.json says 4096" (LlamaConfig's default) for a config.json
+    without hidden_size.  Now an HFCheckpointError (a setting's error: one line, exit 2) naming the
+    file and what is wrong with it."""
+    m = model_cfg()
+    d = pathlib.Path(write_hf(tmp_path, m, random_params(m)))
+    good = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text('{"hidden_size": 32,')
+    assert "config.json is not valid JSON" in _error(m, str(d))
+    (d / "config.json").write_text(json.dumps({k: v for k, v in good.items() if k != "hidden_size"}))
+    msg = _error(m, str(d))
+    assert "config.json has no hidden_size" in msg and "4096" not in msg and "head_dim" not in msg, msg
+    (d / "config.json").write_text(json.dumps(good))
+    (d / hf_llama.INDEX_FILE).write_text(json.dumps({"metadata": {}}))
+    assert "has no weight_map" in _error(m, str(d))

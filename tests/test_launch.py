@@ -56,3 +56,20 @@ def test_bad_arguments_are_a_clear_error(capsys):
     except SystemExit as e:
         assert e.code == 2
     assert "--processes=0 and --devices_per_process=1 must be >= 1" in capsys.readouterr().err
+
+
+def test_a_busy_port_is_one_line_before_any_process_starts(capsys, monkeypatch):
+    """Before: process 0 crashed inside JAX after "Failed to add port to server" (exit 245 after
+    23 s), with no word about the port.  Now the launcher checks the port first: one line, exit 1,
+    and no process is started."""
+    import socket
+
+    started = []
+    monkeypatch.setattr(launch, "spawn", lambda *a, **k: started.append(a) or [])
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert launch.main(["--processes", "2", "--port", str(port), "--", "--config=configs/tiny.py"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--port={port} cannot be used on this machine" in err and not started

@@ -18,6 +18,7 @@ _EXPORTS = {
     "get_tokenizer": "tokenizers",
     "Corpus": "corpus",
     "CorpusError": "corpus",
+    "CorpusWriteError": "corpus",
     "FileListing": "sources",
     "assign_splits": "sources",
     "default_cache_dir": "corpus",

@@ -47,6 +47,11 @@ class CorpusError(ValueError):
     """A corpus source, setting or prepared directory is unusable; the message says the fix."""
 
 
+class CorpusWriteError(CorpusError):
+    """The machine stopped a prepare (a file-size limit, a full disk, a worker out of memory): the
+    environment's doing, not a setting's."""
+
+
 def default_cache_dir() -> str:
     """`$ASYNCPP_JAX_CACHE` if set, else `~/.cache/asyncpp_jax/corpora`."""
     return os.environ.get("ASYNCPP_JAX_CACHE") or os.path.join(
@@ -240,6 +245,15 @@ class Corpus:
             "train_entropy": entropy_per_token * self.num_tokens("train") / self.num_bytes("train"),
             "val_cross_entropy": val_nats / self.num_bytes("val"),
         }
+
+    @property
+    def fingerprint(self) -> str:
+        """16 hex digits of a SHA-256 over the corpus key (its sources, tokenizer and split settings)
+        and every shard's recorded SHA-256: the same only for the same token streams of the same
+        sources (a resume compares it, train/resume.py)."""
+        shards = {s: [x["sha256"] for x in self._split(s)["shards"]] for s in SPLITS}
+        material = json.dumps({"key": self.meta.get("key"), "shards": shards}, sort_keys=True)
+        return hashlib.sha256(material.encode()).hexdigest()[:16]
 
     def tokenizer(self):
         """The tokenizer this corpus was prepared with (for decoding samples)."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
+import concurrent.futures.process
 import dataclasses
 import fcntl
 import functools
@@ -40,17 +41,23 @@ import math
 import multiprocessing
 import os
 import re
+import contextlib
+import ctypes
 import shutil
+import signal
+import socket
 import sys
+import threading
 import time
 from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 from tqdm import tqdm
 
+from asyncpp_jax import limits
 from asyncpp_jax.data import sources
-from asyncpp_jax.data.corpus import (FORMAT_VERSION, META_FILE, SPLITS, UNIGRAM_FILE, CorpusError, SplitWriter,
-                                     default_cache_dir, load_corpus, read_meta, token_dtype)
+from asyncpp_jax.data.corpus import (FORMAT_VERSION, META_FILE, SPLITS, UNIGRAM_FILE, CorpusError, CorpusWriteError,
+                                     SplitWriter, default_cache_dir, load_corpus, read_meta, token_dtype)
 from asyncpp_jax.data.tokenizers import get_tokenizer
 
 # Documents are tokenized in groups (batched ``encode_batch``) so memory stays bounded; with several
@@ -90,10 +97,25 @@ def default_workers(tokenizer: str) -> int:
 # Encoding a group: in this process, or in a worker process that holds its own tokenizer.
 
 _WORKER_TOKENIZER = None
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def _init_worker(tokenizer: str, eos_token: str | None) -> None:
+def _die_with_parent(parent: int) -> None:
+    """Ask the kernel to SIGKILL this worker when its parent dies, however it dies (SIGKILL
+    included), so no worker outlives a killed prepare holding its tokenizer's memory; Linux only."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the pool's own shutdown is all there is
+        return
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
+
+
+def _init_worker(tokenizer: str, eos_token: str | None, parent: int) -> None:
     global _WORKER_TOKENIZER  # pylint: disable=global-statement
+    _die_with_parent(parent)
+    # Ctrl-C in a terminal reaches the whole process group: the parent stops the pool.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # One thread per process: the processes are the parallelism (Rust's own pool would oversubscribe).
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _WORKER_TOKENIZER = get_tokenizer(tokenizer, eos_token)
@@ -129,21 +151,30 @@ def _encoded_groups(groups: Iterator[list], tok, tokenizer: str, eos_token: str 
         return
     # spawn, not fork: the trainer calls this with JAX's threads running.
     ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
-                                                initargs=(tokenizer, eos_token)) as pool:
-        pending: collections.deque = collections.deque()
-        try:
-            for g in groups:
-                pending.append((g, pool.submit(_encode_in_worker, *args(g))))
-                while len(pending) >= workers * _IN_FLIGHT_PER_WORKER:
-                    g0, f = pending.popleft()
-                    yield g0, f.result()
-            while pending:
+    others = set(multiprocessing.active_children())
+    pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
+                                                  initargs=(tokenizer, eos_token, os.getpid()))
+    pending: collections.deque = collections.deque()
+    finished = False
+    try:
+        for g in groups:
+            pending.append((g, pool.submit(_encode_in_worker, *args(g))))
+            while len(pending) >= workers * _IN_FLIGHT_PER_WORKER:
                 g0, f = pending.popleft()
                 yield g0, f.result()
-        finally:
-            for _, f in pending:
-                f.cancel()
+        while pending:
+            g0, f = pending.popleft()
+            yield g0, f.result()
+        finished = True
+    except concurrent.futures.process.BrokenProcessPool as e:
+        raise CorpusWriteError(f"a tokenizing worker process died ({e}); out of memory?{limits.address_space_note()} "
+                               "Pass fewer --workers (config: fewer cores), or free memory, and run again.") from e
+    finally:
+        if not finished:  # interrupted or failed: the groups in flight (seconds of work each) are not wanted
+            pool.shutdown(wait=False, cancel_futures=True)
+            for worker in set(multiprocessing.active_children()) - others:
+                worker.kill()
+        pool.shutdown(wait=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -236,27 +267,36 @@ def _write_streams(directory: str, plan: "_Plan", tok, settings: dict, log: Call
             f"from {directory}")
     docs = itertools.islice(plan.documents(), docs_done, None)
     meter = _Progress(plan.total_docs, docs_done, sum(w.num_tokens for w in writers.values()), log, bar)
-    last_save = time.time()
+    # closing(): an interruption here stops the workers now, not when the generator is collected.
+    encoded = contextlib.closing(_encoded_groups(_grouped(docs), tok, settings["tokenizer"], settings["eos_token"],
+                                                 workers))
     try:
-        for group, (ids, nbytes, counts) in _encoded_groups(_grouped(docs), tok, settings["tokenizer"],
-                                                            settings["eos_token"], workers):
-            for (split, name, _), doc_ids, n in zip(group, ids, nbytes):
-                writers[split].add(name, n, doc_ids)
-            if counts is not None:
-                unigram_counts += counts
-            docs_done += len(group)
-            meter.update(len(group), sum(len(x) for x in ids))
-            if time.time() - last_save >= checkpoint_seconds:
-                _save_progress(directory, plan.key, docs_done, writers, unigram_counts)
-                last_save = time.time()
+        with encoded as groups:
+            _write_groups(groups, writers, unigram_counts, directory, plan.key, docs_done, meter, checkpoint_seconds)
     except BaseException:
         for writer in writers.values():
             writer.abort()
         raise
     finally:
         meter.close()
-    log(f"corpus: tokenized {docs_done} documents at {meter.rate():,.0f} tokens/s ({workers} process(es))")
+    log(f"corpus: tokenized {meter.docs} documents at {meter.rate():,.0f} tokens/s ({workers} process(es))")
     return {s: w.finish() for s, w in writers.items()}, unigram_counts
+
+
+def _write_groups(groups, writers: dict, unigram_counts: np.ndarray, directory: str, key: str, docs_done: int,
+                  meter, checkpoint_seconds: float) -> None:
+    """Append each encoded group to its split's stream, recording the progress every ``checkpoint_seconds``."""
+    last_save = time.time()
+    for group, (ids, nbytes, counts) in groups:
+        for (split, name, _), doc_ids, n in zip(group, ids, nbytes):
+            writers[split].add(name, n, doc_ids)
+        if counts is not None:
+            unigram_counts += counts
+        docs_done += len(group)
+        meter.update(len(group), sum(len(x) for x in ids))
+        if time.time() - last_save >= checkpoint_seconds:
+            _save_progress(directory, key, docs_done, writers, unigram_counts)
+            last_save = time.time()
 
 # ----------------------------------------------------------------------------------------------
 # Prepare
@@ -364,24 +404,72 @@ def _plan(source: str, tok, val_fraction: float, split_seed: int, hf_split: str,
     return _Plan(source, slug, key, documents, source_info, total)
 
 
-def _lock_partial(partial: str, out: str, key: str):
+_HOLDER_FILE = "holder.json"  # in the build directory: who holds its lock (for a prepare that waits)
+
+
+def _holder(partial: str) -> str:
+    try:
+        with open(os.path.join(partial, _HOLDER_FILE), encoding="utf-8") as f:
+            h = json.load(f)
+        return f"pid {h['pid']} on {h['host']}, since {time.strftime('%H:%M:%S', time.localtime(h['since']))}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "a process that has not recorded itself yet"
+
+
+def _lock_partial(partial: str, out: str, key: str, log: Callable[[str], None] = print):
     """An exclusive lock on the build directory ``partial`` (created if need be), or None when
     ``out`` is complete by the time the lock is ours (another process built it meanwhile).  The lock
     is the directory's own (``flock`` on its descriptor), so it goes when the directory is renamed
-    into place or removed; a process that waited then finds the corpus complete, or starts afresh."""
+    into place or removed; a process that waited then finds the corpus complete, or starts afresh.
+    A prepare that has to wait says so, naming the holder (``holder.json``, written by each holder)."""
     while True:
         if _complete(out, key):
             return None
         os.makedirs(partial, exist_ok=True)
         fd = os.open(partial, os.O_RDONLY)
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"corpus: waiting for another prepare of the same corpus to finish ({_holder(partial)}; it holds "
+                f"the lock on {partial}); this one then uses its result")
+            fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             same = os.stat(partial).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:
             same = False
         if same and not _complete(out, key):
+            with open(os.path.join(partial, _HOLDER_FILE), "w", encoding="utf-8") as f:
+                json.dump({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}, f)
             return fd
         os.close(fd)
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM during a prepare: stopped as Ctrl-C stops it (the progress is kept)."""
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """SIGTERM raises :class:`Interrupted` (a KeyboardInterrupt) in the main thread, as Ctrl-C does,
+    so a terminated prepare records where it stands and says so instead of vanishing silently."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise Interrupted(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _write_failure(e: OSError, where: str) -> CorpusWriteError:
+    """One line for a write the machine refused (a file-size limit, a full disk, no permission)."""
+    why = limits.describe(e) or f"{e.strerror or e}: pass another cache directory (config.data.cache_dir / --cache_dir)"
+    return CorpusWriteError(f"preparing the corpus in {where}: {why}")
 
 
 def _build(out: str, plan: _Plan, tok, settings: dict, log: Callable[[str], None], workers: int,
@@ -389,40 +477,58 @@ def _build(out: str, plan: _Plan, tok, settings: dict, log: Callable[[str], None
     """Tokenizes ``plan`` into ``<out>.partial`` (resuming what an interrupted build left there) and
     renames it into place.  A build that fails before its first progress record leaves nothing."""
     partial = out + ".partial"
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    fd = _lock_partial(partial, out, plan.key)
+    try:
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        fd = _lock_partial(partial, out, plan.key, log)
+    except OSError as e:
+        raise _write_failure(e, os.path.dirname(out)) from e
     if fd is None:
         log(f"corpus: {out} was prepared concurrently; using it")
         return out
-    done = False
+    done = interrupted = False
     try:
-        if os.path.exists(out):
-            log(f"corpus: {out} exists but has no valid {META_FILE}; rebuilding it")
-            shutil.rmtree(out)
-        log(f"corpus: tokenizing {plan.source!r} with {settings['tokenizer']!r} into {out}")
-        started = time.time()
-        splits, unigram_counts = _write_streams(partial, plan, tok, settings, log, workers, progress_bar,
-                                                checkpoint_seconds)
-        np.save(os.path.join(partial, UNIGRAM_FILE), unigram_counts)
-        for name in os.listdir(partial):
-            if name.startswith(PROGRESS_FILE) or name.startswith(_PARTIAL_UNIGRAMS):
-                os.remove(os.path.join(partial, name))
-        # meta.json is written last: its presence marks the directory complete.
-        with open(os.path.join(partial, META_FILE), "w", encoding="utf-8") as f:
-            json.dump(_meta(plan, tok, settings, splits), f, indent=1)
-        os.chmod(partial, 0o755)
-        os.rename(partial, out)
+        with _sigterm_as_interrupt():
+            _build_locked(out, partial, plan, tok, settings, log, workers, progress_bar, checkpoint_seconds)
         done = True
-        log(f"corpus: wrote {out} in {time.time() - started:.1f}s: " + ", ".join(
-            f"{s} {splits[s]['num_docs']} docs / {splits[s]['num_tokens']} tokens" for s in SPLITS))
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM (_sigterm_as_interrupt)
+        interrupted = True
+        raise
+    except OSError as e:
+        raise _write_failure(e, partial) from e
     finally:
         if not done:
             if os.path.exists(os.path.join(partial, PROGRESS_FILE)):
                 log(f"corpus: interrupted; {partial} keeps the progress, run the same prepare again to resume")
             else:
                 shutil.rmtree(partial, ignore_errors=True)
+                if interrupted:
+                    log(f"corpus: interrupted before its first progress record (one every {checkpoint_seconds:g} s); "
+                        "nothing was kept, run the same prepare again to start over")
         os.close(fd)
     return out
+
+
+def _build_locked(out: str, partial: str, plan: _Plan, tok, settings: dict, log: Callable[[str], None],
+                  workers: int, progress_bar: bool, checkpoint_seconds: float) -> None:
+    """The build itself, with the lock on ``partial`` held: tokenize, then seal and rename."""
+    if os.path.exists(out):
+        log(f"corpus: {out} exists but has no valid {META_FILE}; rebuilding it")
+        shutil.rmtree(out)
+    log(f"corpus: tokenizing {plan.source!r} with {settings['tokenizer']!r} into {out}")
+    started = time.time()
+    splits, unigram_counts = _write_streams(partial, plan, tok, settings, log, workers, progress_bar,
+                                            checkpoint_seconds)
+    np.save(os.path.join(partial, UNIGRAM_FILE), unigram_counts)
+    for name in os.listdir(partial):
+        if name.startswith(PROGRESS_FILE) or name.startswith(_PARTIAL_UNIGRAMS) or name == _HOLDER_FILE:
+            os.remove(os.path.join(partial, name))
+    # meta.json is written last: its presence marks the directory complete.
+    with open(os.path.join(partial, META_FILE), "w", encoding="utf-8") as f:
+        json.dump(_meta(plan, tok, settings, splits), f, indent=1)
+    os.chmod(partial, 0o755)
+    os.rename(partial, out)
+    log(f"corpus: wrote {out} in {time.time() - started:.1f}s: " + ", ".join(
+        f"{s} {splits[s]['num_docs']} docs / {splits[s]['num_tokens']} tokens" for s in SPLITS))
 
 
 def _meta(plan: _Plan, tok, settings: dict, splits: dict) -> dict:
@@ -472,16 +578,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=0,
                         help="tokenizing processes (0: one for 'byte', else every core up to 32)")
     parser.add_argument("--no_progress_bar", action="store_true")
+    parser.add_argument("--checkpoint_seconds", type=float, default=30.0,
+                        help="how often the build records its progress (an interrupted prepare resumes from it)")
     args = parser.parse_args(argv)
     try:
         path = prepare_corpus(args.source, args.tokenizer, args.cache_dir, args.val_fraction,
                               args.split_seed, args.eos_token, args.hf_split, args.hf_text_field,
                               args.hf_max_docs, args.shard_tokens,
                               log=lambda m: print(m, file=sys.stderr), workers=args.workers,
-                              progress_bar=not args.no_progress_bar)
+                              progress_bar=not args.no_progress_bar, checkpoint_seconds=args.checkpoint_seconds)
         corpus = load_corpus(path)
     except ValueError as e:  # CorpusError and tokenizer errors carry the fix in their message
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the build said what it kept
+        return 130
+    except MemoryError:
+        print(f"error: preparing the corpus: {limits.describe(MemoryError())}", file=sys.stderr)
         return 1
     print(path)
     for split in SPLITS:

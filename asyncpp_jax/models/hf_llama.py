@@ -173,6 +173,20 @@ def write_directory(directory: str, tensors: list[tuple[str, tuple, np.dtype, Ca
 # A Hugging Face directory
 
 
+def read_json_object(path: str) -> dict:
+    """The JSON object in ``path``, or :class:`HFCheckpointError` naming the file and the fault."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+        raise HFCheckpointError(f"{path} is not valid JSON ({e}): the file is damaged; restore it from its source.") from e
+    except OSError as e:
+        raise HFCheckpointError(f"{path} cannot be read ({e.strerror or e}).") from e
+    if not isinstance(value, dict):
+        raise HFCheckpointError(f"{path} holds a JSON {type(value).__name__}, not an object: the file is damaged.")
+    return value
+
+
 class HFCheckpoint:
     """A local Hugging Face model directory opened for reading: ``config`` (``config.json``) and
     every tensor of its safetensors file(s) by name, memory-mapped."""
@@ -183,13 +197,14 @@ class HFCheckpoint:
         if not os.path.isfile(cfg_path):
             raise HFCheckpointError(f"{self.directory} has no {CONFIG_FILE}: not a Hugging Face model directory "
                                     "(config.model.init_from='hf:DIR' wants a directory as save_pretrained writes it).")
-        with open(cfg_path, encoding="utf-8") as f:
-            self.config = json.load(f)
+        self.config = read_json_object(cfg_path)
         index = os.path.join(self.directory, INDEX_FILE)
         single = os.path.join(self.directory, WEIGHTS_FILE)
         if os.path.isfile(index):
-            with open(index, encoding="utf-8") as f:
-                weight_map = json.load(f)["weight_map"]
+            weight_map = read_json_object(index).get("weight_map")
+            if not (isinstance(weight_map, dict) and weight_map and all(isinstance(v, str) for v in weight_map.values())):
+                raise HFCheckpointError(f"{index} has no weight_map (tensor name -> shard file): the index is damaged; "
+                                        "restore it, or remove it to read a single model.safetensors.")
             files = {name: os.path.join(self.directory, fn) for name, fn in weight_map.items()}
         elif os.path.isfile(single):
             files = None
@@ -263,9 +278,15 @@ def model_overrides(hf: dict) -> dict:
     return out
 
 
+# The keys that state the model's shape: a Llama config.json without one is damaged (LlamaConfig
+# would fill in its own default, e.g. hidden_size 4096, which says nothing about these weights).
+_SHAPE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+
+
 def architecture_errors(hf: dict, where: str) -> list[str]:
     """What in a ``config.json`` this model cannot compute (each a message naming the key)."""
-    errs = []
+    errs = [f"{where} has no {key}: a Llama config.json states the model's shape (the file is damaged, or not a "
+            "Llama config)" for key in _SHAPE_KEYS if hf.get(key) is None]
     arch = hf.get("architectures") or [ARCHITECTURE]
     if hf.get("model_type", "llama") != "llama" or ARCHITECTURE not in arch:
         errs.append(f"{where}: model_type={hf.get('model_type')!r}, architectures={arch}; only Llama-family "
@@ -304,7 +325,10 @@ def config_errors(model_cfg, hf: dict, where: str) -> list[str]:
     if model_cfg.get("moe") and model_cfg.moe.num_experts:
         errs.append("config.model.moe.num_experts > 0: a Hugging Face Llama checkpoint is a dense model.")
     want, have = model_overrides(hf), _effective(model_cfg)
+    absent = {field for field, key, _ in _CONFIG_FIELDS if key in _SHAPE_KEYS and hf.get(key) is None}
     for field, value in want.items():
+        if field in absent or (absent and field in ("n_kv_heads", "head_dim")):  # reported above, not as a default
+            continue
         ours = have[field]
         same = math.isclose(ours, value, rel_tol=1e-12) if isinstance(value, float) else ours == value
         if not same:

@@ -43,6 +43,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from asyncpp_jax import limits
+
 log = logging.getLogger("asyncpp_jax")
 
 MANIFEST = "asyncpp_manifest.json"
@@ -90,13 +92,14 @@ def _files(step_dir: pathlib.Path) -> list[pathlib.Path]:
     return sorted(p for p in step_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
-def write_manifest(step_dir: pathlib.Path, step: int, layout: dict) -> None:
-    """Seal a finalized step directory: size and SHA-256 of each file, and the state layout."""
+def write_manifest(step_dir: pathlib.Path, step: int, layout: dict, run: dict | None = None) -> None:
+    """Seal a finalized step directory: size and SHA-256 of each file, the state layout, and ``run``:
+    what the state was trained under (its ``config`` and ``identity``, train/resume.py)."""
     files = {str(p.relative_to(step_dir)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
              for p in _files(step_dir)}
     tmp = step_dir / (MANIFEST + ".tmp")
     with open(tmp, "w") as f:
-        json.dump({"step": step, "files": files, "layout": layout}, f)
+        json.dump({"step": step, "files": files, "layout": layout, **({"run": run} if run else {})}, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, step_dir / MANIFEST)
@@ -155,6 +158,16 @@ def saved_layout(directory: pathlib.Path) -> dict | None:
     return None
 
 
+def saved_run(directory: pathlib.Path) -> tuple[int, dict] | None:
+    """``(step, run record)`` of the newest readable manifest that has one (the config and identity
+    the state was trained under); None when no manifest records them (checkpoints older than it)."""
+    for step, path in sorted(step_dirs(directory).items(), reverse=True):
+        manifest = read_manifest(path)
+        if manifest is not None and isinstance(manifest.get("run"), dict):
+            return step, manifest["run"]
+    return None
+
+
 # ----------------------------------------------------------------------------------------------
 # Write checks, agreed between processes.
 
@@ -210,14 +223,15 @@ class Checkpointer:
         self.directory = pathlib.Path(directory).absolute()
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "data"))
         self._sealer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint-seal")
-        self._unsealed: dict[int, dict] = {}  # step -> layout, saved but not yet sealed
+        self._unsealed: dict[int, tuple] = {}  # step -> (layout, run record), saved but not yet sealed
         self._seals: list[concurrent.futures.Future] = []
         self.failed = False  # a CheckpointError was raised: close() then only logs further ones
         self.protected: int | None = None  # a step retention never deletes: the run's newest good one (train/health.py)
+        self.run_record: dict | None = None  # sealed into each manifest: the config and identity it was trained under
 
     def _error(self, message: str) -> CheckpointError:
         self.failed = True
-        return CheckpointError(message)
+        return CheckpointError(message + limits.file_size_note(message))
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -255,7 +269,7 @@ class Checkpointer:
             raise self._error(f"writing the checkpoint of step {step} to {self.directory} failed: "
                                   f"{type(e).__name__}: {e}") from e
         if saved:
-            self._unsealed[step] = state_layout(state)
+            self._unsealed[step] = (state_layout(state), self.run_record)
             if not self.manager.is_saving_in_progress():  # synchronous save: seal right away
                 self.poll()
         return saved
@@ -281,14 +295,14 @@ class Checkpointer:
             steps, self._unsealed = sorted(self._unsealed), {}
             raise self._error(f"writing the checkpoint of step(s) {steps} to {self.directory} failed: "
                                   f"{type(e).__name__}: {e}") from e
-        for step, layout in sorted(self._unsealed.items()):
+        for step, (layout, run) in sorted(self._unsealed.items()):
             step_dir = self.directory / str(step)
             if not step_dir.is_dir() and jax.process_index() == 0:
                 self._unsealed = {}
                 raise self._error(f"the checkpoint of step {step} never appeared in {step_dir}: orbax did "
                                       "not finalize it (see the log above for the file system's error).")
             if jax.process_index() == 0:
-                self._seals.append(self._sealer.submit(write_manifest, step_dir, step, layout))
+                self._seals.append(self._sealer.submit(write_manifest, step_dir, step, layout, run))
         self._unsealed = {}
 
     def _raise_failed_seals(self) -> None:
@@ -386,12 +400,14 @@ class Checkpointer:
         self.manager.reload()
         return target
 
-    def restore(self, step: int, abstract_state, data_iterator):
-        """Restore ``(state, iterator)`` at ``step``; ``abstract_state`` gives shapes and shardings."""
-        args = ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state),
-            data=grain.checkpoint.CheckpointRestore(data_iterator),
-        )
+    def restore(self, step: int, abstract_state, data_iterator, data_position: bool = True):
+        """Restore ``(state, iterator)`` at ``step``; ``abstract_state`` gives shapes and shardings.
+        ``data_position=False`` leaves ``data_iterator`` at its start (the run's data was changed on
+        purpose: the saved position belongs to other data)."""
+        items = dict(state=ocp.args.StandardRestore(abstract_state))
+        if data_position:
+            items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
+        args = ocp.args.Composite(**items)
         try:
             out = self.manager.restore(step, args=args)
         except Exception as e:
@@ -399,4 +415,4 @@ class Checkpointer:
                 f"restoring {self.directory / str(step)} failed although its checksums match: "
                 f"{type(e).__name__}: {str(e)[:500]}. The saved state does not fit this code's model/optimizer "
                 "layout; resume with the code and settings that wrote it, or use a new --workdir.") from e
-        return out.state, out.data
+        return out.state, (out.data if data_position else data_iterator)

@@ -15,25 +15,61 @@ import pathlib
 import jax
 
 
+_TAIL_BLOCK = 1 << 16  # bytes read at a time, from the end
+
+
+def _lines_from_the_end(f, end: int):
+    """``(offset, line)`` of each newline-separated line of ``f[:end]``, the last first."""
+    pos, rest = end, b""
+    while pos > 0:
+        n = min(_TAIL_BLOCK, pos)
+        pos -= n
+        f.seek(pos)
+        chunk = f.read(n) + rest
+        lines = chunk.split(b"\n")
+        offset = pos + len(chunk)
+        for line in reversed(lines[1:]):  # each begins after a newline: whole
+            offset -= len(line)
+            yield offset, line
+            offset -= 1
+        rest = lines[0]  # may begin before pos
+    yield 0, rest
+
+
+def _row_step(line: bytes):
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def drop_rows_after(path: pathlib.Path, step: int) -> int:
-    """Keep the rows of ``path`` with ``step <= step`` (and drop a torn last line); returns how many
-    rows were dropped.  Rewritten through a temporary file, so a crash leaves one version or the other."""
-    if not path.exists():
+    """Cut ``path`` after its last row with ``step <= step`` (rows are appended in step order), which
+    drops the rows logged after that step and a torn last line; returns how many rows were dropped.
+    Only the tail it cuts is read (from the end, in blocks), so a resume costs the same however
+    long the run has been; one truncate, so a crash leaves one version or the other."""
+    try:
+        f = open(path, "r+b")
+    except FileNotFoundError:
         return 0
-    kept, dropped = [], 0
-    for line in path.read_text().splitlines():
-        try:
-            keep = json.loads(line)["step"] <= step
-        except (ValueError, KeyError, TypeError):
-            keep = False
-        if keep:
-            kept.append(line)
-        else:
+    with f:
+        end = f.seek(0, os.SEEK_END)
+        keep, dropped = 0, 0
+        for offset, line in _lines_from_the_end(f, end):
+            if not line.strip():
+                continue
+            row_step = _row_step(line)
+            if isinstance(row_step, (int, float)) and row_step <= step:
+                keep = offset + len(line)
+                break
             dropped += 1
-    if dropped:
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, path)
+        f.seek(keep)
+        newline = keep < end and f.read(1) == b"\n"
+        if keep + newline < end:
+            f.truncate(keep + newline)
+        if keep and not newline:  # a kept row needs its newline before the next is appended
+            f.seek(keep)
+            f.write(b"\n")
     return dropped
 
 

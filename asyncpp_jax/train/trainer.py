@@ -19,7 +19,9 @@ Guarantees (each is tested):
 - an exception waits for in-flight checkpoint writes, so no saved work is lost;
 - checkpoints are verified before a restore (the newest intact one is used) and a checkpoint that
   cannot be written stops the run at once with :class:`CheckpointError` (see checkpoint.py);
-- a resume whose state layout differs from the checkpoints' is refused before the workdir changes.
+- a resume whose state layout differs from the checkpoints', or whose identity does (tokenizer,
+  corpus, seq_len, model shape; train/resume.py) unless ``train.accept_changed`` names it, is
+  refused before the workdir changes; each checkpoint records the config it was trained under.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ from asyncpp_jax.train.batch_layout import batch_layout
 from asyncpp_jax.train_state import from_host
 from asyncpp_jax.train.checkpoint import CheckpointError, Checkpointer
 from asyncpp_jax.train.metrics import MetricWriter
-from asyncpp_jax.train.resume import check_resume
+from asyncpp_jax.train.resume import check_resume, run_record
 from asyncpp_jax.train.workdir_lock import WorkdirBusy, WorkdirLock, WorkdirUnwritable  # noqa: F401 - WorkdirBusy re-exported
 
 log = logging.getLogger("asyncpp_jax")
@@ -177,26 +179,31 @@ class Trainer:
         group = r.eval_group()
         self.eval_batches = [np.concatenate(batches[i:i + group]) for i in range(0, len(batches), group)]
         # Before anything in the workdir changes (orbax's manager cleans up on creation).
-        changed = check_resume(self.workdir, c, r.abstract_state(jax.random.key(c.seed)))
+        record = run_record(c, self.corpus)
+        self.resume_plan = check_resume(self.workdir, c, r.abstract_state(jax.random.key(c.seed)), record)
         self.checkpointer = Checkpointer(self.workdir / "checkpoints", c.train.keep_checkpoints,
                                          c.train.async_checkpoint)
+        self.checkpointer.run_record = record
         self._all_finite: dict = {}  # the jitted finiteness flags per device set, built at the first save
         self._early: list[tuple[float, float]] = []  # (loss, grad norm) of the first updates: dead start
         self.health: health_lib.Health | None = None  # set when a run starts
         self._retired: tuple[int | None, str] | None = None  # (newest good step, what was set aside) on a divergence
         self.compile_abandoned = False  # a stop signal came while the first step compiled
-        self._write_config(changed)
+        self._write_config(self.resume_plan.changed)
 
     # ------------------------------------------------------------------------------------------
     def _write_config(self, changed: list[str]) -> None:
-        """config.json records the settings a run started with: written on a fresh start only."""
+        """config.json holds the settings of the run's latest start (each checkpoint's manifest holds
+        those its state was trained under, which the export reads); replaced atomically."""
         path = self.workdir / "config.json"
         if changed:
-            log.warning("resuming with settings that differ from %s (kept as it is):\n  %s", path,
-                        "\n  ".join(changed))
-        if jax.process_index() == 0 and not self.checkpointer.has_checkpoints():
-            path.write_text(configs.to_json(self.config))
-            (self.workdir / "routing.txt").write_text(self.routing + "\n")
+            log.warning("resuming with settings that differ from those the checkpoint was trained under (%s now "
+                        "records these; each checkpoint keeps its own):\n  %s", path, "\n  ".join(changed))
+        if jax.process_index() == 0:
+            for name, text in (("config.json", configs.to_json(self.config)), ("routing.txt", self.routing + "\n")):
+                tmp = self.workdir / (name + ".tmp")
+                tmp.write_text(text)
+                os.replace(tmp, self.workdir / name)
 
     def _new_iterator(self):
         return make_train_iterator(
@@ -215,8 +222,10 @@ class Trainer:
         abstract = self.runner.abstract_state(key)
         if step is None:
             return self.runner.init_state(key), iterator
-        state, iterator = self.checkpointer.restore(step, abstract, iterator)
-        log.info("resumed from %s at step %d", self.checkpointer.directory / str(step), step)
+        fresh_data = self.resume_plan.new_data
+        state, iterator = self.checkpointer.restore(step, abstract, iterator, data_position=not fresh_data)
+        log.info("resumed from %s at step %d%s", self.checkpointer.directory / str(step), step,
+                 "; the data changed on purpose, so its iterator starts afresh on the new data" if fresh_data else "")
         return state, iterator
 
     def _intact_step(self) -> int | None:
