@@ -29,7 +29,11 @@ STALENESS_MODES = ("sync", "2bw", "pipedream")
 MITIGATIONS = ("none", "ef", "taylor")
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-DEFAULT_CONFIG = REPO_ROOT / "configs" / "tiny.py"
+# The preset config files: configs/ in a source checkout; an install ships the same files as
+# asyncpp_jax/presets/ (setup.py), never as a top-level module named "configs".
+_INSTALLED_PRESETS = pathlib.Path(__file__).resolve().parent / "presets"
+PRESETS_DIR = _INSTALLED_PRESETS if _INSTALLED_PRESETS.is_dir() else REPO_ROOT / "configs"
+DEFAULT_CONFIG = PRESETS_DIR / "tiny.py"
 # ``config.hardware``: what a config is for, and the memory per device (GB, 1e9 bytes) the dry run
 # holds it to (train/fit.py).  'cpu' is a workstation's share per fake device.  A T4 exposes
 # about 15 GB of its 16.
@@ -178,18 +182,60 @@ def _flag(errs: list, name: str, v) -> None:
 # config: the top-level fields; each section below has its defaults next to its check
 
 
-def load_file(path) -> ml_collections.ConfigDict:
-    """The ``get_config()`` of a config file, loaded by path as ``--config=FILE`` loads it.
+def preset_names() -> list[str]:
+    """The names ``--config=NAME`` accepts: the preset files' stems (``tiny``, ``dense135m``, ...)."""
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.py") if not p.stem.startswith("_"))
 
-    The files in ``configs/`` are files of the repository, not an installed package: load them by
-    path, never with ``import configs``.  A relative path that does not exist from the current
-    directory is taken from the repository root (``load_file("configs/tiny.py")``).
+
+def find_file(path) -> pathlib.Path:
+    """The config file ``--config=path`` names, from any directory.
+
+    In order: an existing file; a preset's name (``tiny``: ``PRESETS_DIR/tiny.py``); a path
+    relative to the repository root (``configs/tiny.py`` run from elsewhere); a path into the
+    repository's ``configs/`` that an install ships as a preset (``configs/tiny.py`` after
+    ``pip install .``).  Raises ``FileNotFoundError`` naming the presets otherwise.
     """
     p = pathlib.Path(path).expanduser()
-    if not p.is_absolute() and not p.exists():
-        p = REPO_ROOT / p
-    if not p.is_file():
-        raise FileNotFoundError(f"config file {str(path)!r} does not exist (the presets are in configs/).")
+    candidates = [p]
+    if not p.is_absolute():
+        if p.suffix == "" and len(p.parts) == 1:
+            candidates.append(PRESETS_DIR / f"{p.name}.py")
+        candidates.append(REPO_ROOT / p)
+        if len(p.parts) == 2 and p.parts[0] == "configs":
+            candidates.append(PRESETS_DIR / p.name)
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(f"config file {str(path)!r} does not exist; pass a config file's path or a preset's "
+                            f"name ({', '.join(preset_names())}; the presets are in configs/).")
+
+
+def argv_with_config_path(argv: list[str]) -> list[str]:
+    """``argv`` with the value of ``--config`` (``--config=V`` or ``--config V``) replaced by the path of the
+    file :func:`find_file` finds for it (its ``:args`` kept), so that a preset's name loads from any
+    directory; a value naming no file is left as it is."""
+    out, take = [], False
+    for a in argv:
+        if take or a.startswith("--config="):
+            head = "" if take else "--config="
+            name, sep, args = a[len(head):].partition(":")
+            try:
+                a = f"{head}{find_file(name)}{sep}{args}"
+            except FileNotFoundError:
+                pass
+        take = a == "--config"
+        out.append(a)
+    return out
+
+
+def load_file(path) -> ml_collections.ConfigDict:
+    """The ``get_config()`` of a config file, loaded as ``--config=FILE`` loads it (see :func:`find_file`:
+    ``load_file("tiny")`` and ``load_file("configs/tiny.py")`` work from any directory).
+
+    The files in ``configs/`` are not an importable package: they are loaded by path, never with
+    ``import configs``.
+    """
+    p = find_file(path)
     spec = importlib.util.spec_from_file_location(f"_asyncpp_config_{p.stem}", p)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -1,4 +1,9 @@
-"""Entry point: ``python -m asyncpp_jax.main [--config=configs/tiny.py] [--config.a.b=V] [--workdir=DIR]``.
+"""Train a model: ``python -m asyncpp_jax.main [--config=tiny] [--config.a.b=V] [--workdir=DIR]``
+(installed as the ``asyncpp-train`` command, which takes the same flags).
+
+--config is a preset's name (tiny, moe_tiny, dense135m, dense360m, llama3_8b, moe10b) or a config
+file's path; every field can be overridden with --config.section.field=value.  To see every field,
+its value and what it means: --config=tiny --print_config.
 
 Loads and validates the config before JAX starts, so that a bad setting costs no compile and so
 that ``XLA_FLAGS`` can still ask for the fake CPU devices a mesh needs.
@@ -45,10 +50,11 @@ def preflight(argv) -> None:
     """Load the --config file and check every --config.x.y override names a field, before absl
     parses the flags: its own errors for these are tracebacks.  Exits 2 with one line on a mistake."""
     value = _config_arg(argv)
-    path, *args = value.split(":")
-    if not os.path.isfile(path):
-        _fail(f"--config={value} could not be loaded (no such file); pass a config file such as "
-              f"{os.path.relpath(configs.DEFAULT_CONFIG)} (the presets are in configs/).")
+    name, *args = value.split(":")
+    try:
+        path = str(configs.find_file(name))
+    except FileNotFoundError as e:
+        _fail(f"--config={value} could not be loaded: {e}")
     where = f"--config={value}"
     try:
         spec = importlib.util.spec_from_file_location("_asyncpp_preflight_config", path)
@@ -89,11 +95,15 @@ def preflight(argv) -> None:
 # defining the flag loads the file and applies the overrides (both as tracebacks).
 if any(a.startswith("--config") for a in sys.argv[1:]):
     preflight(sys.argv[1:])
+    sys.argv[1:] = configs.argv_with_config_path(sys.argv[1:])  # --config=tiny: the preset's file
 
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", str(configs.DEFAULT_CONFIG), "Config file (a get_config() module); fields can be overridden "
-    "with --config.section.field=value.", lock_config=True,
+    "config", str(configs.DEFAULT_CONFIG), "A preset's name (tiny, dense135m, ...: the files in configs/) or a "
+    "config file's path (a get_config() module); fields can be overridden with --config.section.field=value. "
+    "--print_config lists every field with its value and meaning.", lock_config=True,
 )
+_PRINT_CONFIG = flags.DEFINE_bool("print_config", False, "Print every field of the config (after the "
+                                  "--config.* overrides) with its value and one-line meaning, and exit.")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Build the model abstractly, lower and compile the real train "
                               "step for the config's mesh (fake CPU devices here), report memory per device "
                               "and whether it fits; no data, no allocation, no training.")
@@ -128,6 +138,10 @@ def main(argv):
     if len(argv) > 1:
         _fail(f"unexpected arguments {argv[1:]}; settings go in --config.section.field=value")
     config = _load_config()
+    if _PRINT_CONFIG.value:
+        from asyncpp_jax.config_help import print_config
+
+        return print_config(config, flags.FLAGS["config"].config_filename)
     workdir = _WORKDIR.value or os.path.join("runs", config.name)
     try:
         configs.validate(config)

@@ -351,13 +351,15 @@ def _main_flag_names() -> set:
 def _parse_main_flags(argv: list[str]) -> ml_collections.ConfigDict:
     """The CLI's flags (the same definitions as asyncpp_jax/main.py, checked by name) and the config they
     load, validated as the CLI validates it before JAX starts."""
-    assert _main_flag_names() == {"config", "dry_run", "workdir"}, "asyncpp_jax/main.py's flags changed: update this"
+    assert _main_flag_names() == {"config", "dry_run", "print_config", "workdir"}, \
+        "asyncpp_jax/main.py's flags changed: update this"
     renamed = configs.renamed_flag_errors(argv)
     assert not renamed, renamed
     fv = flags.FlagValues()
     config_flags.DEFINE_config_file("config", str(configs.DEFAULT_CONFIG), "", flag_values=fv, lock_config=True,
                                     sys_argv=["main", *argv])  # the --config.a.b overrides are read from it
     flags.DEFINE_bool("dry_run", False, "", flag_values=fv)
+    flags.DEFINE_bool("print_config", False, "", flag_values=fv)
     flags.DEFINE_string("workdir", None, "", flag_values=fv)
     rest = fv(["main", *argv])
     assert rest == ["main"], f"unexpected arguments {rest[1:]}"
