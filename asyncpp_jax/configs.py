@@ -27,6 +27,7 @@ MPMD_SCHEDULES = ("sync", "1f1b", "2bw")  # what config.pipeline.placement='mpmd
 PIPEDREAM_GRADIENTS = ("mixed", "per_leaf")
 STALENESS_MODES = ("sync", "2bw", "pipedream")
 MITIGATIONS = ("none", "ef", "taylor")
+LOGGERS = ("jsonl", "tensorboard", "wandb")  # config.train.loggers (train/metrics.py)
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 # The preset config files: configs/ in a source checkout; an install ships the same files as
@@ -449,6 +450,10 @@ def _train_defaults() -> ml_collections.ConfigDict:
             keep_checkpoints=3,
             async_checkpoint=True,
             progress_bar=True,
+            # comma-separated metric loggers: jsonl (metrics.jsonl), tensorboard, wandb (the [wandb] extra); '' = none
+            loggers="jsonl,tensorboard",
+            wandb_project="asyncpp_jax",  # the W&B project a wandb logger writes to (the run is named config.name)
+            wandb_entity="",  # the W&B user or team; '' = your default entity
             # peak dense TFLOP/s of one accelerator (e.g. 989 H100 bf16, 459 TPU v5p); 0 = MFU not reported
             peak_tflops_per_device=0.0,
             # trace updates profile_start+1 .. profile_start+profile_steps into WORKDIR/profile (0: off);
@@ -457,6 +462,11 @@ def _train_defaults() -> ml_collections.ConfigDict:
             profile_steps=0,
         )
     )
+
+
+def loggers(c) -> tuple[str, ...]:
+    """The metric loggers ``config.train.loggers`` names (``'jsonl,wandb'``: ``('jsonl', 'wandb')``)."""
+    return tuple(x.strip() for x in c.train.get("loggers", "").split(",") if x.strip())
 
 
 def _check_train(c) -> list[str]:
@@ -468,6 +478,13 @@ def _check_train(c) -> list[str]:
     _number(errs, "train.peak_tflops_per_device", t.peak_tflops_per_device, ge=0, why=" (0: MFU not reported)")
     _flag(errs, "train.async_checkpoint", t.async_checkpoint)
     _flag(errs, "train.progress_bar", t.progress_bar)
+    chosen = loggers(c) if isinstance(t.get("loggers", ""), str) else None
+    if chosen is None or not set(chosen) <= set(LOGGERS) or len(set(chosen)) != len(chosen):
+        errs.append(f"config.train.loggers={t.loggers!r} must name each logger at most once, comma-separated, from "
+                    f"{', '.join(LOGGERS)} (--config.train.loggers=jsonl,wandb), or '' for none.")
+    for f in ("wandb_project", "wandb_entity"):
+        if not isinstance(t.get(f, ""), str):
+            errs.append(f"config.train.{f}={t[f]!r} must be a string.")
     _number(errs, "train.device_memory_gb", t.device_memory_gb, ge=0,
             why=" (0: the accelerator's limit in a run, config.hardware's memory in a dry run)")
     _flag(errs, "train.auto_remat", t.auto_remat)

@@ -185,7 +185,8 @@ def main(argv):
     from asyncpp_jax import distributed
     from asyncpp_jax.data import CorpusError
     from asyncpp_jax.train.checkpoint import CheckpointError
-    from asyncpp_jax.train.trainer import DeadStart, Trainer, TrainingDiverged, WorkdirBusy, WorkdirError
+    from asyncpp_jax.train.trainer import (DeadStart, LoggerUnavailable, Trainer, TrainingDiverged, WorkdirBusy,
+                                           WorkdirError)
 
     distributed.maybe_initialize()  # SLURM / Open MPI / TPU pod: before anything touches devices
     trainer = None
@@ -211,7 +212,7 @@ def main(argv):
         os._exit(130)  # not a clean exit: in-flight writes are abandoned, as asked
     except (configs.ConfigError, CorpusError, DeadStart) as e:
         _fail(str(e))
-    except (TrainingDiverged, CheckpointError, WorkdirBusy, WorkdirError) as e:
+    except (TrainingDiverged, CheckpointError, WorkdirBusy, WorkdirError, LoggerUnavailable) as e:
         _fail(str(e), code=1)
 
     print(f"\n{result.status} at step {result.step}/{config.train.steps}; outputs in {workdir}")
