@@ -397,6 +397,8 @@ def _data_defaults() -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(
         dict(
             source="stdlib",  # 'stdlib' | glob / path(s), comma separated | 'hf:<dataset>[:<config>]'
+            # weighted sources in place of source: 'WEIGHT:SOURCE;WEIGHT:SOURCE' (e.g. '0.7:stdlib;0.3:/data/*.txt')
+            mixture="",
             tokenizer="byte",  # 'byte' | path to a Hugging Face tokenizer.json
             eos_token="",  # HF tokenizers only; '' = detect
             cache_dir="",  # '' = $ASYNCPP_JAX_CACHE or ~/.cache/asyncpp_jax/corpora
@@ -422,6 +424,35 @@ def _check_data(c) -> list[str]:
     _number(errs, "data.split_seed", d.split_seed, ge=0, integer=True)
     _number(errs, "data.hf_max_docs", d.hf_max_docs, ge=0, integer=True, why=" (0: all documents)")
     _flag(errs, "data.verify_checksums", d.verify_checksums)
+    if not isinstance(d.get("mixture", ""), str):
+        errs.append(f"config.data.mixture={d.mixture!r} must be a string 'WEIGHT:SOURCE;WEIGHT:SOURCE'.")
+    elif d.get("mixture", ""):
+        errs += mixture_errors(d.mixture)
+    return errs
+
+
+def mixture_sources(c) -> list[tuple[float, str]]:
+    """``config.data.mixture`` as ``[(weight, source), ...]`` (empty: the run reads ``config.data.source``);
+    each entry ``WEIGHT:SOURCE``, entries separated by ``;`` (a source may itself hold ``,`` and ``:``)."""
+    out = []
+    for entry in c.data.get("mixture", "").split(";"):
+        if entry.strip():
+            weight, _, source = entry.partition(":")
+            out.append((float(weight), source.strip()))
+    return out
+
+
+def mixture_errors(spec: str) -> list[str]:
+    errs = []
+    for entry in (e.strip() for e in spec.split(";") if e.strip()):
+        weight, sep, source = entry.partition(":")
+        try:
+            ok = math.isfinite(float(weight)) and float(weight) > 0
+        except ValueError:
+            ok = False
+        if not (ok and sep and source.strip()):
+            errs.append(f"config.data.mixture entry {entry!r} must be WEIGHT:SOURCE with a positive WEIGHT, e.g. "
+                        "'0.7:stdlib;0.3:/data/*.txt'.")
     return errs
 
 

@@ -41,7 +41,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from asyncpp_jax import configs
-from asyncpp_jax.data import CorpusError, load_corpus, make_eval_batches, make_train_iterator, prepare_corpus_for
+from asyncpp_jax.data import (CorpusError, Mixture, load_corpus, load_mixture, make_eval_batches, make_train_iterator,
+                              prepare_corpus_for)
 from asyncpp_jax.models import count_params, dense
 from asyncpp_jax.models.flops import flops_per_token
 from asyncpp_jax.optim import describe_routing
@@ -150,12 +151,15 @@ class Trainer:
 
         d = c.data
         try:
-            corpus_dir = prepare_corpus_for(d, log=log.info)
+            if configs.mixture_sources(c):
+                self.corpus = load_mixture(d, configs.mixture_sources(c), log=log.info)
+                log.info("data mixture: %s", self.corpus.describe())
+            else:
+                self.corpus = load_corpus(prepare_corpus_for(d, log=log.info), verify=d.verify_checksums)
         except ValueError as e:  # the tokenizer's errors name their setting and the fix: a setting's mistake
             if isinstance(e, CorpusError) or "config." not in str(e):
                 raise
             raise configs.ConfigError(str(e)) from e
-        self.corpus = load_corpus(corpus_dir, verify=d.verify_checksums)
         configs.check_against_tokenizer(c, self.corpus.vocab_size)
 
         self.runner = r = runner_lib.build(c, devices)
@@ -463,6 +467,8 @@ class Trainer:
         if evaluated:
             p.val, p.val_step = self.evaluate(state.params), step
             metrics.update(p.val)
+        if isinstance(self.corpus, Mixture):  # update `step` trained on global batch step - 1
+            metrics.update(self.corpus.shares(step - 1, c.train.global_batch_size))
         if evaluated or step % c.train.log_every == 0:
             writer.write(step, metrics)
         self._console.update(step, metrics)
