@@ -232,6 +232,12 @@ def main(argv):
 
 
 def run():
+    """``python -m asyncpp_jax.main``, and the ``asyncpp-train`` command (a console script)."""
+    entry = sys.modules["__main__"]
+    if entry.__doc__ is None:  # the console script: absl's --help shows __main__'s docstring and argv[0]'s flags
+        entry.__doc__ = __doc__
+        for flag in (_CONFIG.name, _DRY_RUN.name, _PRINT_CONFIG.name, _WORKDIR.name):
+            flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS[flag])
     app.run(main)
 
 
