@@ -143,18 +143,7 @@ def main(argv):
 
         return print_config(config, flags.FLAGS["config"].config_filename)
     workdir = _WORKDIR.value or os.path.join("runs", config.name)
-    try:
-        configs.validate(config)
-        if host_setup.cpu_only_host():
-            configs.check_cpu_host(config)
-        configs.check_workdir(workdir)
-    except configs.ConfigError as e:
-        _fail(str(e))
-    from asyncpp_jax.train.workdir_lock import WorkdirLock  # no JAX import
-
-    busy = WorkdirLock(workdir).probe()  # the Trainer takes the lock; this only answers a second run at once
-    if busy:
-        _fail(busy, code=1)
+    _check_settings(config, workdir)
     needed = configs.devices_needed(config)
     # The dry run may compile its suggestions (2x/4x data or stages) on more fake devices.
     chosen_count = host_setup.FORCE_DEVICES in os.environ.get("XLA_FLAGS", "")
@@ -168,19 +157,7 @@ def main(argv):
     logging.getLogger("asyncpp_jax").setLevel(logging.INFO)
 
     if _DRY_RUN.value:  # fake CPU devices on this host: never joins a cluster
-        import jax
-
-        from asyncpp_jax.train.dry_run import dry_run, format_report
-
-        devices = jax.devices() if chosen_count else jax.devices()[:needed]
-        try:
-            report = dry_run(config, devices, spare_devices=jax.devices())
-        except configs.ConfigError as e:
-            _fail(str(e))
-        print(format_report(report))
-        if not report["fits_budget"]:
-            sys.exit(1)
-        return
+        return _dry_run(config, needed, chosen_count)
     # Imported here, after XLA_FLAGS is final: this is where JAX starts.
     from asyncpp_jax import distributed
     from asyncpp_jax.data import CorpusError
@@ -214,7 +191,42 @@ def main(argv):
         _fail(str(e))
     except (TrainingDiverged, CheckpointError, WorkdirBusy, WorkdirError, LoggerUnavailable) as e:
         _fail(str(e), code=1)
+    _report(result, trainer, config, workdir)
 
+
+def _check_settings(config, workdir: str) -> None:
+    """The config's rules, this host's limits and the workdir, before JAX starts (exit 2, or 1 when busy)."""
+    try:
+        configs.validate(config)
+        if host_setup.cpu_only_host():
+            configs.check_cpu_host(config)
+        configs.check_workdir(workdir)
+    except configs.ConfigError as e:
+        _fail(str(e))
+    from asyncpp_jax.train.workdir_lock import WorkdirLock  # no JAX import
+
+    busy = WorkdirLock(workdir).probe()  # the Trainer takes the lock; this only answers a second run at once
+    if busy:
+        _fail(busy, code=1)
+
+
+def _dry_run(config, needed: int, chosen_count: bool) -> None:
+    import jax
+
+    from asyncpp_jax.train.dry_run import dry_run, format_report
+
+    devices = jax.devices() if chosen_count else jax.devices()[:needed]
+    try:
+        report = dry_run(config, devices, spare_devices=jax.devices())
+    except configs.ConfigError as e:
+        _fail(str(e))
+    print(format_report(report))
+    if not report["fits_budget"]:
+        sys.exit(1)
+
+
+def _report(result, trainer, config, workdir: str) -> None:
+    """How the run ended, and its validation loss beside the unigram baselines."""
     print(f"\n{result.status} at step {result.step}/{config.train.steps}; outputs in {workdir}")
     if result.status == "preempted":
         if trainer.compile_abandoned:
