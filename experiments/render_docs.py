@@ -153,6 +153,13 @@ def glance(doc: pathlib.Path) -> str:
     proc = [r for r in records.load("bench_pipeline", "bench_pipeline_processes")
             if any(x["rows_per_microbatch"] >= 8 for x in r["figures"]["rows"])][-1]
     best = max(proc["figures"]["rows"], key=lambda r: (r["rows_per_microbatch"], r["microbatches"]))
+    # Small microbatches, where the fixed per-tick costs outweigh the bubble: every measured ratio.
+    small = [x for r in records.load("bench_pipeline", "bench_pipeline_processes") if r["source"] == "measured"
+             for x in r["figures"]["rows"] if x["rows_per_microbatch"] < best["rows_per_microbatch"]]
+    small_text = (f"; at {small[0]['rows_per_microbatch']} × {small[0]['seq']}-token microbatches "
+                  f"{min(x['sync_over_2bw'] for x in small):.2f} to {max(x['sync_over_2bw'] for x in small):.2f} "
+                  f"(M = {', '.join(str(m) for m in sorted({x['microbatches'] for x in small}))}): no gain"
+                  if small and len({x["rows_per_microbatch"] for x in small}) == 1 else "")
     bench_rec = _optimizer_benches()[0]
     bench = bench_rec["figures"]["rows"]
     parity = ", ".join(f"{k} {v['time_vs_optax']:.2f}" for k, v in bench.items() if v["time_vs_optax"] is not None)
@@ -162,7 +169,7 @@ def glance(doc: pathlib.Path) -> str:
         _glance_delay(adamw, muon, doc),
         f"| Does `2bw` remove the bubble? (2 processes, one core per stage, P = 2, "
         f"M = {best['microbatches']}, {best['rows_per_microbatch']} × {best['seq']}-token microbatches) | "
-        f"sync / 2bw = {best['sync_over_2bw']:.3f} against the textbook {best['textbook']:.3f} | "
+        f"sync / 2bw = {best['sync_over_2bw']:.3f} against the textbook {best['textbook']:.3f}{small_text} | "
         f"{_link(docs / 'pipeline.md', doc)} |",
         "| Does the engine compute what the simulation does? | yes: equal parameters (fp32 allclose, rtol 2e-5) "
         "for `sync`, `2bw` and the `1f1b`, `interleaved` and `zb-h1` programs, across a synchronous start and cooldown, "
@@ -261,7 +268,8 @@ def bench_optimizers(doc: pathlib.Path) -> str:
             t = " and ".join(f"{s['time_vs_adamw']:.1f}" for s in soap) + f" ({len(soap)} runs at 10 layers, below)"
         vs = "-" if f["time_vs_optax"] is None else f"{f['time_vs_optax']:.2f} (`{f['optax_reference']}`)"
         lines.append(f"| {name} | {t} | {vs} | {f['state_bytes_per_param']:.2f} |")
-    lines += ["", "Commands: " + "; ".join(sorted({f'`{r["command"]}`' for r in rows})) + f". Hardware: {_hw(rows)}.",
+    lines += ["", f"Median of {full_rec['figures']['rounds']} rounds × {full_rec['figures']['updates_per_round']} "
+              "updates. Commands: " + "; ".join(sorted({f'`{r["command"]}`' for r in rows})) + f". Hardware: {_hw(rows)}.",
               "", _provenance(rows, [BENCH_LINK / "bench_optimizers.jsonl"], doc)]
     return "\n".join(lines)
 

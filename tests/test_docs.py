@@ -56,6 +56,22 @@ def test_rendered_tables_match_their_records():
     assert render_docs.check() == "", "run python -m experiments.render_docs"
 
 
+def test_a_table_on_typed_records_says_so_in_the_table():
+    """--check passes on figures typed by hand as well as on measured ones, so a table resting on
+    typed records must say so in its own lines, not only in the footnote under it."""
+    unmarked = []
+    for doc in DOCS:
+        for m in render_docs.BLOCK.finditer(doc.read_text()):
+            body = m.group("body")
+            table = [line for line in body.splitlines() if line.startswith("|")]
+            if table and "typed by hand from" in body and not any(render_docs.TYPED_MARK in line for line in table):
+                unmarked.append(f"{doc.name}: {m.group('name')}")
+    assert not unmarked, unmarked
+    fit = render_docs.fit_table(ROOT / "docs" / "fitting.md")
+    typed_rows = [line for line in fit.splitlines() if line.startswith("| ") and render_docs.TYPED_MARK in line]
+    assert typed_rows and all("(typed by hand)" in row.split(" | ")[0] for row in typed_rows)
+
+
 def test_rendering_restores_a_changed_figure():
     text = README.read_text()
     m = re.search(r"delay gap AdamW (\+\d\.\d{3})", text)
