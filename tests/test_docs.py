@@ -61,7 +61,7 @@ def test_a_table_on_typed_records_says_so_in_the_table():
     typed records must say so in its own lines, not only in the footnote under it."""
     unmarked = []
     for doc in DOCS:
-        for m in render_docs.BLOCK.finditer(doc.read_text()):
+        for m in render_docs.BLOCK.finditer(render_docs.render(doc.read_text(), doc)):
             body = m.group("body")
             table = [line for line in body.splitlines() if line.startswith("|")]
             if table and "typed by hand from" in body and not any(render_docs.TYPED_MARK in line for line in table):
