@@ -107,3 +107,17 @@ def test_wandb_offline_run_continues_after_a_restart(tmp_path, monkeypatch):
     assert [r[0] for r in runs] == [run_id, run_id] and runs[0][1] == "tiny"
     assert [r[2] for r in runs] == [[(1, 9.0), (2, 8.0), (3, 7.0)], [(3, 7.0), (4, 6.0)]]
     assert not (tmp_path / "metrics.jsonl").exists()  # jsonl was not chosen
+
+
+def test_tensorboard_reads_the_event_files(tmp_path):
+    """The viewer the tensorboard extra installs reads what the writer (tensorboardX) wrote."""
+    pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed (pip install '.[tensorboard]')")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    writer = metrics.MetricWriter(tmp_path, ("tensorboard",))
+    for step in (1, 2):
+        writer.write(step, {"loss": 5.0 - step})
+    writer.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 4.0), (2, 3.0)]
