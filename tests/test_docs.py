@@ -371,6 +371,7 @@ def _parse_main_flags(argv: list[str]) -> ml_collections.ConfigDict:
         "asyncpp_jax/main.py's flags changed: update this"
     renamed = configs.renamed_flag_errors(argv)
     assert not renamed, renamed
+    argv = configs.argv_with_config_path(argv)  # --config=NAME: a preset, as the CLI resolves it
     fv = flags.FlagValues()
     config_flags.DEFINE_config_file("config", str(configs.DEFAULT_CONFIG), "", flag_values=fv, lock_config=True,
                                     sys_argv=["main", *argv])  # the --config.a.b overrides are read from it
