@@ -25,6 +25,7 @@ import numpy as np
 
 from asyncpp_jax.data.corpus import CorpusError, load_corpus
 from asyncpp_jax.data.prepare import prepare_corpus_for
+from asyncpp_jax.data.stream import ShardedStream
 
 
 class Mixture:
@@ -83,7 +84,7 @@ class Mixture:
         nz = train_p[train_p > 0]
         entropy_per_token = float(-(nz * np.log(nz)).sum())
         log_q = np.log((train_p * n_train + 1.0) / (n_train + self.vocab_size))
-        val_p = sum(w * np.bincount(np.asarray(c.tokens("val")), minlength=self.vocab_size) / c.num_tokens("val")
+        val_p = sum(w * _counts(c.tokens("val"), self.vocab_size) / c.num_tokens("val")
                     for w, c in zip(self.weights, self.corpora))
         return {"train_entropy": entropy_per_token / self.bytes_per_token("train"),
                 "val_cross_entropy": float(-(val_p * log_q).sum()) / self.bytes_per_token("val")}
@@ -94,6 +95,13 @@ class Mixture:
 
     def __repr__(self) -> str:
         return f"Mixture({self.describe()})"
+
+
+def _counts(tokens, vocab_size: int) -> np.ndarray:
+    """Token counts of a split, one shard's memmap or several read in place."""
+    if isinstance(tokens, ShardedStream):
+        return tokens.bincount(vocab_size)
+    return np.bincount(tokens, minlength=vocab_size)
 
 
 def load_mixture(data_config, sources: list[tuple[float, str]], log: Callable[[str], None] = print) -> Mixture:
