@@ -149,7 +149,8 @@ def comments() -> dict[str, str]:
     return out
 
 
-def _source_order() -> list[str]:
+def source_order() -> list[str]:
+    """Every field's dotted name in the order ``configs.py`` sets them."""
     return list(_field_lines(pathlib.Path(configs.__file__).read_text()))
 
 
@@ -198,7 +199,7 @@ def leaves(c: ml_collections.ConfigDict, prefix: str = "") -> list[tuple[str, ob
 def describe(c: ml_collections.ConfigDict, source: str) -> str:
     """Every field of ``c`` as ``name = value  # meaning``, in the order ``configs.py`` sets them, under a
     header naming where the config came from and how to change a field."""
-    order = {name: i for i, name in enumerate(_source_order())}
+    order = {name: i for i, name in enumerate(source_order())}
     fields = sorted(leaves(c), key=lambda kv: order.get(kv[0], len(order)))
     rows = [(f"{name} = {value!r}", meaning(name)) for name, value in fields]
     width = min(max(len(left) for left, _ in rows), 48)

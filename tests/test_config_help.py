@@ -31,7 +31,7 @@ def test_print_config_lists_every_field_with_value_and_meaning(tmp_path):
     assert "moe_tiny" in lines[0] and "--config.FIELD=VALUE" in lines[0]
     body = {line.split(" = ")[0]: line for line in lines[1:]}
     c = configs.load_file("moe_tiny")
-    assert list(body) == [name for name in config_help._source_order() if name in body]
+    assert list(body) == [name for name in config_help.source_order() if name in body]
     assert set(body) == {name for name, _ in config_help.leaves(c)}
     assert body["train.steps"].split("#")[0].strip() == "train.steps = 7"
     assert body["train.steps"].endswith("# optimizer updates in the run")

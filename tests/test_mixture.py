@@ -43,7 +43,7 @@ def test_batches_follow_the_weights_and_come_from_their_source(mixture):
         batch = data[s]
         assert np.array_equal(batch, again[s]) and batch.shape == (BATCH, SEQ + 1)
         assert mixture.shares(s, BATCH) == {"data_share/0": 0.75, "data_share/1": 0.25}
-        picked = [mixture._source_of[s * BATCH + r] for r in range(BATCH)]
+        picked = [mixture.source_of(s * BATCH + r) for r in range(BATCH)]
         assert all(tuple(row) in windows[k] for row, k in zip(batch, picked))
     assert not all(np.array_equal(data[s], other[s]) for s in range(3))  # the seed reorders each source
     # Validation mixes the sources' held-out windows in the same proportions; nats/byte use their bytes.

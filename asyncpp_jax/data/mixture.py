@@ -69,6 +69,10 @@ class Mixture:
             return []
         return grain.MapDataset.mix(parents, self.weights)
 
+    def source_of(self, sample: int) -> int:
+        """The source (its position K) of mixed sample ``sample``; global batch ``s`` holds samples ``s*B ..``."""
+        return self._source_of[sample]
+
     def shares(self, batch_index: int, global_batch_size: int) -> dict[str, float]:
         """Each source's share of global batch ``batch_index`` (``data_share/K``, K the source's position)."""
         start = batch_index * global_batch_size
