@@ -82,3 +82,4 @@ def test_trainer_logs_each_sources_share(cache_dir, tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["data_share/0"], r["data_share/1"]) for r in rows] == [(1, 0.75, 0.25), (2, 0.75, 0.25)]
     assert result.val_loss_per_byte == pytest.approx(result.val_loss / t.corpus.bytes_per_token("val"))
+    assert not (tmp_path / "tensorboard").exists()  # config.train.loggers reached the trainer: jsonl only
