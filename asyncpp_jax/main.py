@@ -53,8 +53,9 @@ def preflight(argv) -> None:
     name, *args = value.split(":")
     try:
         path = str(configs.find_file(name))
-    except FileNotFoundError as e:
-        _fail(f"--config={value} could not be loaded: {e}")
+    except FileNotFoundError:
+        _fail(f"--config={value} could not be loaded (no such file); pass a config file's path or a preset's name "
+              f"({', '.join(configs.preset_names())}: the files in configs/).")
     where = f"--config={value}"
     try:
         spec = importlib.util.spec_from_file_location("_asyncpp_preflight_config", path)
