@@ -268,8 +268,8 @@ def bench_optimizers(doc: pathlib.Path) -> str:
             t = " and ".join(f"{s['time_vs_adamw']:.1f}" for s in soap) + f" ({len(soap)} runs at 10 layers, below)"
         vs = "-" if f["time_vs_optax"] is None else f"{f['time_vs_optax']:.2f} (`{f['optax_reference']}`)"
         lines.append(f"| {name} | {t} | {vs} | {f['state_bytes_per_param']:.2f} |")
-    lines += ["", f"Median of {full_rec['figures']['rounds']} rounds × {full_rec['figures']['updates_per_round']} "
-              "updates. Commands: " + "; ".join(sorted({f'`{r["command"]}`' for r in rows})) + f". Hardware: {_hw(rows)}.",
+    lines += ["", f"The whole model: median of {full_rec['figures']['rounds']} rounds × "
+              f"{full_rec['figures']['updates_per_round']} updates. Commands: " + "; ".join(sorted({f'`{r["command"]}`' for r in rows})) + f". Hardware: {_hw(rows)}.",
               "", _provenance(rows, [BENCH_LINK / "bench_optimizers.jsonl"], doc)]
     return "\n".join(lines)
 
