@@ -28,9 +28,14 @@ MPMD_SCHEDULES = ("sync", "1f1b", "2bw")  # what config.pipeline.placement='mpmd
 PIPEDREAM_GRADIENTS = ("mixed", "per_leaf")
 STALENESS_MODES = ("sync", "2bw", "pipedream")
 MITIGATIONS = ("none", "ef", "taylor")
+LOGGERS = ("jsonl", "tensorboard", "wandb")  # config.train.loggers (train/metrics.py)
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
-DEFAULT_CONFIG = REPO_ROOT / "configs" / "tiny.py"
+# The preset config files: configs/ in a source checkout; an install ships the same files as
+# asyncpp_jax/presets/ (setup.py), never as a top-level module named "configs".
+_INSTALLED_PRESETS = pathlib.Path(__file__).resolve().parent / "presets"
+PRESETS_DIR = _INSTALLED_PRESETS if _INSTALLED_PRESETS.is_dir() else REPO_ROOT / "configs"
+DEFAULT_CONFIG = PRESETS_DIR / "tiny.py"
 # ``config.hardware``: what a config is for, and the memory per device (GB, 1e9 bytes) the dry run
 # holds it to (train/fit.py).  'cpu' is a workstation's share per fake device.  A T4 exposes
 # about 15 GB of its 16.
@@ -200,18 +205,60 @@ def _flag(errs: list, name: str, v) -> None:
 # config: the top-level fields; each section below has its defaults next to its check
 
 
-def load_file(path) -> ml_collections.ConfigDict:
-    """The ``get_config()`` of a config file, loaded by path as ``--config=FILE`` loads it.
+def preset_names() -> list[str]:
+    """The names ``--config=NAME`` accepts: the preset files' stems (``tiny``, ``dense135m``, ...)."""
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.py") if not p.stem.startswith("_"))
 
-    The files in ``configs/`` are files of the repository, not an installed package: load them by
-    path, never with ``import configs``.  A relative path that does not exist from the current
-    directory is taken from the repository root (``load_file("configs/tiny.py")``).
+
+def find_file(path) -> pathlib.Path:
+    """The config file ``--config=path`` names, from any directory.
+
+    In order: an existing file; a preset's name (``tiny``: ``PRESETS_DIR/tiny.py``); a path
+    relative to the repository root (``configs/tiny.py`` run from elsewhere); a path into the
+    repository's ``configs/`` that an install ships as a preset (``configs/tiny.py`` after
+    ``pip install .``).  Raises ``FileNotFoundError`` naming the presets otherwise.
     """
     p = pathlib.Path(path).expanduser()
-    if not p.is_absolute() and not p.exists():
-        p = REPO_ROOT / p
-    if not p.is_file():
-        raise FileNotFoundError(f"config file {str(path)!r} does not exist (the presets are in configs/).")
+    candidates = [p]
+    if not p.is_absolute():
+        if p.suffix == "" and len(p.parts) == 1:
+            candidates.append(PRESETS_DIR / f"{p.name}.py")
+        candidates.append(REPO_ROOT / p)
+        if len(p.parts) == 2 and p.parts[0] == "configs":
+            candidates.append(PRESETS_DIR / p.name)
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(f"config file {str(path)!r} does not exist; pass a config file's path or a preset's "
+                            f"name ({', '.join(preset_names())}; the presets are in configs/).")
+
+
+def argv_with_config_path(argv: list[str]) -> list[str]:
+    """``argv`` with the value of ``--config`` (``--config=V`` or ``--config V``) replaced by the path of the
+    file :func:`find_file` finds for it (its ``:args`` kept), so that a preset's name loads from any
+    directory; a value naming no file is left as it is."""
+    out, take = [], False
+    for a in argv:
+        if take or a.startswith("--config="):
+            head = "" if take else "--config="
+            name, sep, args = a[len(head):].partition(":")
+            try:
+                a = f"{head}{find_file(name)}{sep}{args}"
+            except FileNotFoundError:
+                pass
+        take = a == "--config"
+        out.append(a)
+    return out
+
+
+def load_file(path) -> ml_collections.ConfigDict:
+    """The ``get_config()`` of a config file, loaded as ``--config=FILE`` loads it (see :func:`find_file`:
+    ``load_file("tiny")`` and ``load_file("configs/tiny.py")`` work from any directory).
+
+    The files in ``configs/`` are not an importable package: they are loaded by path, never with
+    ``import configs``.
+    """
+    p = find_file(path)
     spec = importlib.util.spec_from_file_location(f"_asyncpp_config_{p.stem}", p)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -372,6 +419,8 @@ def _data_defaults() -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(
         dict(
             source="stdlib",  # 'stdlib' | glob / path(s), comma separated | 'hf:<dataset>[:<config>]'
+            # weighted sources in place of source: 'WEIGHT:SOURCE;WEIGHT:SOURCE' (e.g. '0.7:stdlib;0.3:/data/*.txt')
+            mixture="",
             tokenizer="byte",  # 'byte' | path to a Hugging Face tokenizer.json
             eos_token="",  # HF tokenizers only; '' = detect
             cache_dir="",  # '' = $ASYNCPP_JAX_CACHE or ~/.cache/asyncpp_jax/corpora
@@ -397,6 +446,35 @@ def _check_data(c) -> list[str]:
     _number(errs, "data.split_seed", d.split_seed, ge=0, integer=True)
     _number(errs, "data.hf_max_docs", d.hf_max_docs, ge=0, integer=True, why=" (0: all documents)")
     _flag(errs, "data.verify_checksums", d.verify_checksums)
+    if not isinstance(d.get("mixture", ""), str):
+        errs.append(f"config.data.mixture={d.mixture!r} must be a string 'WEIGHT:SOURCE;WEIGHT:SOURCE'.")
+    elif d.get("mixture", ""):
+        errs += mixture_errors(d.mixture)
+    return errs
+
+
+def mixture_sources(c) -> list[tuple[float, str]]:
+    """``config.data.mixture`` as ``[(weight, source), ...]`` (empty: the run reads ``config.data.source``);
+    each entry ``WEIGHT:SOURCE``, entries separated by ``;`` (a source may itself hold ``,`` and ``:``)."""
+    out = []
+    for entry in c.data.get("mixture", "").split(";"):
+        if entry.strip():
+            weight, _, source = entry.partition(":")
+            out.append((float(weight), source.strip()))
+    return out
+
+
+def mixture_errors(spec: str) -> list[str]:
+    errs = []
+    for entry in (e.strip() for e in spec.split(";") if e.strip()):
+        weight, sep, source = entry.partition(":")
+        try:
+            ok = math.isfinite(float(weight)) and float(weight) > 0
+        except ValueError:
+            ok = False
+        if not (ok and sep and source.strip()):
+            errs.append(f"config.data.mixture entry {entry!r} must be WEIGHT:SOURCE with a positive WEIGHT, e.g. "
+                        "'0.7:stdlib;0.3:/data/*.txt'.")
     return errs
 
 
@@ -425,6 +503,10 @@ def _train_defaults() -> ml_collections.ConfigDict:
             keep_checkpoints=3,
             async_checkpoint=True,
             progress_bar=True,
+            # comma-separated metric loggers: jsonl (metrics.jsonl), tensorboard, wandb (the [wandb] extra); '' = none
+            loggers="jsonl,tensorboard",
+            wandb_project="asyncpp_jax",  # the W&B project a wandb logger writes to (the run is named config.name)
+            wandb_entity="",  # the W&B user or team; '' = your default entity
             # peak dense TFLOP/s of one accelerator (e.g. 989 H100 bf16, 459 TPU v5p); 0 = MFU not reported
             peak_tflops_per_device=0.0,
             # trace updates profile_start+1 .. profile_start+profile_steps into WORKDIR/profile (0: off);
@@ -444,6 +526,11 @@ def accepted_changes(c) -> tuple[str, ...]:
     return tuple(x.strip() for x in value.split(",") if x.strip()) if isinstance(value, str) else ()
 
 
+def loggers(c) -> tuple[str, ...]:
+    """The metric loggers ``config.train.loggers`` names (``'jsonl,wandb'``: ``('jsonl', 'wandb')``)."""
+    return tuple(x.strip() for x in c.train.get("loggers", "").split(",") if x.strip())
+
+
 def _check_train(c) -> list[str]:
     t, errs = c.train, []
     for f in ("steps", "global_batch_size", "microbatches", "eval_every", "eval_batches", "log_every",
@@ -453,6 +540,13 @@ def _check_train(c) -> list[str]:
     _number(errs, "train.peak_tflops_per_device", t.peak_tflops_per_device, ge=0, why=" (0: MFU not reported)")
     _flag(errs, "train.async_checkpoint", t.async_checkpoint)
     _flag(errs, "train.progress_bar", t.progress_bar)
+    chosen = loggers(c) if isinstance(t.get("loggers", ""), str) else None
+    if chosen is None or not set(chosen) <= set(LOGGERS) or len(set(chosen)) != len(chosen):
+        errs.append(f"config.train.loggers={t.loggers!r} must name each logger at most once, comma-separated, from "
+                    f"{', '.join(LOGGERS)} (--config.train.loggers=jsonl,wandb), or '' for none.")
+    for f in ("wandb_project", "wandb_entity"):
+        if not isinstance(t.get(f, ""), str):
+            errs.append(f"config.train.{f}={t[f]!r} must be a string.")
     _number(errs, "train.device_memory_gb", t.device_memory_gb, ge=0,
             why=" (0: the accelerator's limit in a run, config.hardware's memory in a dry run)")
     _flag(errs, "train.auto_remat", t.auto_remat)

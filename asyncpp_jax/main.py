@@ -1,4 +1,9 @@
-"""Entry point: ``python -m asyncpp_jax.main [--config=configs/tiny.py] [--config.a.b=V] [--workdir=DIR]``.
+"""Train a model: ``python -m asyncpp_jax.main [--config=tiny] [--config.a.b=V] [--workdir=DIR]``
+(installed as the ``asyncpp-train`` command, which takes the same flags).
+
+--config is a preset's name (tiny, moe_tiny, dense135m, dense360m, llama3_8b, moe10b) or a config
+file's path; every field can be overridden with --config.section.field=value.  To see every field,
+its value and what it means: --config=tiny --print_config.
 
 Loads and validates the config before JAX starts, so that a bad setting costs no compile and so
 that ``XLA_FLAGS`` can still ask for the fake CPU devices a mesh needs.
@@ -45,10 +50,12 @@ def preflight(argv) -> None:
     """Load the --config file and check every --config.x.y override names a field, before absl
     parses the flags: its own errors for these are tracebacks.  Exits 2 with one line on a mistake."""
     value = _config_arg(argv)
-    path, *args = value.split(":")
-    if not os.path.isfile(path):
-        _fail(f"--config={value} could not be loaded (no such file); pass a config file such as "
-              f"{os.path.relpath(configs.DEFAULT_CONFIG)} (the presets are in configs/).")
+    name, *args = value.split(":")
+    try:
+        path = str(configs.find_file(name))
+    except FileNotFoundError:
+        _fail(f"--config={value} could not be loaded (no such file); pass a config file's path or a preset's name "
+              f"({', '.join(configs.preset_names())}: the files in configs/).")
     where = f"--config={value}"
     try:
         spec = importlib.util.spec_from_file_location("_asyncpp_preflight_config", path)
@@ -89,11 +96,15 @@ def preflight(argv) -> None:
 # defining the flag loads the file and applies the overrides (both as tracebacks).
 if any(a.startswith("--config") for a in sys.argv[1:]):
     preflight(sys.argv[1:])
+    sys.argv[1:] = configs.argv_with_config_path(sys.argv[1:])  # --config=tiny: the preset's file
 
 _CONFIG = config_flags.DEFINE_config_file(
-    "config", str(configs.DEFAULT_CONFIG), "Config file (a get_config() module); fields can be overridden "
-    "with --config.section.field=value.", lock_config=True,
+    "config", str(configs.DEFAULT_CONFIG), "A preset's name (tiny, dense135m, ...: the files in configs/) or a "
+    "config file's path (a get_config() module); fields can be overridden with --config.section.field=value. "
+    "--print_config lists every field with its value and meaning.", lock_config=True,
 )
+_PRINT_CONFIG = flags.DEFINE_bool("print_config", False, "Print every field of the config (after the "
+                                  "--config.* overrides) with its value and one-line meaning, and exit.")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Build the model abstractly, lower and compile the real train "
                               "step for the config's mesh (fake CPU devices here), report memory per device "
                               "and whether it fits; no data, no allocation, no training.")
@@ -128,20 +139,12 @@ def main(argv):
     if len(argv) > 1:
         _fail(f"unexpected arguments {argv[1:]}; settings go in --config.section.field=value")
     config = _load_config()
-    workdir = _WORKDIR.value or os.path.join("runs", config.name)
-    try:
-        configs.validate(config)
-        if host_setup.cpu_only_host():
-            configs.check_cpu_host(config)
-        configs.check_workdir(workdir)
-    except configs.ConfigError as e:
-        _fail(str(e))
-    from asyncpp_jax.train.workdir_lock import WorkdirLock  # no JAX import
+    if _PRINT_CONFIG.value:
+        from asyncpp_jax.config_help import print_config
 
-    # The Trainer takes the lock; this only answers a second run at once.  Then the machine's limits.
-    problem = WorkdirLock(workdir).probe() or limits.start_problem()
-    if problem:
-        _fail(problem, code=1)
+        return print_config(config, flags.FLAGS["config"].config_filename)
+    workdir = _WORKDIR.value or os.path.join("runs", config.name)
+    _check_settings(config, workdir)
     needed = configs.devices_needed(config)
     # The dry run may compile its suggestions (2x/4x data or stages) on more fake devices.
     chosen_count = host_setup.FORCE_DEVICES in os.environ.get("XLA_FLAGS", "")
@@ -155,24 +158,19 @@ def main(argv):
     logging.getLogger("asyncpp_jax").setLevel(logging.INFO)
 
     if _DRY_RUN.value:  # fake CPU devices on this host: never joins a cluster
-        import jax
+        return _dry_run(config, needed, chosen_count)
+    result, trainer = _train(config, workdir)
+    _report(result, trainer, config, workdir)
 
-        from asyncpp_jax.train.dry_run import dry_run, format_report
 
-        devices = jax.devices() if chosen_count else jax.devices()[:needed]
-        try:
-            report = dry_run(config, devices, spare_devices=jax.devices())
-        except configs.ConfigError as e:
-            _fail(str(e))
-        print(format_report(report))
-        if not report["fits_budget"]:
-            sys.exit(1)
-        return
+def _train(config, workdir: str):
+    """Join the job, train, and turn every failure a user or the machine causes into one line."""
     # Imported here, after XLA_FLAGS is final: this is where JAX starts.
     from asyncpp_jax import distributed
     from asyncpp_jax.data import CorpusError, CorpusWriteError
     from asyncpp_jax.train.checkpoint import CheckpointError
-    from asyncpp_jax.train.trainer import DeadStart, Trainer, TrainingDiverged, WorkdirBusy, WorkdirError
+    from asyncpp_jax.train.trainer import (DeadStart, LoggerUnavailable, Trainer, TrainingDiverged, WorkdirBusy,
+                                           WorkdirError)
 
     distributed.maybe_initialize()  # SLURM / Open MPI / TPU pod: before anything touches devices
     trainer = None
@@ -187,6 +185,7 @@ def main(argv):
             raise
         if not trainer.compile_abandoned:
             trainer.close()
+        return result, trainer
     except KeyboardInterrupt:  # a second Ctrl-C: at once, and never a checkpoint that was not sealed
         if trainer is None:
             saved = "interrupted before training started"
@@ -196,7 +195,7 @@ def main(argv):
         print(f"\ninterrupted: stopped at once; {saved} (anything newer is unsealed and will be set aside on "
               "resume); run the same command again to resume.", file=sys.stderr, flush=True)
         os._exit(130)  # not a clean exit: in-flight writes are abandoned, as asked
-    except (TrainingDiverged, CheckpointError, WorkdirBusy, WorkdirError, CorpusWriteError) as e:
+    except (TrainingDiverged, CheckpointError, WorkdirBusy, WorkdirError, CorpusWriteError, LoggerUnavailable) as e:
         _fail(str(e), code=1)
     except (configs.ConfigError, CorpusError, DeadStart) as e:
         _fail(str(e))
@@ -205,6 +204,41 @@ def main(argv):
             raise
         _fail(limits.describe(e), code=1)
 
+
+def _check_settings(config, workdir: str) -> None:
+    """The config's rules, this host's limits and the workdir, before JAX starts (exit 2, or 1 when busy)."""
+    try:
+        configs.validate(config)
+        if host_setup.cpu_only_host():
+            configs.check_cpu_host(config)
+        configs.check_workdir(workdir)
+    except configs.ConfigError as e:
+        _fail(str(e))
+    from asyncpp_jax.train.workdir_lock import WorkdirLock  # no JAX import
+
+    # The Trainer takes the lock; this only answers a second run at once.  Then the machine's limits.
+    problem = WorkdirLock(workdir).probe() or limits.start_problem()
+    if problem:
+        _fail(problem, code=1)
+
+
+def _dry_run(config, needed: int, chosen_count: bool) -> None:
+    import jax
+
+    from asyncpp_jax.train.dry_run import dry_run, format_report
+
+    devices = jax.devices() if chosen_count else jax.devices()[:needed]
+    try:
+        report = dry_run(config, devices, spare_devices=jax.devices())
+    except configs.ConfigError as e:
+        _fail(str(e))
+    print(format_report(report))
+    if not report["fits_budget"]:
+        sys.exit(1)
+
+
+def _report(result, trainer, config, workdir: str) -> None:
+    """How the run ended, and its validation loss beside the unigram baselines."""
     print(f"\n{result.status} at step {result.step}/{config.train.steps}; outputs in {workdir}")
     if result.status == "preempted":
         if trainer.compile_abandoned:
@@ -222,6 +256,12 @@ def main(argv):
 
 
 def run():
+    """``python -m asyncpp_jax.main``, and the ``asyncpp-train`` command (a console script)."""
+    entry = sys.modules["__main__"]
+    if entry.__doc__ is None:  # the console script: absl's --help shows __main__'s docstring and argv[0]'s flags
+        entry.__doc__ = __doc__
+        for flag in (_CONFIG.name, _DRY_RUN.name, _PRINT_CONFIG.name, _WORKDIR.name):
+            flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS[flag])
     app.run(main)
 
 

@@ -7,7 +7,8 @@ A rendered table sits between ``<!-- render:NAME -->`` and ``<!-- end:NAME -->``
 own; NAME is a key of ``RENDERERS``. The records are ``experiments/results/bench/*.jsonl`` (see
 ``experiments/records.py``: command, commit, date, hardware, source, figures) and the studies'
 ``experiments/results/cpu/results.jsonl``. Each table ends with a line naming its records and, for
-figures transcribed from an older text, that they were typed by hand. The tests run ``--check``
+figures transcribed from an older text, that they were typed by hand; such a table also says so in its
+header, and a row of its own record in that row. The tests run ``--check``
 (tests/test_docs.py), as tests/test_report_regenerates.py does for the study report.
 """
 
@@ -50,10 +51,33 @@ def _short_source(source: str) -> str:
     return text + (f" at {', '.join(commits)}" if commits else "")
 
 
+TYPED_MARK = "(typed by hand)"
+_typed_in_render: list[int] = []  # typed records the renderer running now rests on (see render())
+
+
+def _typed(record: dict) -> str:
+    """A row's mark when its figures were typed by hand rather than written by the script that measured them."""
+    return f" {TYPED_MARK}" if record["source"] != "measured" else ""
+
+
+def _mark_typed_header(body: str) -> str:
+    """The first table's first header cell marked, when the table rests on records typed by hand."""
+    lines = body.split("\n")
+    for i, line in enumerate(lines):
+        if line.startswith("| ") and TYPED_MARK not in line:
+            first, sep, rest = line[2:].partition(" |")
+            lines[i] = f"| {first} {TYPED_MARK}{sep}{rest}"
+            break
+    return "\n".join(lines)
+
+
 def _provenance(rows: list[dict], files: list[pathlib.Path], doc: pathlib.Path) -> str:
     """The line under a table: its records, how many were measured by a script as it ran, and how many
-    were typed by hand from an older text (and from where; each record says more)."""
+    were typed by hand from an older text (and from where; each record says more).  A table resting
+    on typed records also says so in its header (``render``), so --check passing is no claim of a
+    re-measurement."""
     typed = [r for r in rows if r["source"] != "measured"]
+    _typed_in_render.append(len(typed))
     text = "Records: " + ", ".join(_link(f, doc) for f in files)
     if len(rows) > len(typed):
         text += f"; {len(rows) - len(typed)} measured and written by the script as it ran"
@@ -129,6 +153,13 @@ def glance(doc: pathlib.Path) -> str:
     proc = [r for r in records.load("bench_pipeline", "bench_pipeline_processes")
             if any(x["rows_per_microbatch"] >= 8 for x in r["figures"]["rows"])][-1]
     best = max(proc["figures"]["rows"], key=lambda r: (r["rows_per_microbatch"], r["microbatches"]))
+    # Small microbatches, where the fixed per-tick costs outweigh the bubble: every measured ratio.
+    small = [x for r in records.load("bench_pipeline", "bench_pipeline_processes") if r["source"] == "measured"
+             for x in r["figures"]["rows"] if x["rows_per_microbatch"] < best["rows_per_microbatch"]]
+    small_text = (f"; at {small[0]['rows_per_microbatch']} × {small[0]['seq']}-token microbatches "
+                  f"{min(x['sync_over_2bw'] for x in small):.2f} to {max(x['sync_over_2bw'] for x in small):.2f} "
+                  f"(M = {', '.join(str(m) for m in sorted({x['microbatches'] for x in small}))}): no gain"
+                  if small and len({x["rows_per_microbatch"] for x in small}) == 1 else "")
     bench_rec = _optimizer_benches()[0]
     bench = bench_rec["figures"]["rows"]
     parity = ", ".join(f"{k} {v['time_vs_optax']:.2f}" for k, v in bench.items() if v["time_vs_optax"] is not None)
@@ -138,7 +169,7 @@ def glance(doc: pathlib.Path) -> str:
         _glance_delay(adamw, muon, doc),
         f"| Does `2bw` remove the bubble? (2 processes, one core per stage, P = 2, "
         f"M = {best['microbatches']}, {best['rows_per_microbatch']} × {best['seq']}-token microbatches) | "
-        f"sync / 2bw = {best['sync_over_2bw']:.3f} against the textbook {best['textbook']:.3f} | "
+        f"sync / 2bw = {best['sync_over_2bw']:.3f} against the textbook {best['textbook']:.3f}{small_text} | "
         f"{_link(docs / 'pipeline.md', doc)} |",
         "| Does the engine compute what the simulation does? | yes: equal parameters (fp32 allclose, rtol 2e-5) "
         "for `sync`, `2bw` and the `1f1b`, `interleaved` and `zb-h1` programs, across a synchronous start and cooldown, "
@@ -160,7 +191,7 @@ def main_job(doc: pathlib.Path) -> str:
              "|---|---|---|---|---|"]
     for r in rows:
         f = r["figures"]
-        lines.append(f"| {r['commit'] or 'not recorded'} | {r['hardware']} | {_minsec(f['wall_s'])} | "
+        lines.append(f"| {r['commit'] or 'not recorded'}{_typed(r)} | {r['hardware']} | {_minsec(f['wall_s'])} | "
                      f"{_f(f.get('s_per_update'), '{:.1f}')} | {_f(f.get('final_val_nats_per_byte'), '{:.3f}')} |")
     first = rows[0]["figures"]
     lines += ["", f"The corpus: {first['train_files']:,} train / {first['val_files']:,} validation files, "
@@ -210,7 +241,7 @@ def tiny_optimizers(doc: pathlib.Path) -> str:
     lines = ["| optimizer | lr | weight decay | hardware | final validation loss (nats/byte) |", "|---|---|---|---|---|"]
     for r in rows:
         f = r["figures"]
-        lines.append(f"| {r['optimizer']} | {f['lr']:g} | {f['weight_decay']:g} | {r['hardware']} | "
+        lines.append(f"| {r['optimizer']}{_typed(r)} | {f['lr']:g} | {f['weight_decay']:g} | {r['hardware']} | "
                      f"{f['final_val_nats_per_byte']:.3f} |")
     return "\n".join(lines + ["", _provenance(rows, [BENCH_LINK / "tiny_optimizers.jsonl"], doc)])
 
@@ -237,7 +268,8 @@ def bench_optimizers(doc: pathlib.Path) -> str:
             t = " and ".join(f"{s['time_vs_adamw']:.1f}" for s in soap) + f" ({len(soap)} runs at 10 layers, below)"
         vs = "-" if f["time_vs_optax"] is None else f"{f['time_vs_optax']:.2f} (`{f['optax_reference']}`)"
         lines.append(f"| {name} | {t} | {vs} | {f['state_bytes_per_param']:.2f} |")
-    lines += ["", "Commands: " + "; ".join(sorted({f'`{r["command"]}`' for r in rows})) + f". Hardware: {_hw(rows)}.",
+    lines += ["", f"The whole model: median of {full_rec['figures']['rounds']} rounds × "
+              f"{full_rec['figures']['updates_per_round']} updates. Commands: " + "; ".join(sorted({f'`{r["command"]}`' for r in rows})) + f". Hardware: {_hw(rows)}.",
               "", _provenance(rows, [BENCH_LINK / "bench_optimizers.jsonl"], doc)]
     return "\n".join(lines)
 
@@ -557,7 +589,7 @@ def fit_table(doc: pathlib.Path) -> str:
     for r in rows:
         f = r["figures"]
         name = f"`{r['config']}`" if r["config"].startswith("configs/") else r["config"]
-        name += f" ({r['note']})" if r["note"] else ""
+        name += (f" ({r['note']})" if r["note"] else "") + _typed(r)
         lines.append(f"| {name} | `{f['target']}` | {f['microbatches']} | {f['remat']} | {f['peak_gb']:.2f} GB | "
                      f"{f['before'] or 'same'} |")
     return "\n".join(lines + ["", _provenance(rows, [BENCH_LINK / "dry_run.jsonl"], doc)])
@@ -714,7 +746,11 @@ def render(text: str, doc: pathlib.Path) -> str:
         name = m.group("name")
         if name not in RENDERERS:
             raise KeyError(f"{doc}: no renderer named {name!r} (known: {', '.join(RENDERERS)})")
-        return f"<!-- render:{name} -->\n{RENDERERS[name](doc)}\n<!-- end:{name} -->"
+        _typed_in_render.clear()
+        body = RENDERERS[name](doc)
+        if sum(_typed_in_render):
+            body = _mark_typed_header(body)
+        return f"<!-- render:{name} -->\n{body}\n<!-- end:{name} -->"
     return BLOCK.sub(one, text)
 
 

@@ -126,16 +126,17 @@ def is_finished(workdir: pathlib.Path) -> bool:
 
 # Settings that change how a run is watched, not what it computes: runs differing only here are one run.
 _NOT_COMPUTED = {("train", "progress_bar"), ("train", "profile_start"), ("train", "profile_steps"),
-                 ("train", "accept_changed")}
+                 ("train", "accept_changed"), ("train", "loggers"), ("train", "wandb_project"),
+                 ("train", "wandb_entity")}
 
 
 # Settings added after runs were saved, with the value that means what the code did before them
 # (stage_layers: the even split, the only one there was; init_from: a random initialisation;
 # virtual_stages: read by the interleaved schedule only, which came with it; vocab_parallel: the
-# tables whole on every stage).  Any other setting a saved config lacks makes its signature differ,
+# tables whole on every stage; mixture: none, config.data.source alone).  Any other setting a saved config lacks makes its signature differ,
 # so that run is not reused: reuse does not guess at a default.
 _ADDED_LATER = {("pipeline", "stage_layers"): [], ("model", "init_from"): "", ("pipeline", "virtual_stages"): 2,
-                ("pipeline", "vocab_parallel"): False}
+                ("pipeline", "vocab_parallel"): False, ("data", "mixture"): ""}
 
 
 def signature(config: dict) -> str:

@@ -19,18 +19,39 @@ def test_every_config_file_validates(name):
 
 
 def test_configs_dir_is_files_not_an_installed_package():
-    import tomllib
-
-    project = tomllib.loads((configs.REPO_ROOT / "pyproject.toml").read_text())
-    assert project["tool"]["setuptools"]["packages"]["find"]["include"] == ["asyncpp_jax*"]
+    """configs/ ships inside the package as asyncpp_jax/presets (setup.py), never as a top-level ``configs``."""
+    setup = (configs.REPO_ROOT / "setup.py").read_text()
+    assert '"asyncpp_jax.presets": "configs"' in setup and 'include=["asyncpp_jax", "asyncpp_jax.*"]' in setup
     assert not (configs.REPO_ROOT / "configs" / "__init__.py").exists()
     assert configs.load_file("configs/moe_tiny.py").model.d_model == configs.load_file("configs/tiny.py").model.d_model
     with pytest.raises(FileNotFoundError, match="configs/nope.py"):
         configs.load_file("configs/nope.py")
 
 
+def test_configs_are_found_by_name_and_by_path_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    tiny = configs.PRESETS_DIR / "tiny.py"
+    assert configs.find_file("tiny") == configs.find_file("configs/tiny.py") == tiny
+    assert configs.load_file("moe_tiny").name == "moe_tiny"
+    assert set(configs.preset_names()) >= {"tiny", "moe_tiny", "dense135m", "dense360m", "llama3_8b", "moe10b"}
+    (tmp_path / "tiny.py").write_text("raise SystemExit('the file in the cwd was loaded')\n")
+    with pytest.raises(SystemExit, match="cwd"):  # an existing path wins over a preset's name
+        configs.load_file("tiny.py")
+    assert configs.argv_with_config_path(["--config=tiny:x", "--config", "moe_tiny", "--config=nope"]) == [
+        f"--config={tiny}:x", "--config", str(configs.PRESETS_DIR / "moe_tiny.py"), "--config=nope"]
+    # An install keeps the presets beside the code: configs/NAME.py resolves there, not in the repository.
+    installed = tmp_path / "site" / "presets"
+    installed.mkdir(parents=True)
+    (installed / "tiny.py").write_text("")
+    monkeypatch.setattr(configs, "PRESETS_DIR", installed)
+    monkeypatch.setattr(configs, "REPO_ROOT", tmp_path / "site")
+    assert configs.find_file("configs/tiny.py") == configs.find_file("tiny") == installed / "tiny.py"
+    with pytest.raises(FileNotFoundError, match=r"a preset's name \(tiny; the presets"):
+        configs.find_file("small")
+
+
 def test_default_config_is_tiny():
-    assert configs.DEFAULT_CONFIG == pathlib.Path(configs.REPO_ROOT, "configs", "tiny.py")
+    assert configs.DEFAULT_CONFIG == pathlib.Path(configs.REPO_ROOT, "configs", "tiny.py") == configs.PRESETS_DIR / "tiny.py"
 
 
 @pytest.mark.parametrize(

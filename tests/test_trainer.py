@@ -202,11 +202,17 @@ def test_cli_trains_with_overrides_and_fake_devices(cache_dir, tmp_path, paralle
         "--config.model.d_model=32", "--config.model.n_heads=2", "--config.model.n_kv_heads=1",
         "--config.model.d_ff=64", "--config.train.steps=4", "--config.train.eval_every=2",
         "--config.train.eval_batches=1", "--config.train.global_batch_size=8",
-        "--config.optimizer.warmup_steps=1", "--config.train.progress_bar=False", *parallel,
+        "--config.optimizer.warmup_steps=1", "--config.train.log_every=2", *parallel,
     ]
     out = run_cli(args)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "validation loss" in out.stdout and "nats/byte" in out.stdout
+    # stdout is a pipe: a plain line every log_every updates in place of the progress bar
+    lines = [line for line in out.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["2/4", "4/4"], out.stdout
+    pattern = r"step 4/4  loss \d+\.\d{4}  val_loss \d+\.\d{4}  lr [\d.e-]+  tokens/s [\d,]+  ETA 0m00s"
+    assert re.fullmatch(pattern, lines[1]), lines
+    assert "it/s" not in out.stderr and "step/s" not in out.stderr  # no tqdm bar
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
     assert saved["model"]["d_model"] == 32
     if "--config.mesh.data=2" in parallel:

@@ -2,7 +2,8 @@
 
 Modules: ``tokenizers``; ``sources`` (stdlib, local files, Hugging Face; the train/val split);
 ``corpus`` (the on-disk format: writer, reader, checks); ``prepare`` (tokenize a source into the
-cache; also the command line); ``stream`` and ``pipeline`` (grain input pipelines).
+cache; also the command line); ``stream`` and ``pipeline`` (grain input pipelines); ``mixture``
+(weighted sources in one run).
 
 Depends only on numpy, tokenizers and grain (never on `asyncpp_jax.train` or
 `asyncpp_jax.pipeline`). Names are re-exported lazily (PEP 562) so that importing this package, or
@@ -27,6 +28,8 @@ _EXPORTS = {
     "load_corpus": "corpus",
     "prepare_corpus": "prepare",
     "prepare_corpus_for": "prepare",
+    "Mixture": "mixture",
+    "load_mixture": "mixture",
     "PackedWindows": "pipeline",
     "ShardedStream": "stream",
     "make_eval_batches": "pipeline",

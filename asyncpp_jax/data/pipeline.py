@@ -59,10 +59,12 @@ class PackedWindows:
         return f"PackedWindows({self._len} windows of {self.seq_len}+1 tokens)"
 
 
-def _shuffle_seed(seed: int) -> int:
+def _shuffle_seed(seed: int, source: int = 0) -> int:
     # grain wants a 32-bit seed and reuses seed+e for epoch e; hashing the user's seed keeps runs
-    # with adjacent seeds (0, 1, 2, ...) from sharing epoch orders shifted by one epoch.
-    digest = hashlib.sha256(f"asyncpp_jax/train-shuffle/{int(seed)}".encode()).digest()
+    # with adjacent seeds (0, 1, 2, ...) from sharing epoch orders shifted by one epoch.  A
+    # mixture's source k > 0 gets its own orders (data/mixture.py).
+    suffix = f"/{int(source)}" if source else ""
+    digest = hashlib.sha256(f"asyncpp_jax/train-shuffle/{int(seed)}{suffix}".encode()).digest()
     return int.from_bytes(digest[:4], "little")
 
 
@@ -107,8 +109,13 @@ def make_train_dataset(corpus: Corpus, seq_len: int, global_batch_size: int, see
     `global_batch_size`); a process reads only its rows of it, so the global batch is the same
     array whatever the number of processes. Deterministic given `seed`; every epoch is a new
     permutation of all windows. Batches may span an epoch boundary, so every batch is full.
+    A :class:`~asyncpp_jax.data.mixture.Mixture` gives the samples of its weighted sources instead.
     """
     rows = batch_rows(global_batch_size, process_index, process_count, rows)
+    if hasattr(corpus, "train_samples"):  # a data/mixture.Mixture of several corpora
+        samples = corpus.train_samples(seq_len, seed, PackedWindows, _shuffle_seed)
+        return grain.MapDataset.range(len(samples) // global_batch_size).map(
+            functools.partial(_gather_rows, samples, global_batch_size, rows))
     windows = PackedWindows(corpus.tokens("train"), seq_len)
     if len(windows) < global_batch_size:
         raise CorpusError(
@@ -148,7 +155,8 @@ def make_eval_batches(corpus: Corpus, seq_len: int, batch_size: int, num_batches
             f"eval batch_size={batch_size} and config.train.eval_batches={num_batches} must be "
             "positive."
         )
-    windows = PackedWindows(corpus.tokens(split), seq_len)
+    windows = (corpus.eval_windows(split, seq_len, PackedWindows) if hasattr(corpus, "eval_windows")
+               else PackedWindows(corpus.tokens(split), seq_len))
     available = min(num_batches, len(windows) // batch_size)
     if available == 0:
         raise CorpusError(

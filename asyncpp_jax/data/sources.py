@@ -165,7 +165,7 @@ def _import_datasets(source: str):
     except ImportError as e:
         raise CorpusError(
             f"config.data.source={source!r} needs the Hugging Face `datasets` package: "
-            "pip install 'asyncpp_jax[hf]' (or pip install datasets)") from e
+            "pip install '.[hf]' from the asyncpp_jax checkout (or pip install datasets)") from e
     return datasets
 
 

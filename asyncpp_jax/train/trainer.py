@@ -43,7 +43,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from asyncpp_jax import configs
-from asyncpp_jax.data import CorpusError, load_corpus, make_eval_batches, make_train_iterator, prepare_corpus_for
+from asyncpp_jax.data import (CorpusError, Mixture, load_corpus, load_mixture, make_eval_batches, make_train_iterator,
+                              prepare_corpus_for)
 from asyncpp_jax.models import count_params, dense, hf_llama
 from asyncpp_jax.models.flops import flops_per_token
 from asyncpp_jax.optim import describe_routing
@@ -55,7 +56,7 @@ from asyncpp_jax.train import host_memory
 from asyncpp_jax.train.batch_layout import batch_layout
 from asyncpp_jax.train_state import from_host
 from asyncpp_jax.train.checkpoint import CheckpointError, Checkpointer
-from asyncpp_jax.train.metrics import MetricWriter
+from asyncpp_jax.train.metrics import ConsoleLine, LoggerUnavailable, MetricWriter, check_available  # noqa: F401 - re-exported
 from asyncpp_jax.train.resume import check_resume, run_record
 from asyncpp_jax.train.workdir_lock import WorkdirBusy, WorkdirLock, WorkdirUnwritable  # noqa: F401 - WorkdirBusy re-exported
 
@@ -126,6 +127,7 @@ def _fit(config, devices):
 class Trainer:
     def __init__(self, config, workdir: str | pathlib.Path, devices=None):
         configs.validate(config)
+        check_available(configs.loggers(config))  # before any data is prepared or anything compiled
         configs.check_workdir(workdir)
         self.workdir = pathlib.Path(workdir)
         try:
@@ -153,12 +155,15 @@ class Trainer:
 
         d = c.data
         try:
-            corpus_dir = prepare_corpus_for(d, log=log.info)
+            if configs.mixture_sources(c):
+                self.corpus = load_mixture(d, configs.mixture_sources(c), log=log.info)
+                log.info("data mixture: %s", self.corpus.describe())
+            else:
+                self.corpus = load_corpus(prepare_corpus_for(d, log=log.info), verify=d.verify_checksums)
         except ValueError as e:  # the tokenizer's errors name their setting and the fix: a setting's mistake
             if isinstance(e, CorpusError) or "config." not in str(e):
                 raise
             raise configs.ConfigError(str(e)) from e
-        self.corpus = load_corpus(corpus_dir, verify=d.verify_checksums)
         configs.check_against_tokenizer(c, self.corpus.vocab_size)
 
         self.runner = r = runner_lib.build(c, devices)
@@ -287,15 +292,16 @@ class Trainer:
         state, iterator = self.restore_or_init()
         p = _Progress(start=int(state.step), step=int(state.step))
         self.health = health_lib.Health(c, p.start)
-        writer = MetricWriter(self.workdir, resume_step=p.start)
+        writer = MetricWriter(self.workdir, configs.loggers(c), resume_step=p.start, config=c)
         if writer.dropped:
             log.info("metrics.jsonl: dropped %d row(s) logged after step %d; those steps are redone",
                      writer.dropped, p.start)
         unigram = self.corpus.unigram_entropy_nats_per_byte()
         if p.start == 0:
             self._log_model(state)
+        self._console = ConsoleLine(c.train.steps, c.train.log_every)  # stdout not a terminal: plain lines
         bar = tqdm(total=c.train.steps, initial=p.start, desc=c.name, unit="step", dynamic_ncols=True,
-                   disable=not c.train.progress_bar or jax.process_index() != 0)
+                   disable=not c.train.progress_bar or jax.process_index() != 0 or self._console.enabled)
         try:
             self.checkpointer.check_writable()  # an unwritable directory stops the run now, not at the first save
             state = self._loop(state, iterator, stop_at, p, writer, bar, stop)
@@ -472,8 +478,11 @@ class Trainer:
         if evaluated:
             p.val, p.val_step = self.evaluate(state.params), step
             metrics.update(p.val)
+        if isinstance(self.corpus, Mixture):  # update `step` trained on global batch step - 1
+            metrics.update(self.corpus.shares(step - 1, c.train.global_batch_size))
         if evaluated or step % c.train.log_every == 0:
             writer.write(step, metrics)
+        self._console.update(step, metrics)
         bar.update(1)
         bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.3f}",
                         **({"val": f"{p.val['val_loss']:.3f}"} if p.val else {}))
