@@ -1,11 +1,11 @@
 """The project's JAX model as an lm-evaluation-harness model (``lm_eval.api.model.LM``).
 
 Imports ``lm_eval`` (an optional dependency: ``pip install 'lm-eval>=0.4,<0.5'``); the arithmetic
-lives in :class:`asyncpp_jax.evaluate.Scorer`, which does not.  ``python -m asyncpp_jax.evaluate``
+lives in :class:`asyncpp_jax.models.scoring.Scorer`, which does not.  ``python -m asyncpp_jax.evaluate``
 is the command; from Python::
 
     from asyncpp_jax import lm_eval_adapter, trained
-    from asyncpp_jax.evaluate import Scorer
+    from asyncpp_jax.models.scoring import Scorer
     m = trained.load("runs/tiny")
     results = lm_eval_adapter.evaluate(Scorer(m.model_cfg, m.params, m.tokenizer, m.config.data.seq_len),
                                        ["arc_easy"], limit=100)
@@ -21,7 +21,8 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from lm_eval.tasks import TaskManager
 
-from asyncpp_jax.evaluate import Scorer
+from asyncpp_jax import trained
+from asyncpp_jax.models.scoring import Scorer
 
 
 class UnknownTasks(ValueError):
@@ -36,7 +37,6 @@ class AsyncppLM(LM):
                  max_length: int | None = None, scorer: Scorer | None = None, **_unused):
         super().__init__()
         if scorer is None:
-            from asyncpp_jax import trained  # pylint: disable=import-outside-toplevel
 
             if workdir is None:
                 raise ValueError("model_args needs workdir=RUN (a run directory)")

@@ -17,7 +17,7 @@ import numpy as np
 
 from asyncpp_jax.configs import base_config
 from asyncpp_jax.optim import build_optimizer
-from asyncpp_jax.pipeline import make_mesh
+from asyncpp_jax.pipeline.mesh import make_mesh
 from asyncpp_jax import train_state as state_lib
 from asyncpp_jax.train import step as step_lib
 

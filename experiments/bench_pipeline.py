@@ -226,7 +226,8 @@ from jax.sharding import NamedSharding  # noqa: E402
 
 from asyncpp_jax.configs import base_config  # noqa: E402
 from asyncpp_jax.models import dense  # noqa: E402
-from asyncpp_jax.pipeline import engine, make_mesh, mpmd, slot_plan, stage  # noqa: E402
+from asyncpp_jax.pipeline import engine, mpmd, slot_plan, stage  # noqa: E402
+from asyncpp_jax.pipeline.mesh import make_mesh  # noqa: E402
 from asyncpp_jax import train_state as state_lib  # noqa: E402
 from asyncpp_jax.train import profile  # noqa: E402
 from asyncpp_jax.train import step as step_lib  # noqa: E402

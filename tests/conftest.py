@@ -57,6 +57,6 @@ def mesh():
     """A one-device data mesh (the simulate runner on the first device)."""
     import jax
 
-    from asyncpp_jax.pipeline import make_mesh
+    from asyncpp_jax.pipeline.mesh import make_mesh
 
     return make_mesh(1, jax.devices()[:1])

@@ -18,7 +18,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / PACKAGE
 
 # Lowest first.  A module belongs to the component with the longest matching prefix.
 LAYERS = (
-    ("process set-up", ("asyncpp_jax.host_setup", "asyncpp_jax.distributed")),
+    ("process set-up", ("asyncpp_jax.host_setup", "asyncpp_jax.distributed", "asyncpp_jax.limits")),
+    # schedules as programs: plain Python, which the config's validator calls (the one check of a
+    # schedule's rules)
+    ("schedules", ("asyncpp_jax.pipeline.programs",)),
     ("config", ("asyncpp_jax.configs",)),
     ("parts", ("asyncpp_jax.models", "asyncpp_jax.data", "asyncpp_jax.optim")),
     ("train state", ("asyncpp_jax.train_state",)),
@@ -29,7 +32,12 @@ LAYERS = (
     # host_setup's CPU-list convention to give each process its own cores)
     # (and the exporter of a run's checkpoint as a Hugging Face model, which reads checkpoints and
     # both runners' layouts; and the paper preset's offline rehearsal, which runs the entry point)
-    ("entry point", ("asyncpp_jax.main", "asyncpp_jax.launch", "asyncpp_jax.export", "asyncpp_jax.rehearse")),
+    # what reads a run back: its checkpoint as a Hugging Face model, and the config's printout
+    ("run readers", ("asyncpp_jax.export", "asyncpp_jax.config_help")),
+    # a run's checkpoint as a model with its tokenizer, and what generates or scores with it
+    ("trained model", ("asyncpp_jax.trained",)),
+    ("model tools", ("asyncpp_jax.generate", "asyncpp_jax.lm_eval_adapter")),
+    ("entry point", ("asyncpp_jax.main", "asyncpp_jax.launch", "asyncpp_jax.rehearse", "asyncpp_jax.evaluate")),
 )
 
 # Function-level imports of the package's own modules, each with why it is not dodging a cycle.
@@ -37,6 +45,8 @@ LAZY_ALLOWED = {
     # JAX must start after host_setup and the config checks, and distributed.initialize() before
     # anything touches a device; a bad flag then fails before JAX is even imported.
     "asyncpp_jax.main",
+    # lm-eval is an optional extra: its adapter is imported when the command needs it
+    "asyncpp_jax.evaluate",
 }
 
 

@@ -15,7 +15,8 @@ import pytest
 from asyncpp_jax import configs
 from asyncpp_jax.models import dense
 from asyncpp_jax.optim import DelaySchedule, delay
-from asyncpp_jax.pipeline import engine, make_mesh, mpmd, programs
+from asyncpp_jax.pipeline import engine, mpmd, programs
+from asyncpp_jax.pipeline.mesh import make_mesh
 from asyncpp_jax.pipeline.mpmd_placement import bytes_on_devices
 from asyncpp_jax.train import runner as runner_lib
 from asyncpp_jax.train import step as step_lib

@@ -15,7 +15,8 @@ from jax.sharding import NamedSharding
 from asyncpp_jax.configs import base_config
 from asyncpp_jax.models import dense
 from asyncpp_jax.optim import DelaySchedule, WeightPrediction, delay, error_feedback, muon
-from asyncpp_jax.pipeline import engine, make_mesh, slot_plan
+from asyncpp_jax.pipeline import engine, slot_plan
+from asyncpp_jax.pipeline.mesh import make_mesh
 from asyncpp_jax.pipeline.census import Census, census, subjaxprs
 from asyncpp_jax import train_state as state_lib
 from helpers import run_simulate_runner

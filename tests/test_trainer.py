@@ -16,7 +16,7 @@ import pytest
 
 from asyncpp_jax import configs
 from asyncpp_jax.optim import build_optimizer
-from asyncpp_jax.pipeline import make_mesh
+from asyncpp_jax.pipeline.mesh import make_mesh
 from asyncpp_jax import train_state as state_lib
 from asyncpp_jax.train import step as step_lib
 from asyncpp_jax.train.trainer import Trainer, TrainingDiverged

@@ -15,7 +15,8 @@ import test_pipeline as tp
 from test_compiled_step import vocab_moves_in_loops
 from asyncpp_jax import configs
 from asyncpp_jax.models import dense
-from asyncpp_jax.pipeline import engine, make_mesh
+from asyncpp_jax.pipeline import engine
+from asyncpp_jax.pipeline.mesh import make_mesh
 from asyncpp_jax.pipeline import vocab_parallel as vp
 from asyncpp_jax.pipeline.layout import make_pipeline_mesh
 from asyncpp_jax.pipeline.stage import StageFns

@@ -9,14 +9,7 @@
   a ``lax.scan`` over the slots: :mod:`~asyncpp_jax.pipeline.program_executor` and
   :mod:`~asyncpp_jax.pipeline.executor`), its state and layouts; :mod:`~asyncpp_jax.pipeline.mpmd`:
   the same programs with one compiled program per stage, dispatched from the host.
-* ``make_mesh``: the simulate runner's data-parallel mesh (:mod:`~asyncpp_jax.pipeline.mesh`).
+* :mod:`~asyncpp_jax.pipeline.mesh`: the simulate runner's data-parallel mesh (``make_mesh``).
 
 Importing the package imports no JAX (``configs`` validates schedules with :mod:`programs`).
 """
-
-
-def __getattr__(name):
-    if name == "make_mesh":  # imported on use: the package itself stays free of JAX
-        from asyncpp_jax.pipeline.mesh import make_mesh
-        return make_mesh
-    raise AttributeError(f"module 'asyncpp_jax.pipeline' has no attribute {name!r}")

@@ -202,11 +202,11 @@ def dry_run(c, devices=None, spare_devices=None) -> dict:
     pool = list(spare_devices) if spare_devices is not None else devices
     budget = fit.budget_bytes(c, dry_run=True)
 
-    def measure(cfg):
+    def measured(cfg):
         n = len(devices) if cfg.mesh.data == -1 else configs.devices_needed(cfg)
         return measure(cfg, pool[:n] if n > len(devices) else devices, budget)
 
-    decision = fit.decide(c, measure, budget)
+    decision = fit.decide(c, measured, budget)
     suggestion = [] if decision.fits else fit.suggest(decision, max_devices=len(pool))
     c, m = decision.config, decision.measurement
     if m.eval_peak is None:

@@ -19,7 +19,8 @@ from asyncpp_jax import configs
 from asyncpp_jax import train_state as state_lib
 from asyncpp_jax.models import abstract_params, hf_llama
 from asyncpp_jax.optim import build_optimizer, delay_schedule, weight_prediction, weight_versions
-from asyncpp_jax.pipeline import engine, make_mesh, mpmd, slot_plan
+from asyncpp_jax.pipeline import engine, mpmd, slot_plan
+from asyncpp_jax.pipeline.mesh import make_mesh
 from asyncpp_jax.train import step as step_lib
 
 
