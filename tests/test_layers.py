@@ -28,15 +28,16 @@ LAYERS = (
     ("runners", ("asyncpp_jax.pipeline", "asyncpp_jax.train.step")),
     ("runner choice", ("asyncpp_jax.train.runner",)),
     ("trainer", ("asyncpp_jax.train",)),
-    # the trainer's entry point, and the local launcher that starts it in N processes (it reads
-    # host_setup's CPU-list convention to give each process its own cores)
-    # (and the exporter of a run's checkpoint as a Hugging Face model, which reads checkpoints and
-    # both runners' layouts; and the paper preset's offline rehearsal, which runs the entry point)
-    # what reads a run back: its checkpoint as a Hugging Face model, and the config's printout
+    # what reads a run back: its checkpoint as a Hugging Face model (checkpoints and both runners'
+    # layouts), and the config's printout
     ("run readers", ("asyncpp_jax.export", "asyncpp_jax.config_help")),
     # a run's checkpoint as a model with its tokenizer, and what generates or scores with it
     ("trained model", ("asyncpp_jax.trained",)),
     ("model tools", ("asyncpp_jax.generate", "asyncpp_jax.lm_eval_adapter")),
+    # the trainer's entry point, the local launcher that starts it in N processes (it reads
+    # host_setup's CPU-list convention to give each process its own cores), the paper preset's
+    # offline rehearsal (it runs the entry point), and the evaluation command (its lm-eval adapter
+    # imported only when lm-eval is asked for)
     ("entry point", ("asyncpp_jax.main", "asyncpp_jax.launch", "asyncpp_jax.rehearse", "asyncpp_jax.evaluate")),
 )
 
