@@ -20,6 +20,8 @@ MUON_SCALINGS = ("moonlight", "keller")
 ADAN_DECAY_MODES = ("proximal", "decoupled")
 SCHEDULES = ("constant", "cosine", "linear", "wsd")
 DTYPES = ("float32", "bfloat16")
+ATTENTION_KERNELS = ("auto", "xla", "dot_product", "splash")  # models/layers.py: attend
+SPLASH_SEQ_MULTIPLE = 128  # splash attention's blocks are multiples of 128 tokens
 RUNNERS = ("auto", "simulate", "pipeline")
 PIPELINE_SCHEDULES = ("sync", "2bw", "1f1b", "interleaved", "zb-h1")
 PLACEMENTS = ("spmd", "mpmd")
@@ -248,6 +250,9 @@ def _model_defaults() -> ml_collections.ConfigDict:
             compute_dtype="float32",
             param_dtype="float32",
             remat=False,  # see also train.auto_remat
+            # attention kernel (models/layers.py: attend): auto = splash on TPU, cuDNN's fused kernel
+            # (dot_product) on a CUDA GPU, the einsum path (xla) elsewhere
+            attention="auto",
             # '' = random init; 'hf:DIR' = start from a local Hugging Face Llama checkpoint
             # (config.json + safetensors; models/hf_llama.py), checked against these fields
             init_from="",
@@ -295,6 +300,11 @@ def _check_model(c) -> list[str]:
     _number(errs, "model.z_loss", m.z_loss, ge=0)
     _flag(errs, "model.tie_embeddings", m.tie_embeddings)
     _flag(errs, "model.remat", m.remat)
+    if _choice(errs, "model.attention", m.attention, ATTENTION_KERNELS) and m.attention == "splash":
+        if _is_int(c.data.seq_len) and c.data.seq_len % SPLASH_SEQ_MULTIPLE:
+            errs.append(f"config.model.attention='splash' needs config.data.seq_len to be a multiple of "
+                        f"{SPLASH_SEQ_MULTIPLE} (its kernel's block), not {c.data.seq_len}; change the length, or "
+                        "set config.model.attention='auto' (which picks splash only where it fits).")
     if not (m.init_from == "" or (isinstance(m.init_from, str) and m.init_from.startswith("hf:") and m.init_from[3:])):
         errs.append(f"config.model.init_from={m.init_from!r} must be '' (random init) or 'hf:DIR', DIR a local "
                     "Hugging Face Llama directory (config.json and model.safetensors).")
