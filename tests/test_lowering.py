@@ -101,3 +101,70 @@ def test_mpmd_programs_lower_for_gpu_and_tpu(case):
         assert exported.platforms == TARGETS, name
         text = exported.mlir_module()
         assert "lapack" not in text.lower() and "ducc" not in text.lower(), name
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention kernel (config.model.attention) in the lowered step
+
+
+def _attention_config(attention: str, seq_len: int = 128, **kw):
+    c = _config(**kw)
+    c.model.attention = attention
+    c.data.seq_len = seq_len
+    configs.validate(c)
+    return c
+
+
+def _tpu_modules(c) -> dict:
+    """The MLIR text of ``c``'s train step and eval step exported for ``tpu`` (abstract shapes)."""
+    r = runner_lib.build(c, jax.devices())
+    state = r.abstract_state(jax.random.key(0))
+    rows = c.train.global_batch_size // c.train.microbatches
+    batch = jax.ShapeDtypeStruct((c.train.microbatches, rows, c.data.seq_len + 1), np.int32,
+                                 sharding=r.batch_sharding())
+    out = {"train": jax.export.export(r.train_step, platforms=("tpu",))(state, batch).mlir_module()}
+    if not r.mpmd:
+        eval_batch = jax.ShapeDtypeStruct((rows * r.eval_group(), c.data.seq_len + 1), np.int32,
+                                          sharding=step_lib.eval_sharding(r.mesh))
+        out["eval"] = jax.export.export(r.eval_step(), platforms=("tpu",))(state.params, eval_batch).mlir_module()
+    return out
+
+
+SPLASH_RUNNERS = {
+    "simulate": dict(),
+    "engine-sync": dict(stages=2, schedule="sync"),
+    "engine-2bw": dict(stages=2, schedule="2bw"),
+}
+
+
+@pytest.mark.needs_devices(4)
+@pytest.mark.parametrize("attention", ["splash", "auto"])
+@pytest.mark.parametrize("case", sorted(SPLASH_RUNNERS))
+def test_splash_kernel_is_in_the_step_exported_for_tpu(case, attention):
+    """``splash`` and ``auto`` put Pallas's splash kernel (a ``tpu_custom_call``) into the train
+    and eval steps of every runner lowered for ``tpu``; the einsum path puts none there."""
+    for what, text in _tpu_modules(_attention_config(attention, **SPLASH_RUNNERS[case])).items():
+        assert "tpu_custom_call" in text, (case, attention, what)
+
+
+@pytest.mark.needs_devices(4)
+@pytest.mark.parametrize("attention, seq_len", [("xla", 128), ("auto", 16)], ids=["xla", "auto-off-block"])
+def test_no_tpu_kernel_without_splash(attention, seq_len):
+    """The einsum path, and ``auto`` at a length splash's blocks do not divide (it then runs
+    ``dot_product``, XLA's attention on a TPU), lower without the kernel."""
+    for what, text in _tpu_modules(_attention_config(attention, seq_len)).items():
+        assert "tpu_custom_call" not in text, (attention, what)
+
+
+@pytest.mark.needs_devices(4)
+def test_splash_kernel_in_every_mpmd_stage_program():
+    """Under the mpmd placement each stage's programs that run its layers hold the kernel."""
+    from asyncpp_jax.pipeline import mpmd_memory
+
+    c = _attention_config("splash", stages=2, schedule="2bw", placement="mpmd")
+    r = runner_lib.build(c, jax.devices())
+    step = r.train_step
+    for s in range(step.n_stages):
+        texts = [jax.export.export(fn, platforms=("tpu",))(*args).mlir_module()
+                 for _, fn, args in mpmd_memory.stage_programs(step, s)]
+        assert any("tpu_custom_call" in t for t in texts), s

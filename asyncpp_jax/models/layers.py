@@ -18,6 +18,7 @@ import jax.extend.backend
 import jax.numpy as jnp
 import ml_collections
 from jax.experimental.pallas.ops.tpu import splash_attention
+from jax.sharding import PartitionSpec as P
 
 Array = jax.Array
 
@@ -177,11 +178,58 @@ def splash_attention_kernel(q: Array, k: Array, v: Array, interpret: bool = Fals
         block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block, block_kv_dkv=block,
         block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
     mask = splash_attention.MultiHeadMask([splash_attention.CausalMask((t, t)) for _ in range(n)])
-    kernel = splash_attention.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
-                                              interpret=interpret)
     heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731 - [B, T, H, d] <-> [B, H, T, d]
-    q = q * jnp.asarray(1.0 / math.sqrt(hd), q.dtype)
-    return heads_first(jax.vmap(kernel)(heads_first(q), heads_first(k), heads_first(v)))
+
+    def call(q, k, v):
+        # Built in the trace that calls it: the kernel holds its mask's block tables as arrays.
+        kernel = splash_attention.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                                                  interpret=interpret)
+        q = q * jnp.asarray(1.0 / math.sqrt(hd), q.dtype)
+        return heads_first(jax.vmap(kernel)(heads_first(q), heads_first(k), heads_first(v)))
+
+    if jax.sharding.get_abstract_mesh().manual_axes:
+        return _outside_vma_checks(call)(q, k, v)
+    return call(q, k, v)
+
+
+def _outside_vma_checks(fn):
+    """``fn(q, k, v) -> out`` for a body of a checked ``shard_map`` (every runner's), with the
+    same derivative.
+
+    A Pallas kernel's outputs do not say over which mesh axes they vary, which a ``shard_map``
+    with ``check_vma=True`` refuses.  So the kernel, and its vjp, run inside a nested
+    ``shard_map`` over no new axes with the checks off, and their results are marked as varying
+    over the axes ``q`` varies over.  The derivative is spelled out (``custom_vjp``): transposing
+    the nested ``shard_map`` would treat the results as the same on every device.  The backward
+    keeps only ``q, k, v`` and runs the kernel's forward again for its vjp (its residuals cannot
+    cross between the two traces): one more attention forward per layer, no T x T buffer.
+    """
+    def unchecked(f):
+        # Under check_vma=False an op's result has no varying axes in its type, as the kernel's
+        # outputs have none; ``x + 0`` gives every input that type too, so that the vjp traced
+        # inside agrees with itself.
+        def body(*args):
+            return f(*jax.tree.map(lambda x: x + jnp.zeros((), x.dtype), args))
+
+        return jax.shard_map(body, in_specs=P(), out_specs=P(), axis_names=set(), check_vma=False)
+
+    def varying_like(x, like):
+        axes = tuple(sorted(jax.typeof(like).manual_axis_type.varying - jax.typeof(x).manual_axis_type.varying))
+        return jax.lax.pcast(x, axes, to="varying") if axes else x
+
+    def forward(q, k, v):
+        return varying_like(unchecked(fn)(q, k, v), q), (q, k, v)
+
+    def backward(qkv, ct):
+        grads = unchecked(lambda q, k, v, ct: jax.vjp(fn, q, k, v)[1](ct))(*qkv, ct)
+        return tuple(varying_like(g, ct) for g in grads)
+
+    @jax.custom_vjp
+    def call(q, k, v):
+        return forward(q, k, v)[0]
+
+    call.defvjp(forward, backward)
+    return call
 
 
 class Attention(nn.Module):
