@@ -37,6 +37,11 @@ DEFAULT_CONFIG = REPO_ROOT / "configs" / "tiny.py"
 # about 15 GB of its 16.
 HARDWARE_GB = {"cpu": 8.0, "t4-16gb": 15.0, "tpu-v5e-16gb": 16.0, "a100-40gb": 40.0, "h100-80gb": 80.0,
                "tpu-v5p-95gb": 95.0, "h200-141gb": 141.0}
+# ``config.hardware``'s platform (as jax names it) and whether cuDNN's flash attention runs there
+# (Ampere or newer; a T4 is Turing): what attention='auto' becomes on it (models/layers.py).
+HARDWARE_PLATFORM = {"cpu": ("cpu", False), "t4-16gb": ("cuda", False), "tpu-v5e-16gb": ("tpu", False),
+                     "a100-40gb": ("cuda", True), "h100-80gb": ("cuda", True), "tpu-v5p-95gb": ("tpu", False),
+                     "h200-141gb": ("cuda", True)}
 # Largest mesh accepted at all (more devices than any TPU pod or GPU cluster this code targets), and
 # the largest made of fake XLA:CPU devices on a host without an accelerator.
 MAX_MESH_DEVICES = 65536

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from asyncpp_jax import configs
 from asyncpp_jax.configs import base_config
 from asyncpp_jax.models import dense, layers
 
@@ -121,3 +122,39 @@ def test_splash_refuses_a_length_off_its_block():
 def test_auto_names_the_kernel_of_each_platform(platform, kernel):
     assert layers.auto_kernel(platform, 2048) == kernel
     assert layers.auto_kernel(platform, 100) == ("dot_product" if platform == "tpu" else kernel)
+
+
+@pytest.mark.parametrize("hardware, dtype, stand_in", [
+    ("tpu-v5p-95gb", "float32", "splash"), ("h100-80gb", "bfloat16", "splash"), ("h100-80gb", "float32", "xla"),
+    ("t4-16gb", "bfloat16", "xla"), ("cpu", "bfloat16", "xla")])
+def test_the_dry_run_compiles_a_blockwise_stand_in_where_the_target_fuses(hardware, dtype, stand_in):
+    """auto on a TPU is splash; on an H100 in bf16 it is cuDNN's flash kernel (fp32 and a T4's
+    Turing are XLA's attention); on CPU the einsum path."""
+    from asyncpp_jax.train import dry_run
+
+    c = configs.load_file("configs/tiny.py")
+    c.hardware, c.model.compute_dtype, c.data.seq_len = hardware, dtype, 512
+    assert dry_run.attention_stand_in(c) == stand_in
+    c.data.seq_len = 500  # splash's blocks do not divide it: the einsum path, an over-estimate
+    assert dry_run.attention_stand_in(c) == "xla"
+
+
+@pytest.mark.slow
+def test_the_dry_run_of_a_fused_target_holds_no_score_buffer():
+    """The same step's dry run for an H100 (bf16: cuDNN's flash kernel) against the einsum path:
+    the fused estimate is smaller by more than one layer's [B, K, G, T, T] fp32 scores."""
+    from asyncpp_jax.train import dry_run
+
+    c = configs.load_file("configs/tiny.py")
+    c.model.update(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64, compute_dtype="bfloat16")
+    c.data.seq_len = 256
+    c.train.update(global_batch_size=4, microbatches=1)
+    c.hardware = "h100-80gb"
+    peaks = {}
+    for attention in ("auto", "xla"):
+        c.model.attention = attention
+        report = dry_run.dry_run(configs.resolve(c), jax.devices()[:1])
+        assert report["attention_memory_stand_in"] == ("splash" if attention == "auto" else "xla")
+        peaks[attention] = report["train_peak_bytes_per_device"]
+    scores = 4 * c.model.n_heads * c.data.seq_len ** 2 * 4
+    assert peaks["xla"] - peaks["auto"] > scores, peaks

@@ -129,6 +129,28 @@ def auto_kernel(platform: str, seq_len: int) -> str:
     return "dot_product" if platform == "cuda" else "xla"
 
 
+def is_fused(kernel: str, platform: str, seq_len: int, compute_dtype: str, head_dim: int,
+             cuda_flash: bool = True) -> bool:
+    """Whether ``kernel`` on ``platform`` runs blockwise, holding no [T, T] scores: splash (on a
+    TPU, or interpreted), or ``dot_product`` where it becomes cuDNN's flash kernel (a CUDA GPU with
+    flash attention, ``cuda_flash``, and the shapes of :func:`cudnn_fits`)."""
+    kernel = auto_kernel(platform, seq_len) if kernel == "auto" else kernel
+    if kernel == "splash":
+        return True
+    return (kernel == "dot_product" and platform == "cuda" and cuda_flash
+            and compute_dtype in ("bfloat16", "float16") and head_dim % 8 == 0 and head_dim <= 128)
+
+
+def memory_stand_in(kernel: str, platform: str, seq_len: int, compute_dtype: str, head_dim: int,
+                    cuda_flash: bool = True) -> str:
+    """The kernel whose XLA:CPU compile has the memory of ``kernel``'s on ``platform``: interpreted
+    splash for a fused kernel (blockwise, with the residuals of a flash kernel: q, k, v, the output
+    and its row statistics), the einsum path otherwise.  At a length splash's blocks do not divide
+    it is the einsum path, an over-estimate of a fused kernel's memory."""
+    fused = is_fused(kernel, platform, seq_len, compute_dtype, head_dim, cuda_flash)
+    return "splash" if fused and seq_len % SPLASH_BLOCK_MULTIPLE == 0 else "xla"
+
+
 def xla_attention(q: Array, k: Array, v: Array, positions: Array) -> Array:
     """:func:`attend` as two einsums: fp32 logits [B, K, G, T, T], masked where the key's position
     is after the query's, an fp32 softmax, then probabilities (in the compute dtype) times V."""
@@ -146,11 +168,13 @@ def xla_attention(q: Array, k: Array, v: Array, positions: Array) -> Array:
 
 def cudnn_fits(q: Array) -> bool:
     """Whether cuDNN's flash attention takes ``q`` here: a CUDA backend (the kernel cannot even be
-    traced without cuDNN), a 16-bit dtype, and a head dimension that is a multiple of 8 and at most
-    128 (the limit before Hopper; jax's ``check_is_flash_attention``)."""
+    traced without cuDNN) of compute capability 8.0 or more, a 16-bit dtype, and a head dimension
+    that is a multiple of 8 and at most 128 (the limit before Hopper; jax's
+    ``check_is_flash_attention``)."""
     if jax.default_backend() != "gpu" or "cuda" not in jax.extend.backend.get_backend().platform_version.lower():
         return False
-    return q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 128
+    ampere = float(getattr(jax.devices()[0], "compute_capability", "0")) >= 8.0  # flash needs sm80+
+    return ampere and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 128
 
 
 def dot_product_attention(q: Array, k: Array, v: Array) -> Array:
