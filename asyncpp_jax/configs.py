@@ -42,6 +42,12 @@ HARDWARE_GB = {"cpu": 8.0, "t4-16gb": 15.0, "tpu-v5e-16gb": 16.0, "a100-40gb": 4
 HARDWARE_PLATFORM = {"cpu": ("cpu", False), "t4-16gb": ("cuda", False), "tpu-v5e-16gb": ("tpu", False),
                      "a100-40gb": ("cuda", True), "h100-80gb": ("cuda", True), "tpu-v5p-95gb": ("tpu", False),
                      "h200-141gb": ("cuda", True)}
+# Dense matmul peak TFLOP/s of one device, (bf16, fp32), by a piece of jax's ``device_kind``: the
+# vendors' datasheet figures without sparsity (H100/H200 SXM; a TPU multiplies fp32 in bf16 passes,
+# so its bf16 peak is the yardstick for both).  MFU (experiments/bench_mfu.py) is measured against it.
+PEAK_TFLOPS = {"H100": (989.0, 67.0), "H200": (989.0, 67.0), "A100": (312.0, 19.5), "T4": (65.0, 8.1),
+               "TPU v5p": (459.0, 459.0), "TPU v5 lite": (197.0, 197.0), "TPU v5e": (197.0, 197.0),
+               "TPU v4": (275.0, 275.0), "TPU v6": (918.0, 918.0)}
 # Largest mesh accepted at all (more devices than any TPU pod or GPU cluster this code targets), and
 # the largest made of fake XLA:CPU devices on a host without an accelerator.
 MAX_MESH_DEVICES = 65536

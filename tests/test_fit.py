@@ -7,7 +7,7 @@ import pytest
 
 from asyncpp_jax import configs
 from asyncpp_jax.train import dry_run, fit
-from asyncpp_jax.train.trainer import Trainer, _fit
+from asyncpp_jax.train.trainer import Trainer, fitted_config
 from configs.tiny import get_config as tiny
 
 GB = fit.GB
@@ -145,4 +145,4 @@ def test_the_default_cpu_run_compiles_nothing_extra(monkeypatch):
         raise AssertionError("compiled a candidate without a memory budget")
 
     monkeypatch.setattr(dry_run, "_measure", refuse)
-    assert _fit(tiny(), jax.devices()).train.microbatches == 1
+    assert fitted_config(tiny(), jax.devices()).train.microbatches == 1
