@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import statistics
 import time
 
@@ -65,12 +66,17 @@ def peak_tflops(device, compute_dtype: str) -> tuple[float, str]:
     for kind, (bf16, fp32) in configs.PEAK_TFLOPS.items():
         if kind.lower() in device.device_kind.lower():
             return (bf16 if compute_dtype == "bfloat16" else fp32), f"configs.PEAK_TFLOPS[{kind!r}]"
-    n = 2048
+    return _measured_matmul_tflops(device.device_kind)
+
+
+@functools.cache
+def _measured_matmul_tflops(device_kind: str) -> tuple[float, str]:
+    n = 1024
     a = jnp.ones((n, n), jnp.float32)
     f = jax.jit(lambda x: x @ x)
     f(a).block_until_ready()
     t = _median_seconds(lambda: f(a).block_until_ready(), 5)
-    return 2 * n ** 3 / t / 1e12, f"measured: a {n}x{n} fp32 matmul on {device.device_kind} (no datasheet peak)"
+    return 2 * n ** 3 / t / 1e12, f"measured: a {n}x{n} fp32 matmul on {device_kind} (no datasheet peak)"
 
 
 def _median_seconds(fn, repeats: int) -> float:

@@ -137,9 +137,15 @@ SPLASH_RUNNERS = {
 }
 
 
+# Two of the six in the default suite (each exports a train and an eval step); the rest under -m slow.
+SPLASH_DEFAULT = {("simulate", "auto"), ("engine-2bw", "splash")}
+
+
 @pytest.mark.needs_devices(4)
-@pytest.mark.parametrize("attention", ["splash", "auto"])
-@pytest.mark.parametrize("case", sorted(SPLASH_RUNNERS))
+@pytest.mark.parametrize("case, attention", [
+    pytest.param(case, attention, id=f"{case}-{attention}",
+                 marks=() if (case, attention) in SPLASH_DEFAULT else (pytest.mark.slow,))
+    for case in sorted(SPLASH_RUNNERS) for attention in ("splash", "auto")])
 def test_splash_kernel_is_in_the_step_exported_for_tpu(case, attention):
     """``splash`` and ``auto`` put Pallas's splash kernel (a ``tpu_custom_call``) into the train
     and eval steps of every runner lowered for ``tpu``; the einsum path puts none there."""
@@ -148,7 +154,8 @@ def test_splash_kernel_is_in_the_step_exported_for_tpu(case, attention):
 
 
 @pytest.mark.needs_devices(4)
-@pytest.mark.parametrize("attention, seq_len", [("xla", 128), ("auto", 16)], ids=["xla", "auto-off-block"])
+@pytest.mark.parametrize("attention, seq_len", [("xla", 128), pytest.param("auto", 16, marks=pytest.mark.slow)],
+                         ids=["xla", "auto-off-block"])
 def test_no_tpu_kernel_without_splash(attention, seq_len):
     """The einsum path, and ``auto`` at a length splash's blocks do not divide (it then runs
     ``dot_product``, XLA's attention on a TPU), lower without the kernel."""
