@@ -9,6 +9,8 @@ fake-device mesh lowers as a real mesh would.  Lowering only: nothing is compile
 
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -175,3 +177,42 @@ def test_splash_kernel_in_every_mpmd_stage_program():
         texts = [jax.export.export(fn, platforms=("tpu",))(*args).mlir_module()
                  for _, fn, args in mpmd_memory.stage_programs(step, s)]
         assert any("tpu_custom_call" in t for t in texts), s
+
+
+def _without_locations(text: str) -> str:
+    return "\n".join(re.sub(r"\s*loc\([^()]*(\([^()]*\)[^()]*)*\)", "", line) for line in text.splitlines()
+                     if not line.startswith("#loc"))
+
+
+def test_tpu_splash_kernel_is_the_causal_one_on_q_k_v():
+    """The tpu module of ``attend(..., 'splash')`` is, op for op, that of Pallas's splash kernel
+    built here from the library's ``CausalMask`` on ``(q / sqrt(d), k, v)``: a mask dropped or K
+    and V swapped change the module (checked by mutation)."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    from asyncpp_jax.models import layers
+
+    b, t, n, kv, d = 2, 128, 4, 2, 16
+    q = jax.ShapeDtypeStruct((b, t, n, d), np.float32)
+    k = jax.ShapeDtypeStruct((b, t, kv, d), np.float32)
+
+    def reference(q, k, v, interpret=False):
+        kernel = sa.make_splash_mha(sa.MultiHeadMask([sa.CausalMask((t, t))] * n),
+                                    block_sizes=sa.BlockSizes(*(128,) * 8), head_shards=1, q_seq_shards=1,
+                                    interpret=interpret)
+        heads_first = lambda x: x.swapaxes(1, 2)  # noqa: E731
+        q = q * np.float32(1 / np.sqrt(d))
+        return heads_first(jax.vmap(kernel)(heads_first(q), heads_first(k), heads_first(v)))
+
+    def reference_on_any_platform(q, k, v):  # as attend lays it out: the TPU's kernel, else interpreted
+        return jax.lax.platform_dependent(q, k, v, tpu=reference, default=lambda *a: reference(*a, interpret=True))
+
+    def export(fn):
+        fn.__name__ = "attention"
+        return _without_locations(jax.export.export(jax.jit(fn), platforms=("tpu",))(q, k, k).mlir_module())
+
+    def ours(q, k, v):
+        return layers.attend(q, k, v, None, "splash")
+
+    ours = export(ours)
+    assert "tpu_custom_call" in ours and ours == export(reference_on_any_platform)
