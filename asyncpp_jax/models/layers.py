@@ -144,8 +144,8 @@ def is_fused(kernel: str, platform: str, seq_len: int, compute_dtype: str, head_
 def memory_stand_in(kernel: str, platform: str, seq_len: int, compute_dtype: str, head_dim: int,
                     cuda_flash: bool = True) -> str:
     """The kernel whose XLA:CPU compile has the memory of ``kernel``'s on ``platform``: interpreted
-    splash for a fused kernel (blockwise, with the residuals of a flash kernel: q, k, v, the output
-    and its row statistics), the einsum path otherwise.  At a length splash's blocks do not divide
+    splash for a fused kernel (blockwise: block-sized temporaries, and for the backward at most q,
+    k, v, the output and its row statistics), the einsum path otherwise.  At a length splash's blocks do not divide
     it is the einsum path, an over-estimate of a fused kernel's memory."""
     fused = is_fused(kernel, platform, seq_len, compute_dtype, head_dim, cuda_flash)
     return "splash" if fused and seq_len % SPLASH_BLOCK_MULTIPLE == 0 else "xla"
