@@ -21,6 +21,7 @@ In order, each part timed, a failing part recorded and the next one run:
 5. ``lowering``: on a GPU, whether the step's attention holds cuDNN's fused kernel (its custom
    call in the compiled program); on a TPU, splash's ``tpu_custom_call``.
 
+No part starts once the check has run ``BUDGET_S`` (7 minutes); it is recorded as skipped.
 One ``device_check`` record (``--out``, default ``experiments/results/bench/device_check.jsonl``)
 holds every part; ``python -m experiments.render_docs`` turns the accelerator records into the
 tables of docs/accelerators.md.  ``--tiny`` shrinks every part (a 2-layer model, one test file,
@@ -50,6 +51,7 @@ TINY_TESTS = ("tests/test_layers.py",)
 NOTEBOOK_UPDATES = 50
 TESTS_TIMEOUT_S = 180
 ENGINE_UPDATES = 3
+BUDGET_S = 420  # no part starts after 7 minutes, so that the check ends within about 8
 TINY_MODEL = dict(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64)
 
 
@@ -127,39 +129,45 @@ def _engine_config(schedule: str, stages: int, runner: str, staleness: str):
 def run_engine(devices) -> list[dict] | dict:
     """Each schedule on all of ``devices`` against the simulate runner on the first one.  The
     engine needs two stages, so one device (one GPU) skips it, saying so."""
+    import jax
+
     if len(devices) < 2:
         return {"skipped": f"the pipeline engine needs 2 or more devices; {len(devices)} present"}
+    with jax.default_matmul_precision("highest"):  # fp32 parity: no TF32 or bf16 passes
+        return [_engine_against_simulate(devices, schedule, staleness)
+                for schedule, staleness in (("sync", "sync"), ("2bw", "2bw"))]
+
+
+def _engine_against_simulate(devices, schedule: str, staleness: str) -> dict:
+    """``ENGINE_UPDATES`` updates of the engine on ``devices`` and of the simulate runner (with the
+    delay ``staleness``) on the first, from the same init and batches; the engine's step time."""
     import jax
     import numpy as np
 
     from asyncpp_jax.pipeline import engine
     from asyncpp_jax.train import runner as runner_lib
 
-    stages, out = len(devices), []
-    for schedule, staleness in (("sync", "sync"), ("2bw", "2bw")):
-        params, seconds = {}, []
-        for runner_name in ("pipeline", "simulate"):
-            c = _engine_config(schedule, stages, runner_name, staleness)
-            r = runner_lib.build(c, devices if runner_name == "pipeline" else devices[:1])
-            state = r.init_state(jax.random.key(c.seed))
-            rng = np.random.default_rng(0)
-            M, B, T = c.train.microbatches, c.train.global_batch_size, c.data.seq_len
-            for _ in range(ENGINE_UPDATES):
-                batch = jax.device_put(rng.integers(0, 257, (M, B // M, T + 1), dtype=np.int32), r.batch_sharding())
-                t0 = time.perf_counter()
-                state, metrics = r.train_step(state, batch)
-                jax.block_until_ready(state)
-                if runner_name == "pipeline":
-                    seconds.append(time.perf_counter() - t0)
-            params[runner_name] = (engine.to_model_layout(c.model, state.params) if runner_name == "pipeline"
-                                   else state.params)
+    stages, params, seconds, loss = len(devices), {}, [], None
+    for runner_name in ("pipeline", "simulate"):
+        c = _engine_config(schedule, stages, runner_name, staleness)
+        r = runner_lib.build(c, devices if runner_name == "pipeline" else devices[:1])
+        state = r.init_state(jax.random.key(c.seed))
+        rng = np.random.default_rng(0)
+        M, B, T = c.train.microbatches, c.train.global_batch_size, c.data.seq_len
+        for _ in range(ENGINE_UPDATES):
+            batch = jax.device_put(rng.integers(0, c.model.vocab_size, (M, B // M, T + 1), dtype=np.int32),
+                                   r.batch_sharding())
+            t0 = time.perf_counter()
+            state, metrics = r.train_step(state, batch)
+            jax.block_until_ready(state)
             if runner_name == "pipeline":
+                seconds.append(time.perf_counter() - t0)
                 loss = float(metrics["loss"])
-        diff = _max_param_difference(params["pipeline"], params["simulate"])
-        out.append({"schedule": schedule, "stages": stages, "updates": ENGINE_UPDATES, "loss": loss,
-                    "step_s_after_compile": min(seconds[1:]) if len(seconds) > 1 else seconds[0],
-                    "max_abs_param_difference_vs_simulate": diff})
-    return out
+        params[runner_name] = (engine.to_model_layout(c.model, state.params) if runner_name == "pipeline"
+                               else state.params)
+    return {"schedule": schedule, "stages": stages, "updates": ENGINE_UPDATES, "loss": loss,
+            "step_s_after_compile": min(seconds[1:]),
+            "max_abs_param_difference_vs_simulate": _max_param_difference(params["pipeline"], params["simulate"])}
 
 
 def _max_param_difference(a, b) -> float:
@@ -177,7 +185,7 @@ def run_notebook(tiny: bool, workdir: pathlib.Path) -> dict:
     from asyncpp_jax.train.trainer import Trainer
     from experiments import bench_mfu
 
-    backend = "gpu" if jax.default_backend() == "gpu" else jax.default_backend()
+    backend = jax.default_backend()  # the notebook's own key: gpu, tpu or cpu
     path, overrides, _ = _notebook_preset(backend)
     settings = [o.removeprefix("--config.") for o in overrides]
     updates = 2 if tiny else NOTEBOOK_UPDATES
@@ -245,7 +253,6 @@ def check(tiny: bool, out: pathlib.Path, parts=("tests", "bench_mfu", "engine", 
 
     # The fit and the benchmark compile the same step: the second compile is a cache hit.
     jax.config.update("jax_compilation_cache_dir", str(pathlib.Path(tempfile.gettempdir()) / "asyncpp_jax_xla_cache"))
-    jax.config.update("jax_default_matmul_precision", "highest")
     devices = jax.devices()
     figures: dict = {"tiny": tiny, "platform": bench_mfu.platform(), "device_kind": devices[0].device_kind,
                      "devices": len(devices)}
@@ -256,6 +263,9 @@ def check(tiny: bool, out: pathlib.Path, parts=("tests", "bench_mfu", "engine", 
                  "notebook": lambda: run_notebook(tiny, pathlib.Path(tmp) / "notebook"),
                  "lowering": lambda: run_lowering(figures["platform"])}
         for name in parts:
+            if time.perf_counter() - t0 > BUDGET_S:
+                figures[name] = {"skipped": f"the check had run {BUDGET_S} s, its budget before this part"}
+                continue
             _part(figures, name, steps[name])
     figures["total_s"] = time.perf_counter() - t0
     record = records.make("device_check", figures)
