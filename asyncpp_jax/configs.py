@@ -15,6 +15,8 @@ import re
 
 import ml_collections
 
+from asyncpp_jax.pipeline import programs  # plain Python: the schedules and their validator
+
 OPTIMIZERS = ("adamw", "muon", "soap", "adan", "lion", "mars")
 MUON_SCALINGS = ("moonlight", "keller")
 ADAN_DECAY_MODES = ("proximal", "decoupled")
@@ -23,7 +25,6 @@ DTYPES = ("float32", "bfloat16")
 ATTENTION_KERNELS = ("auto", "xla", "dot_product", "splash")  # models/layers.py: attend
 SPLASH_SEQ_MULTIPLE = 128  # splash attention's blocks are multiples of 128 tokens
 RUNNERS = ("auto", "simulate", "pipeline")
-PIPELINE_SCHEDULES = ("sync", "2bw", "1f1b", "interleaved", "zb-h1")
 PLACEMENTS = ("spmd", "mpmd")
 MPMD_SCHEDULES = ("sync", "1f1b", "2bw")  # what config.pipeline.placement='mpmd' runs (asyncpp_jax.pipeline.mpmd)
 PIPEDREAM_GRADIENTS = ("mixed", "per_leaf")
@@ -101,10 +102,24 @@ def resolve(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     return c
 
 
+def pipeline_schedules() -> tuple:
+    """The schedules the engine runs: every program generator (``programs.register`` adds one)."""
+    return tuple(name for name in programs.GENERATORS if name != "forward")
+
+
+def engine_delay(c) -> str | None:
+    """The delay the engine's schedule makes physical: ``'2bw'``, ``'pipedream'``, or None (a
+    flushed schedule, or no engine)."""
+    p = c.pipeline
+    if not (_is_int(p.stages) and p.stages > 1 and uses_pipeline(c)):
+        return None
+    return p.schedule if p.schedule in ("2bw", "pipedream") else None
+
+
 def microbatch_rule(c) -> tuple[int, int]:
-    """``(smallest, step)``: the microbatch counts the engine's schedule runs are ``smallest,
-    smallest + step, ...`` (``2bw``: at least ``2(P - 1)``; ``interleaved``: multiples of ``P``;
-    otherwise any)."""
+    """``(smallest, step)``: the microbatch counts ``train.microbatches=-1`` picks from, ``smallest,
+    smallest + step, ...`` (``2bw``: from ``2(P - 1)``, where its steps have no ramp; ``interleaved``:
+    multiples of ``P``; otherwise any)."""
     pipe = c.pipeline
     if not (uses_pipeline(c) and isinstance(pipe.stages, int) and pipe.stages > 1):
         return 1, 1
@@ -120,11 +135,15 @@ def uses_pipeline(c: ml_collections.ConfigDict) -> bool:
 
 
 def effective_staleness(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """``config.staleness`` as the optimizer chain should see it: under the engine's ``2bw``
-    schedule the one-step delay is physical, so the mode is ``2bw`` whatever the field says."""
+    """``config.staleness`` as the optimizer chain should see it: under the engine's ``2bw`` or
+    ``pipedream`` schedule the delay is physical, so the mode is the schedule's whatever the field
+    says (``pipedream``: ``per_leaf`` over the engine's stages, what the engine computes)."""
     st = ml_collections.ConfigDict(c.staleness.to_dict())
-    if uses_pipeline(c) and c.pipeline.schedule == "2bw":
+    mode = engine_delay(c)
+    if mode == "2bw":
         st.mode = "2bw"
+    elif mode == "pipedream":  # stage s's gradient P-1-s updates late, taken at one point per batch
+        st.update(mode="pipedream", pipedream_stages=c.pipeline.stages, pipedream_gradient="per_leaf")
     return st
 
 
@@ -589,16 +608,16 @@ def _check_staleness(c) -> list[str]:
     _choice(errs, "staleness.mode", st.mode, STALENESS_MODES)
     _choice(errs, "staleness.mitigation", st.mitigation, MITIGATIONS)
     _choice(errs, "staleness.pipedream_gradient", st.pipedream_gradient, PIPEDREAM_GRADIENTS)
-    if st.mode == "sync" and not _engine_2bw(c) and st.mitigation != "none":
+    if st.mode == "sync" and not engine_delay(c) and st.mitigation != "none":
         errs.append(f"config.staleness.mitigation={st.mitigation!r} needs a delay; set config.staleness.mode=2bw "
-                    "or pipedream, or config.pipeline.schedule=2bw.")
+                    "or pipedream, or config.pipeline.schedule=2bw or pipedream.")
     if st.mode == "pipedream":
         if not (_is_int(st.pipedream_stages) and st.pipedream_stages >= 2):
             errs.append(f"config.staleness.pipedream_stages={st.pipedream_stages!r} must be an integer >= 2 for pipedream.")
         elif _is_int(c.model.n_layers) and c.model.n_layers % st.pipedream_stages:
             errs.append(f"config.model.n_layers={c.model.n_layers} is not divisible by config.staleness.pipedream_stages="
                         f"{st.pipedream_stages}; each stage holds an equal, contiguous slice of layers.")
-    errs += staleness_correction_errors(c, _engine_2bw(c))
+    errs += staleness_correction_errors(c, engine_delay(c))
     counts_ok = True
     for f in ("sync_start_steps", "sync_cooldown_steps"):
         if not (_is_int(st[f]) and st[f] >= 0):
@@ -620,11 +639,13 @@ def _check_staleness(c) -> list[str]:
 NESTEROV_OPTIMIZERS = ("adamw", "muon")
 
 
-def staleness_correction_errors(c: ml_collections.ConfigDict, engine_2bw: bool) -> list[str]:
-    """Problems with ``config.staleness``'s Nesterov look-ahead, weight prediction and PipeMare lr."""
+def staleness_correction_errors(c: ml_collections.ConfigDict, engine_mode: str | None) -> list[str]:
+    """Problems with ``config.staleness``'s Nesterov look-ahead, weight prediction and PipeMare lr
+    (``engine_mode``: :func:`engine_delay`, the engine's physical delay, which takes precedence)."""
     st, errs = c.staleness, []
-    mode = "2bw" if engine_2bw else st.mode
-    max_delay = {"2bw": 1, "pipedream": st.pipedream_stages - 1 if isinstance(st.pipedream_stages, int) else 0}.get(mode, 0)
+    mode = engine_mode or st.mode
+    stages = c.pipeline.stages if engine_mode == "pipedream" else st.pipedream_stages
+    max_delay = {"2bw": 1, "pipedream": stages - 1 if isinstance(stages, int) else 0}.get(mode, 0)
     used = [f for f in ("nesterov", "weight_prediction") if st[f]] + (
         ["lr_rescheduling_steps"] if st.lr_rescheduling_steps else [])
     for f in used:
@@ -827,9 +848,22 @@ def stage_layers_errors(c) -> list[str]:
     return errs
 
 
-def _engine_2bw(c) -> bool:
-    p = c.pipeline
-    return _is_int(p.stages) and p.stages > 1 and uses_pipeline(c) and p.schedule == "2bw"
+def _program_errors(c) -> list[str]:
+    """The schedule's program at these settings must pass the program validator
+    (``programs.validate``), the one check of what a schedule needs (``2bw``: every backward within
+    one batch of its forward, from ``microbatches >= stages - 1``); the engine relies on it."""
+    pipe, t = c.pipeline, c.train
+    if not (_is_int(t.microbatches) and t.microbatches > 0):
+        return []
+    v = pipe.virtual_stages if pipe.schedule == "interleaved" else None
+    try:
+        programs.validate(programs.generate(pipe.schedule, pipe.stages, t.microbatches, v))
+    except programs.ProgramError as err:
+        least = programs.min_microbatches(pipe.schedule, pipe.stages, v)
+        fix = f"; it runs from config.train.microbatches={least}" if least else ""
+        return [f"config.train.microbatches={t.microbatches} is too few for config.pipeline.schedule={pipe.schedule} "
+                f"with config.pipeline.stages={pipe.stages}: its program breaks a rule ({err}){fix}."]
+    return []
 
 
 def _check_pipeline(c) -> list[str]:
@@ -839,7 +873,7 @@ def _check_pipeline(c) -> list[str]:
     if not isinstance(pipe.recompute, bool):
         errs.append(f"config.pipeline.recompute={pipe.recompute!r} must be True (recompute each stage's forward "
                     "in its backward) or False (keep the forward's residuals).")
-    if not _choice(errs, "pipeline.schedule", pipe.schedule, PIPELINE_SCHEDULES) or errs:
+    if not _choice(errs, "pipeline.schedule", pipe.schedule, pipeline_schedules()) or errs:
         return errs
     if c.runner == "pipeline" and pipe.stages == 1:
         errs.append("config.runner='pipeline' needs config.pipeline.stages > 1.")
@@ -863,16 +897,8 @@ def _check_pipeline(c) -> list[str]:
         errs.append(f"config.staleness.mode={st.mode!r} cannot run on the pipeline engine with "
                     f"config.pipeline.schedule={pipe.schedule!r}: the engine's delay is physical. Use "
                     "config.pipeline.schedule=2bw for a one-step delay, or config.pipeline.stages=1 to simulate it.")
-    if _engine_2bw(c) and is_mpmd(c):
-        if _is_int(t.microbatches) and t.microbatches < pipe.stages - 1:
-            errs.append(f"config.train.microbatches={t.microbatches} is too few for config.pipeline.schedule=2bw "
-                        f"with config.pipeline.stages={pipe.stages} under placement='mpmd': the 2bw program keeps "
-                        f"every backward within one batch of its forward from microbatches >= stages - 1 = "
-                        f"{pipe.stages - 1}.")
-    elif _engine_2bw(c) and _is_int(t.microbatches) and t.microbatches < 2 * (pipe.stages - 1):
-        errs.append(f"config.train.microbatches={t.microbatches} is too few for config.pipeline.schedule=2bw "
-                    f"with config.pipeline.stages={pipe.stages}: a one-step delay needs microbatches >= "
-                    f"2*(stages-1) = {2 * (pipe.stages - 1)}.")
+    if not errs:
+        errs += _program_errors(c)
     return errs
 
 

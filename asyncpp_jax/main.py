@@ -190,7 +190,7 @@ def main(argv):
         if trainer is None:
             saved = "interrupted before training started"
         else:
-            last = trainer._last_sealed()
+            last = trainer.last_sealed()
             saved = (f"the last sealed checkpoint is step {last}" if last is not None else "no checkpoint was sealed")
         print(f"\ninterrupted: stopped at once; {saved} (anything newer is unsealed and will be set aside on "
               "resume); run the same command again to resume.", file=sys.stderr, flush=True)
@@ -205,7 +205,7 @@ def main(argv):
         if trainer.compile_abandoned:
             print("preempted during the first step's compilation: nothing new to save; run the same command "
                   "again to resume.", flush=True)
-            trainer._lock.release()
+            trainer.release_workdir()
             os._exit(0)  # the abandoned compile runs on a worker thread: do not wait for it
         print("preempted: a checkpoint was saved; run the same command again to resume.")
         return

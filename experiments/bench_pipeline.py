@@ -148,7 +148,8 @@ def _record(args, kind: str, figures: dict) -> None:
 
 
 VIRTUAL_STAGES = 2  # the interleaved schedule's chunks per device, in every mode
-SCHEDULES = (("1f1b", None), ("interleaved", VIRTUAL_STAGES), ("zb-h1", None), ("2bw", None))
+SCHEDULES = (("sync", None), ("1f1b", None), ("interleaved", VIRTUAL_STAGES), ("zb-h1", None), ("2bw", None),
+             ("pipedream", None))
 
 
 def schedule_rows(costs_of, p2p: float) -> list:
@@ -160,24 +161,21 @@ def schedule_rows(costs_of, p2p: float) -> list:
             for P in (4, 8) for M in (P, 2 * P, 4 * P) for name, v in SCHEDULES]
     for r, (name, v) in zip(rows, SCHEDULES * 6):
         program = programs.generate(name, r["P"], r["M"], v)
-        if not program.delay:  # the engine's slot placement (slot_plan), the last stage's F taking no slot
-            r["slots_paired"], r["slots_unpaired"] = (slot_plan.path(program, x, costs_of(r["P"])) for x in (True, False))
+        # the engine's slot placement (slot_plan; a flushless program's steady window), the last stage's F taking no slot
+        r["slots_paired"], r["slots_unpaired"] = (slot_plan.path(program, x, costs_of(r["P"])) for x in (True, False))
     return rows
 
 
 def formula_rows() -> list:
-    """Per P: each schedule's smallest M, and the tick tables' formulas beside their programs' figures."""
+    """Per P: each schedule's smallest M (from its program's validity) and the stash depths of the
+    eager ``sync`` order and of ``2bw`` at ``2P`` microbatches."""
     from asyncpp_jax.pipeline import programs
 
     out = []
     for P in (4, 8):
-        tick_sync = programs.generate("sync-ticks", P, 2 * P)
         out.append({"P": P, **{f"min_M {name}": programs.min_microbatches(name, P, v) for name, v in SCHEDULES},
-                    "min_M 2bw-ticks": programs.min_microbatches("2bw-ticks", P),
-                    "formula min_microbatches_2bw": tick_tables.min_microbatches_2bw(P),
-                    "formula stash_slots": tick_tables.stash_slots(P),
-                    "stash sync-ticks": programs.stash_depth(tick_sync),
-                    "stash 2bw-ticks": programs.stash_depth(programs.generate("2bw-ticks", P, 2 * P))})
+                    "stash sync": programs.stash_depth(programs.generate("sync", P, 2 * P)),
+                    "stash 2bw": programs.stash_depth(programs.generate("2bw", P, 2 * P))})
     return out
 
 
@@ -209,9 +207,7 @@ def schedules(args) -> None:
 
 
 ARGS = _args() if __name__ == "__main__" else None
-if ARGS is not None and ARGS.mode == "schedules" and not ARGS.measure:
-    from asyncpp_jax.pipeline import tick_tables  # noqa: E402  (no fake devices, no JAX program)
-
+if ARGS is not None and ARGS.mode == "schedules" and not ARGS.measure:  # no fake devices, no JAX program
     sys.exit(schedules(ARGS))
 if ARGS is not None and ARGS.mode == "processes" and not ARGS.worker:
     from asyncpp_jax import launch  # no JAX import: this parent process only starts the job
@@ -230,7 +226,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 
 from asyncpp_jax.configs import base_config  # noqa: E402
 from asyncpp_jax.models import dense  # noqa: E402
-from asyncpp_jax.pipeline import engine, make_mesh, mpmd, slot_plan, tick_tables, stage  # noqa: E402
+from asyncpp_jax.pipeline import engine, make_mesh, mpmd, slot_plan, stage  # noqa: E402
 from asyncpp_jax import train_state as state_lib  # noqa: E402
 from asyncpp_jax.train import profile  # noqa: E402
 from asyncpp_jax.train import step as step_lib  # noqa: E402
@@ -478,20 +474,28 @@ def print_balanced_split(args, P: int, c: dict, recompute: bool) -> None:
           f"for {','.join(map(str, given))}", flush=True)
 
 
+IDLE = slot_plan.IDLE
+
+
+def _busy(plan: slot_plan.SlotPlan, k: int, s: int) -> tuple[bool, bool]:
+    """Whether device ``s`` runs a forward, and a backward, at slot ``k`` of ``plan``."""
+    return plan.column("f")[k, s] != IDLE, plan.column("b")[k, s] != IDLE
+
+
 class SlotWork:
-    """Every busy slot of a step's tick table run one after another, each its own jitted call: the
-    work of a step with no pipeline around it (no accumulators, transfers, optimizer or threads).
+    """Every busy slot of a step's plan run one after another, each its own jitted call: the work
+    of a step with no pipeline around it (no accumulators, transfers, optimizer or threads).
     Timed in the same alternating rounds as the engine, so both see the same machine."""
 
-    def __init__(self, args, P: int, table: tick_tables.TickTable, recompute: bool):
+    def __init__(self, args, P: int, plan: slot_plan.SlotPlan, recompute: bool):
         by_layers = {}
         fs = [by_layers.setdefault(n, SlotFns(args, n, recompute)) if n not in by_layers else by_layers[n]
               for n in split_of(args, P)]
         self.calls = []
-        for k in range(table.ticks):
+        for k in range(plan.slots):
             for s in range(P):
                 f = fs[s]
-                fwd, bwd = table.forward[k, s] != tick_tables.IDLE, table.backward[k, s] != tick_tables.IDLE
+                fwd, bwd = _busy(plan, k, s)
                 if s == P - 1:
                     self.calls += [(f.last, (f.mine, f.head, f.x, f.toks))] * bool(bwd)
                     continue
@@ -508,31 +512,32 @@ class SlotWork:
         return (time.perf_counter() - t0) / steps
 
 
-def _slot_seconds(table: tick_tables.TickTable, costs: list, k: int, s: int) -> float:
-    """Stage ``s``'s work at tick ``k`` from its own slot costs ``costs[s]`` (:func:`stage_costs`)."""
+def _slot_seconds(plan: slot_plan.SlotPlan, costs: list, k: int, s: int) -> float:
+    """Stage ``s``'s work at slot ``k`` from its own slot costs ``costs[s]`` (:func:`stage_costs`)."""
     c = costs[s]
-    f, b = table.forward[k, s] != tick_tables.IDLE, table.backward[k, s] != tick_tables.IDLE
-    if s == table.n_stages - 1:
+    f, b = _busy(plan, k, s)
+    if s == plan.program.devices - 1:
         return c["last"] if b else 0.0
     return (c["F"] + (c["embed"] if s == 0 else 0.0)) * f + c["bwd_slot"] * b
 
 
-def total_slot_seconds(table: tick_tables.TickTable, c: list) -> float:
+def total_slot_seconds(plan: slot_plan.SlotPlan, c: list) -> float:
     """The work of one step as the sum of its slots' costs measured one by one: what a step would
     take on one core with no pipeline overhead (no accumulators, no transfers, no optimizer)."""
-    return sum(_slot_seconds(table, c, k, s) for k in range(table.ticks) for s in range(table.n_stages))
+    return sum(_slot_seconds(plan, c, k, s) for k in range(plan.slots) for s in range(plan.program.devices))
 
 
-def predicted_step_seconds(table: tick_tables.TickTable, c: list) -> float:
-    """Critical path of the tick table: the stages wait for each other at every tick's ppermute,
-    so a tick lasts as long as its busiest stage."""
-    return sum(max(_slot_seconds(table, c, k, s) for s in range(table.n_stages)) for k in range(table.ticks))
+def predicted_step_seconds(plan: slot_plan.SlotPlan, c: list) -> float:
+    """Critical path of a plan: the stages wait for each other at every slot's ppermute, so a slot
+    lasts as long as its busiest stage."""
+    P = plan.program.devices
+    return sum(max(_slot_seconds(plan, c, k, s) for s in range(P)) for k in range(plan.slots))
 
 
 def predicted_sync_over_2bw(P: int, M: int, c: list) -> float:
-    """``sync / 2bw`` as the tick tables' critical paths predict it from the per-stage slot costs ``c``."""
-    return (predicted_step_seconds(tick_tables.sync_table(P, M), c)
-            / predicted_step_seconds(tick_tables.async_table(P, M), c))
+    """``sync / 2bw`` as the plans' critical paths predict it from the per-stage slot costs ``c``."""
+    return (predicted_step_seconds(slot_plan.compile_schedule("sync", P, M), c)
+            / predicted_step_seconds(slot_plan.compile_schedule("2bw", P, M), c))
 
 
 # ------------------------------------------------------------------------------------------ modes
@@ -540,12 +545,12 @@ def predicted_sync_over_2bw(P: int, M: int, c: list) -> float:
 
 def predicted_program_over_2bw(name: str, P: int, M: int, c: list, recompute: bool, chunk_costs: list | None = None
                                ) -> float:
-    """A program schedule's lock-step step over the ``2bw`` tick table's, from each stage's measured
+    """A program schedule's lock-step step over ``2bw``'s, from each stage's measured
     slot costs ``c`` (as :func:`predicted_sync_over_2bw` takes them): a slot lasts as long as its
     busiest device's forward plus backward (the last virtual stage's fused; the embedding in the
     first's forward).  ``interleaved`` reads ``chunk_costs``, the same measured for one chunk's layers."""
     v = VIRTUAL_STAGES if name == "interleaved" else 1
-    plan = engine.sync_loop(name, P, M, recompute, v).schedule
+    plan = slot_plan.compile_schedule(name, P, M, recompute, v)
     cc = chunk_costs or c
     kind = lambda k: np.array([x[k] for x in cc])[None, :]  # noqa: E731  ([1, P]: one per device)
     d = np.arange(P)[None, :]
@@ -553,7 +558,7 @@ def predicted_program_over_2bw(name: str, P: int, M: int, c: list, recompute: bo
     first = (d == 0) & (plan.column("f_chunk") == 0)
     last = (d == P - 1) & (plan.column("b_chunk") == v - 1)
     slots = f * (kind("F") + first * kind("embed")) + b * np.where(last, kind("last"), kind("bwd_slot"))
-    return float(slots.max(axis=1).sum()) / predicted_step_seconds(tick_tables.async_table(P, M), c)
+    return float(slots.max(axis=1).sum()) / predicted_step_seconds(slot_plan.compile_schedule("2bw", P, M, recompute), c)
 
 
 def work_recompute(args) -> list[bool]:
@@ -561,14 +566,14 @@ def work_recompute(args) -> list[bool]:
     return sorted({v.strip() == "True" for v in args.recompute.split(",")})
 
 
-WORK_SCHEDULES = ("sync", "2bw", "1f1b", "interleaved", "zb-h1")
+WORK_SCHEDULES = ("sync", "2bw", "1f1b", "interleaved", "zb-h1", "pipedream")
 
 
 def work_runs(args, P: int, M: int, recompute: bool) -> dict:
     """The engine runs ``work`` times beside ``simulate``: every schedule with whole tables and with
     ``vocab_parallel`` (even splits; an uneven one runs whole tables of the tick-table schedules and
-    ``1f1b``), and the tick tables' slot kinds alone (``slots sync``, ``slots 2bw``); ``--schedules``
-    keeps those it names."""
+    ``1f1b``), and the ``sync`` and ``2bw`` plans' slot kinds alone (``slots sync``, ``slots 2bw``);
+    ``--schedules`` keeps those it names."""
     tick = ("sync", "2bw", "1f1b")
     made = {name: (lambda name=name: Pipelined(args, P, M, name, recompute, stage_layers=args.stage_layers))
             for name in WORK_SCHEDULES if name in tick or not args.stage_layers}
@@ -578,8 +583,8 @@ def work_runs(args, P: int, M: int, recompute: bool) -> dict:
         if recompute:  # mpmd's backward recomputes
             made.update({f"{name} {MPMD}": (lambda name=name: Placed(args, P, M, name)) for name in mpmd.SCHEDULES
                          if name != "sync"})
-    made["slots sync"] = lambda: SlotWork(args, P, tick_tables.sync_table(P, M), recompute)
-    made["slots 2bw"] = lambda: SlotWork(args, P, tick_tables.async_table(P, M), recompute)
+    made["slots sync"] = lambda: SlotWork(args, P, slot_plan.compile_schedule("sync", P, M, recompute), recompute)
+    made["slots 2bw"] = lambda: SlotWork(args, P, slot_plan.compile_schedule("2bw", P, M, recompute), recompute)
     wanted = [n.strip() for n in args.schedules.split(",")] if args.schedules else list(made)
     unknown = sorted(set(wanted) - set(made))
     if unknown:
@@ -606,7 +611,7 @@ def work(args) -> None:
         r = {name: float(np.median(v)) for name, v in ratios.items()}
         bound = 1.10 if not recompute else 1 + f_share + 0.10
         for name in (n for n in runs if n != "simulate" and not n.startswith("slots ")):
-            slots = r.get(f"slots {name}")  # the tick tables' slot kinds, timed alone (not for a program)
+            slots = r.get(f"slots {name}")  # the sync and 2bw plans' slot kinds, timed alone
             spread = (min(ratios[name]), max(ratios[name]))
             shown = f"{slots:.3f} | {r[name] / slots:.3f}" if slots else "- | -"
             print(f"| {name} | {recompute} | {r[name]:.3f} | {spread[0]:.3f}-{spread[1]:.3f} "
@@ -630,7 +635,7 @@ def overlap(args) -> None:
     print(f"sync / 2bw step time: {jax.device_count()} fake devices on {len(os.sched_getaffinity(0))} cores; "
           f"vocab {args.vocab}, d_model {args.d_model}, {args.layers} layers, P={P}, stage layers "
           f"{','.join(map(str, split))}\n")
-    print("| P | M | recompute | measured sync/2bw | tick-table critical path | textbook (M+P-1)/M |")
+    print("| P | M | recompute | measured sync/2bw | plans' critical path | textbook (M+P-1)/M |")
     print("|---|---|---|---|---|---|")
     recomputes, rows = [v.strip() == "True" for v in args.recompute.split(",")], []
     for recompute in recomputes:
@@ -750,15 +755,13 @@ def conditionals(args) -> None:
     for P in (4, 8):
         # Split tables (``vocab_parallel``): every device joins the lookup and the loss in its slots.
         for split in (False, True):
-            for schedule in ("sync", "2bw", "1f1b", "interleaved", "zb-h1"):
-                M = tick_tables.min_microbatches_2bw(P) if schedule == "2bw" else P
+            for schedule in WORK_SCHEDULES:
+                M = 2 * (P - 1) if schedule == "2bw" else P  # 2bw's crossing, ramp-free order
                 v = VIRTUAL_STAGES if schedule == "interleaved" else 1
                 run = Pipelined(args, P, M, schedule, n_layers=P * v, vocab_parallel=split)
-                plan = (tick_tables.async_table(P, M) if schedule == "2bw"
-                        else engine.sync_loop(schedule, P, M, virtual_stages=v).schedule)  # ticks, or a program's slots
+                plan = slot_plan.compile_schedule(schedule, P, M, virtual_stages=v)
                 rows.append({"runner": f"pipeline {schedule}" + (f", {VP}" if split else ""), "P": P, "M": M,
-                             "ticks": plan.slots if schedule in engine.PROGRAM_SCHEDULES else plan.ticks,
-                             "conditionals": count(run.step, run.state, run.batch)})
+                             "ticks": plan.slots, "conditionals": count(run.step, run.state, run.batch)})
     print("| runner | P | M | ticks (slots) | conditionals per update |")
     print("|---|---|---|---|---|")
     for r in rows:

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 from asyncpp_jax.configs import base_config
 from asyncpp_jax.models import dense
 from asyncpp_jax.optim import DelaySchedule, WeightPrediction, delay, error_feedback, muon
-from asyncpp_jax.pipeline import engine, make_mesh, tick_tables
+from asyncpp_jax.pipeline import engine, make_mesh, slot_plan
 from asyncpp_jax.pipeline.census import Census, census, subjaxprs
 from asyncpp_jax import train_state as state_lib
 from helpers import run_simulate_runner
@@ -69,7 +69,8 @@ def init_pipeline(cfg, tx, mesh, M, B, schedule, poison=False, ep=False, recompu
     ps = engine.init_pipeline_state(cfg, state.params, mesh, M, B, T, schedule, recompute, ep, prediction)
     if poison and ps is not None:  # every buffer a bubble slot could read: NaN (tokens stay valid ints)
         ps = ps._replace(**{k: jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), getattr(ps, k))
-                            for k in ("prev_params", "stash", "fwd_buf", "bwd_buf", "grad_partial", "stats_partial")})
+                            for k in ("weight_versions", "stash", "fwd_buf", "bwd_buf", "grad_partial",
+                                      "stats_partial")})
     return engine.place_state(state.replace(runner_state=ps), mesh, abstract, ep, vocab_parallel)
 
 
@@ -100,29 +101,6 @@ def assert_params_close(a, b, rtol=2e-5, atol=2e-5):
 
 
 # ------------------------------------------------------------------------------------ tick tables
-
-
-@pytest.mark.parametrize("P, M", [(2, 2), (4, 6), (4, 16)])
-def test_tick_tables(P, M):
-    sync, asyn = tick_tables.sync_table(P, M), tick_tables.async_table(P, M)
-    assert sync.ticks == M + 2 * P - 2
-    assert sync.useful_fraction() == pytest.approx(M / (M + 2 * P - 2))
-    assert asyn.ticks == M and asyn.useful_fraction() == 1.0  # no bubble in steady state
-    for table in (sync, asyn):
-        for s in range(P):  # each microbatch once forward and once backward per stage
-            f, b = table.forward[:, s], table.backward[:, s]
-            assert sorted(f[f != tick_tables.IDLE] % M) == list(range(M))
-            assert sorted(b[b != tick_tables.IDLE] % M) == list(range(M))
-    # Backward of a microbatch on stage s comes after the one on s+1 (its cotangent), one tick apart.
-    k_b = {(int(sync.backward[k, s]), s): k for k in range(sync.ticks) for s in range(P)}
-    assert all(k_b[(m, s)] == k_b[(m, s + 1)] + 1 for m in range(M) for s in range(P - 1))
-    assert "F0" in sync.render() and f"useful {sync.useful_fraction():.0%}" in sync.render()
-
-
-def test_2bw_needs_enough_microbatches():
-    assert tick_tables.min_microbatches_2bw(4) == 6
-    with pytest.raises(ValueError, match=r"microbatches=5 is too few .* >= 2\*\(stages-1\) = 6"):
-        tick_tables.async_table(4, 5)
 
 
 # Marked slow (each compiles the engine): the variants whose code path another default test covers
@@ -344,12 +322,13 @@ def test_in_flight_state_holds_each_tensor_once():
     cfg, data = model_cfg(), batches(2, 4, 8, seed=11)
     got, _ = run_pipeline(cfg, make_opt("adamw"), data, 2, "2bw", data_size=2)
     ps = got.runner_state
-    for g, p in zip(jax.tree.leaves(ps.prev_params), jax.tree.leaves(got.params)):
+    (prev,), (partial,) = ps.weight_versions, ps.grad_partial  # 2bw: one earlier version, one later update
+    for g, p in zip(jax.tree.leaves(prev), jax.tree.leaves(got.params)):
         assert g.shape == p.shape and g.sharding.spec == p.sharding.spec
-    for g, p in zip(jax.tree.leaves(ps.grad_partial), jax.tree.leaves(got.params)):
+    for g, p in zip(jax.tree.leaves(partial), jax.tree.leaves(got.params)):
         assert g.shape == (2,) + p.shape  # each data replica's own: reduced over data once, with its tail
         assert g.sharding.spec[0] == "data"
-    embed_partial = ps.grad_partial["embed"]["embedding"]
+    embed_partial = partial["embed"]["embedding"]
     assert embed_partial.shape == (2, 16, 31)  # the tied table in the head's [D, V] layout, per replica
     assert not embed_partial.sharding.is_fully_replicated  # split over stage on d
     assert got.params["embed"]["embedding"].sharding.is_fully_replicated  # both end stages read it
@@ -423,8 +402,8 @@ def test_conditionals_per_tick(schedule, per_tick):
     step = engine.make_pipeline_train_step(cfg, tx, SCHED, mesh, abstract, 4, schedule)
     state = init_pipeline(cfg, tx, mesh, 4, 8, schedule)
     batch = jax.device_put(data[0], engine.global_batch_sharding(mesh))
-    table = (tick_tables.async_table if schedule == "2bw" else tick_tables.sync_table)(2, 4)
-    assert census(jax.make_jaxpr(step)(state, batch)) == Census(per_tick * table.ticks, 0)
+    plan = slot_plan.compile_schedule(schedule, 2, 4)
+    assert census(jax.make_jaxpr(step)(state, batch)) == Census(per_tick * plan.slots, 0)
     evaluate = engine.make_pipeline_eval_step(cfg, mesh, abstract, microbatch_rows=2)
     rows = jax.device_put(data[0].reshape(8, -1), NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
     # 8 rows in microbatches of 2 through 2 stages: 4 + 2 - 1 ticks

@@ -11,7 +11,6 @@ import dataclasses
 import pytest
 
 from asyncpp_jax.pipeline import programs as pr
-from asyncpp_jax.pipeline import tick_tables
 
 A = pr.Action
 UNIT = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
@@ -101,24 +100,33 @@ def test_rejects_weights_that_break_the_delay_rule():
 @pytest.mark.parametrize("mult", [1, 2, 3, 4])
 def test_every_generator_validates(P, mult):
     M = P * mult
-    for name in ("1f1b", "zb-h1", "2bw", "sync-ticks"):
+    for name in ("sync", "1f1b", "zb-h1", "2bw", "pipedream"):
         pr.validate(pr.generate(name, P, M))
     for v in (1, 2, 3):
         pr.validate(pr.interleaved(P, M, v))
-    if M >= tick_tables.min_microbatches_2bw(P):
-        pr.validate(pr.generate("2bw-ticks", P, M))
-    for M_odd in (1, 3, 5):  # the flushed schedules need no multiple of P
-        pr.validate(pr.one_f_one_b(P, M_odd))
-        pr.validate(pr.zb_h1(P, M_odd))
+    for M_odd in (1, 3, 5):  # the flushed schedules (and pipedream) need no multiple of P
+        for name in ("sync", "1f1b", "zb-h1", "pipedream"):
+            pr.validate(pr.generate(name, P, M_odd))
 
 
-def test_the_engines_tick_tables_validate_as_programs():
-    for P in (2, 4):
-        for M in (2 * (P - 1), 8):
-            pr.validate(pr.from_tick_table(tick_tables.sync_table(P, M)))
-            pr.validate(pr.from_tick_table(tick_tables.async_table(P, M)))
-    # below min_microbatches_2bw the 2bw window is a program too, and the rule it breaks is the delay's
-    _rejects(pr.from_tick_table(tick_tables.async_table(4, 5, check=False)), "version", "batch t-2")
+def test_2bw_below_its_validity_breaks_the_delay_rule():
+    """Below ``P - 1`` microbatches a backward would reach two batches back: three weight versions."""
+    _rejects(pr.two_bw(4, 2), "version", "batch t-2")
+
+
+def test_pipedream_stage_delays():
+    """Stage s reads batch t-(P-1-s) in its backwards (its own delay), and nothing older."""
+    P, M = 4, 3
+    p = pr.validate(pr.pipedream(P, M))
+    assert p.delays == (3, 2, 1, 0) and p.delay == 3 and p.flushless
+    for s, acts in enumerate(p.actions):
+        assert {a.version for a in acts if a.kind == "B"} == {-(P - 1 - s)}
+        assert {a.version for a in acts if a.kind == "F"} == {0}
+    # a backward one batch older than its stage's delay breaks the version rule
+    acts = list(p.actions[1])
+    acts[0] = pr.Action("B", acts[0].microbatch - M, 0, acts[0].version - 1)
+    _rejects(pr.Program("pipedream", P, M, (p.actions[0], tuple(acts)) + p.actions[2:], delay=3,
+                        stage_delays=p.stage_delays), "version", "at most 2 step(s) old")
 
 
 # ---- derived figures ------------------------------------------------------------------------------
@@ -128,11 +136,12 @@ def test_the_engines_tick_tables_validate_as_programs():
 def test_stash_depths(P):
     M = 2 * P
     assert pr.stash_depth(pr.one_f_one_b(P, M)) == [P - s for s in range(P)]  # 1F1B: stage s holds P - s
-    assert pr.stash_depth(pr.two_bw(P, M)) == [P - s for s in range(P)]  # 2bw: 1F1B's memory
+    assert pr.stash_depth(pr.two_bw(P, P - 1 if P > 1 else 1)) == [P - s for s in range(P)]  # 2bw below 2(P-1)
     assert max(pr.stash_depth(pr.zb_h1(P, M))) == P  # ZB-H1: 1F1B's peak
-    # the engine's lock-step ticks: 2(P-1-s)+1, the tick_tables.stash_slots ring on stage 0
-    ticks = pr.stash_depth(pr.from_tick_table(tick_tables.async_table(P, max(M, 2 * (P - 1)))))
-    assert ticks == [2 * (P - 1 - s) + 1 for s in range(P)] and ticks[0] == tick_tables.stash_slots(P)
+    # the eager sync order and 2bw from 2(P-1) microbatches (their crossing, bubble-free order) hold 2(P-1-s)+1
+    eager = [2 * (P - 1 - s) + 1 for s in range(P)]
+    assert pr.stash_depth(pr.sync(P, M)) == eager
+    assert pr.stash_depth(pr.two_bw(P, max(M, 2 * (P - 1)))) == eager
 
 
 @pytest.mark.parametrize("P", [2, 4, 8])
@@ -141,7 +150,7 @@ def test_smallest_microbatches(P):
     assert pr.min_microbatches("zb-h1", P) == 1
     assert pr.min_microbatches("interleaved", P, 2) == P  # Megatron's groups of P
     assert pr.min_microbatches("2bw", P) == max(P - 1, 1)  # below the 2BW paper's M >= P
-    assert pr.min_microbatches("2bw-ticks", P) == tick_tables.min_microbatches_2bw(P)  # the formula, derived
+    assert pr.min_microbatches("pipedream", P) == 1
 
 
 @pytest.mark.parametrize("P,M", [(2, 2), (4, 4), (4, 8), (8, 16)])
@@ -192,10 +201,12 @@ def test_lockstep_slot_lasts_as_long_as_its_costliest_action():
     assert pr.lockstep_time(p, unit) == pr.step_time(p, unit) == 6.0
 
 
-def test_lockstep_pairs_of_the_tick_tables_are_balanced():
-    # The engine's 2bw ticks put every device's F in one slot and its B in the next: the steady
-    # window is the ideal, a device's work (M (F + B)), where textbook 2bw pays for mixed slots.
+def test_lockstep_2bw_from_2p_minus_2_microbatches_is_balanced():
+    # From 2(P-1) microbatches 2bw's forwards cross the step boundary too: every device runs a
+    # forward and a backward at every tick, so the steady window is the ideal, a device's work
+    # (M (F + B)); below it (only backwards cross) the window pays for its ramp.
     costs = {"F": 1.0, "B": 2.0}
-    ticks = pr.validate(pr.generate("2bw-ticks", 4, 8))
-    assert pr.lockstep_time(ticks, costs) == pr.work(ticks, costs) / 4 == 24.0
-    assert pr.lockstep_time(pr.validate(pr.two_bw(4, 8)), costs) > 24.0
+    crossing = pr.validate(pr.two_bw(4, 8))
+    assert pr.lockstep_time(crossing, costs) == pr.work(crossing, costs) / 4 == 24.0
+    ramp = pr.validate(pr.two_bw(4, 5))
+    assert pr.lockstep_time(ramp, costs) > pr.work(ramp, costs) / 4

@@ -216,10 +216,11 @@ def test_cli_trains_with_overrides_and_fake_devices(cache_dir, tmp_path, paralle
 
 
 def test_cli_rejects_too_few_microbatches_for_2bw(tmp_path):
-    out = run_cli(["--config.pipeline.stages=4", "--config.pipeline.schedule=2bw", "--config.train.microbatches=4",
+    out = run_cli(["--config.pipeline.stages=4", "--config.pipeline.schedule=2bw", "--config.train.microbatches=2",
                 f"--workdir={tmp_path}/run"])
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert "config.train.microbatches=4 is too few for config.pipeline.schedule=2bw" in out.stderr
+    assert "config.train.microbatches=2 is too few for config.pipeline.schedule=2bw" in out.stderr
+    assert "it runs from config.train.microbatches=3" in out.stderr  # the program's own validity: P - 1
 
 
 def test_cli_sigterm_checkpoints_and_exits_cleanly(cache_dir, tmp_path):

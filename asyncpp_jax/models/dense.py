@@ -32,7 +32,7 @@ Array = jax.Array
 MOE_METRICS = ("moe_lb_loss", "moe_router_z", "moe_dropped")
 
 
-def _no_moe_aux() -> dict:
+def no_moe_aux() -> dict:
     return {k: jnp.zeros((), jnp.float32) for k in MOE_METRICS}
 
 
@@ -54,7 +54,7 @@ class Block(nn.Module):
 
             y, aux = MoE(cfg, name="moe")(norm("mlp_norm")(h))
         else:
-            y, aux = MLP(cfg, name="mlp")(norm("mlp_norm")(h)), _no_moe_aux()
+            y, aux = MLP(cfg, name="mlp")(norm("mlp_norm")(h)), no_moe_aux()
         return h + y, aux
 
 
@@ -66,7 +66,7 @@ class Group(nn.Module):
     @nn.compact
     def __call__(self, h: Array, positions: Array):
         every = self.cfg.moe.every
-        total = _no_moe_aux()
+        total = no_moe_aux()
         for i in range(every):
             h, aux = Block(self.cfg, moe=i == every - 1, name=f"block_{i}")(h, positions)
             total = jax.tree.map(jnp.add, total, aux)
@@ -254,7 +254,7 @@ def _skippable(layer):
 
     def skip(p, h):
         # lax.cond traces the true branch (``run``) first: its outputs' types are known here.
-        return (h, varying_like(_no_moe_aux(), h)), [_zeros_as(a) for a in where["avals"]]
+        return (h, varying_like(no_moe_aux(), h)), [_zeros_as(a) for a in where["avals"]]
 
     def rebuild(p, residuals):
         weights = jax.tree.leaves(p)
@@ -263,7 +263,7 @@ def _skippable(layer):
 
     @jax.custom_vjp
     def f(p, h, on):
-        return jax.lax.cond(on, layer_v, lambda p, h: (h, varying_like(_no_moe_aux(), h)), p, h)
+        return jax.lax.cond(on, layer_v, lambda p, h: (h, varying_like(no_moe_aux(), h)), p, h)
 
     def f_fwd(p, h, on):
         closed = jax.make_jaxpr(lambda p, h: vjp_residuals(p, h)[1])(p, h)

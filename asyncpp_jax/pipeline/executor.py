@@ -1,22 +1,25 @@
-"""The tick loop of one pipeline step: each device runs its stage's forward and backward slots
-as the tick table says, accumulates the gradients of the batches in flight, and reduces them at
-the end of the step (:func:`make_grads_fn`).
+"""One pipeline step of any program: each device runs its rows of the program's lock-step slots,
+accumulates the gradients of the batches in flight, and reduces them at the end of the step
+(:func:`make_grads_fn`).
 
-Per tick (:mod:`asyncpp_jax.pipeline.tick_tables` says which microbatch), each stage runs a
-forward slot and a backward slot, each under a ``lax.cond`` on whether the tick table gives it
-work: an idle slot computes nothing (and so cannot let a NaN through).  Inside a slot, further
-conds pick the weight version (:meth:`~asyncpp_jax.pipeline.tick_tables.OneStepDelay.run`) and
-stage 0's embedding; each returns only activation-sized values, and the slot's cond alone writes
-the stash ring and the accumulators.  Merged into one ``lax.switch`` whose branches each write the
-stash (idle / stage 0 / other stages, or one per weight version), XLA:CPU copied the whole ring in
-every branch at every slot (25 copies of the stash entries per forward slot in the benchmark's
-compiled step, against none).
+:mod:`asyncpp_jax.pipeline.slot_plan` compiles a validated program (:mod:`~asyncpp_jax.pipeline.programs`)
+into rows; :class:`asyncpp_jax.pipeline.program_executor.SlotLoop` is the scan body that runs a row
+with the slot computations of :class:`Device` here.  Everything a schedule decides is read off the
+program: which microbatch a slot runs, which weight version it reads (its batch's: ``w[t+k]`` for
+batch ``t+k``, ``k <= 0``), and which update its gradient joins (stage ``u``'s gradient of batch
+``t+k`` is applied at update ``t+k+d_u``, ``d_u`` the program's stage delay).  A flushless program's
+buffers (stash, activations and cotangents in transit), its weight versions, the tokens of the
+batches in flight and the partial gradients of later updates cross the step boundary in
+:class:`~asyncpp_jax.pipeline.state.PipelineState`, so they are checkpointed.
 
-Activations go to ``s+1`` and input cotangents to ``s-1`` with ``lax.ppermute`` once per tick.  With
-``recompute`` the backward slot recomputes the stage's block from its stashed input; without,
-the forward slot stashes the block's autodiff residuals.  The last stage's forward and backward
-of a microbatch share a tick and run as one fused ``vjp``.  Activations, cotangents and the stash
-are in ``compute_dtype``, as in the simulate runner.
+Each slot kind runs under its own ``lax.cond`` (an idle slot computes nothing, so it cannot let a
+NaN through); inside a slot, further conds pick the weight version and the first stage's
+embedding; each returns only activation-sized values, and the slot's cond alone writes the stash
+ring and the accumulators (merged into one ``lax.switch`` whose branches each write the stash,
+XLA:CPU copied the whole ring in every branch at every slot).  With ``recompute`` the backward
+recomputes the stage's block from its stashed input; without, the forward stashes the block's
+autodiff residuals.  The last stage's forward and backward of a microbatch run as one fused
+``vjp``.  Activations, cotangents and the stash are in ``compute_dtype``, as in the simulate runner.
 """
 
 from __future__ import annotations
@@ -31,23 +34,31 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from asyncpp_jax.models import dense
-from asyncpp_jax.pipeline import tick_tables, vocab_parallel
-from asyncpp_jax.pipeline.collectives import hop_perms, mean_over_data, reduce_top, vary
+from asyncpp_jax.pipeline import vocab_parallel
+from asyncpp_jax.pipeline.programs import Offsets
+from asyncpp_jax.pipeline.collectives import mean_over_data, reduce_top, vary
 from asyncpp_jax.pipeline.layout import on_data_axis, param_specs, update_specs
 from asyncpp_jax.pipeline.stage import (ResidualTemplate, StageFns, chunk_rows, head_of, is_first_virtual,
-                                        is_last_virtual, join_params, lookup_transpose_add, residual_shapes,
-                                        split_params, stat_names, table_size)
+                                        is_last_virtual, join_params, lookup_transpose_add, split_params,
+                                        stat_names, table_size)
 from asyncpp_jax.pipeline.state import PipelineState, pipeline_state_specs
-from asyncpp_jax.pipeline.tick_tables import OneStepDelay
 from asyncpp_jax.train_state import BATCH_SPEC
 
+IDLE = np.iinfo(np.int32).min  # no action in this column of a slot (slot_plan.IDLE)
 
-def _add_at(acc, i, tree, axes=None):
+
+def add_at(acc, i, tree, axes=None):
     """``acc[i] += tree`` leaf by leaf, ``i`` indexing each leaf's accumulator axis: the leading one
-    (``axes=None``), or per leaf as ``axes`` says (:func:`_acc_axis`)."""
+    (``axes=None``), or per leaf as ``axes`` says (:func:`_acc_axis`); ``i`` one index, or a tree
+    of them like ``acc`` (each leaf's update offset)."""
+    if isinstance(i, dict):  # a prefix of acc: each subtree's offset
+        i = jax.tree.map(lambda k, sub: jax.tree.map(lambda _: k, sub), i, acc)
+    else:
+        i = jax.tree.map(lambda _: i, acc)
     if axes is None:
-        return jax.tree.map(lambda a, g: a.at[i].add(g.astype(a.dtype)), acc, tree)
-    return jax.tree.map(lambda a, g, ax: a.at[(slice(None),) * ax + (i,)].add(g.astype(a.dtype)), acc, tree, axes)
+        return jax.tree.map(lambda a, g, k: a.at[k].add(g.astype(a.dtype)), acc, tree, i)
+    return jax.tree.map(lambda a, g, ax, k: a.at[(slice(None),) * ax + (k,)].add(g.astype(a.dtype)),
+                        acc, tree, axes, i)
 
 
 def _acc_axis(spec, ndim: int) -> int:
@@ -63,7 +74,7 @@ def _acc_axis(spec, ndim: int) -> int:
     return 0
 
 
-def _put(ring: list, at, entry: list) -> list:
+def put(ring: list, at, entry: list) -> list:
     """``ring[i][at] = entry[i]`` for each array of a buffer entry."""
     return [r.at[at].set(e.astype(r.dtype)) for r, e in zip(ring, entry)]
 
@@ -76,7 +87,7 @@ def _lookup_transpose_add(acc, tokens, ct, i, axis: int, tied: bool, keep):
     return lookup_transpose_add(acc, jnp.where(keep, tokens, table_size(acc, tied, i, axis)), ct, tied, i, axis)
 
 
-def _scoped(name: str):
+def scoped(name: str):
     """Run the function under ``jax.named_scope(name)``: the parts of a step that
     ``asyncpp_jax.train.profile`` times separately (their names are its ``PARTS``)."""
     def wrap(fn):
@@ -89,21 +100,18 @@ def _scoped(name: str):
 
 
 @dataclasses.dataclass
-class _Device:
-    """One device's view of a step inside the ``shard_map``: its stage, both weight versions (in
-    ``compute_dtype``, the head as ``[D, V]``), the two batches, and the slot computations of one
-    tick of the table.  Each method is one slot kind; :meth:`tick` runs the two slots of a tick."""
+class Device:
+    """One device's view of a step inside the ``shard_map``: its stage, the weight versions in
+    flight (in ``compute_dtype``, the head as ``[D, V]``), the batches in flight, and the slot
+    computations.  Each method is one slot kind, run under the caller's cond."""
 
     fns: StageFns
-    delay: OneStepDelay
     stage: Any  # this device's stage index (traced)
     n_stages: int
-    cur: tuple  # (layers, top, head) of w[t] (or the predicted point)
-    prev: tuple  # the same for w[t-1]
-    batch: jax.Array
-    prev_batch: jax.Array
-    step: Any
-    slots: int  # stash ring slots
+    versions: tuple  # (layers, top, head) of w[t], w[t-1], ..., w[t-D]: version k of batch t-k
+    batches: jax.Array  # [D + 1, M, B, T + 1]: the tokens of batch t, t-1, ..., t-D
+    live: jax.Array  # bool [D + 1]: whether batch t-k ran this program (k > 0: else its actions are skipped)
+    offsets: Offsets
     act_dtype: Any
     top_axes: Any  # the replicated leaves' accumulator axes (:func:`_acc_axis`), a tree like their accumulators
     template: ResidualTemplate = dataclasses.field(default_factory=ResidualTemplate)
@@ -122,6 +130,10 @@ class _Device:
     def is_last(self):
         return self.stage == self.n_stages - 1
 
+    @property
+    def cur(self) -> tuple:
+        return self.versions[0]
+
     def first(self, chunk):
         """Whether ``chunk`` of this device is the first virtual stage (it embeds the tokens)."""
         return is_first_virtual(self.stage, chunk, self.chunks)
@@ -137,7 +149,7 @@ class _Device:
     def add_layers(self, acc_l, i, g, chunk):
         """``acc_l[i] += g``, a chunk's gradient added to that chunk's rows of the stack."""
         if self.chunks == 1:
-            return _add_at(acc_l, i, g)
+            return add_at(acc_l, i, g)
 
         def one(a, x):
             start = (i, chunk * x.shape[0]) + (0,) * (x.ndim - 1)
@@ -146,16 +158,43 @@ class _Device:
 
         return jax.tree.map(one, acc_l, g)
 
+    # ---- what a microbatch's step-relative index j says (j < 0: an earlier batch's)
+
+    def age(self, j):
+        """``-k`` for microbatch ``j`` of batch ``t + k`` (0 for this step's), clipped to the versions held."""
+        return jnp.clip(-jnp.floor_divide(j, self.fns.microbatches), 0, len(self.versions) - 1)
+
+    def is_live(self, j):
+        """Whether microbatch ``j`` runs: a slot's action (not ``IDLE``) of a batch this program started."""
+        return (j != IDLE) & self.live[self.age(j)]
+
     def tokens_of(self, j):
-        m = jnp.mod(j, self.fns.microbatches)
-        return jnp.where(j < 0, self.prev_batch[m], self.batch[m])
+        return self.batches[self.age(j), jnp.mod(j, self.fns.microbatches)]
 
-    def slot(self, j):
-        return jnp.mod(self.step * self.fns.microbatches + j, self.slots)
+    def run(self, j, fn, part=None):
+        """``fn`` of microbatch ``j``'s weights, its batch's version (``part`` 0: layers, 1: top,
+        2: head; None: the whole tuple), read in place: a ``lax.cond`` (two versions) or
+        ``lax.switch`` on the version, not an elementwise select over the weights at every slot."""
+        pick = (lambda v: v) if part is None else (lambda v: v[part])
+        if len(self.versions) == 1:
+            return fn(pick(self.versions[0]))
+        if len(self.versions) == 2:
+            return jax.lax.cond(j < 0, lambda: fn(pick(self.versions[1])), lambda: fn(pick(self.versions[0])))
+        return jax.lax.switch(self.age(j), [functools.partial(lambda v: fn(pick(v)), v) for v in self.versions])
 
-    def run(self, j, fn, part):
-        """``fn`` of microbatch ``j``'s weights (``part`` 0: layers, 1: top, 2: head)."""
-        return self.delay.run(j, fn, self.cur[part], self.prev[part])
+    def offset(self, j, delay):
+        """The update offset of a gradient of microbatch ``j`` on a stage of ``delay``."""
+        return jnp.floor_divide(j, self.fns.microbatches) + delay
+
+    def layer_offset(self, j, chunk):
+        return self.offset(j, jnp.asarray(self.offsets.delays, jnp.int32)[chunk * self.n_stages + self.stage])
+
+    def head_offsets(self, j) -> dict:
+        d, groups = self.offsets.delays, self.offsets.head_groups()
+        return {k: self.offset(j, d[0] if groups[k] == "embed" else d[-1]) for k in groups}
+
+    def stats_offset(self, j):
+        return self.offset(j, self.offsets.delays[-1])
 
     def embed(self, j, tokens):
         return self.run(j, lambda top: self.fns.embed(top, tokens), 1).astype(self.act_dtype)
@@ -166,7 +205,7 @@ class _Device:
             return jnp.where(self.first(chunk), embedded, received)
         return jax.lax.cond(self.first(chunk), lambda: self.embed(j, self.tokens_of(j)), lambda: received)
 
-    @_scoped("pp_fwd")
+    @scoped("pp_fwd")
     def forward(self, j, fwd_buf, at, stash, sums, chunk=0, embedded=None):
         """Stages ``0..P-2``: the block (of ``chunk``) on the embedded tokens or the received
         activation; the backward's entry into entry ``at`` of the stash ring.  ``embedded``: the
@@ -174,21 +213,20 @@ class _Device:
         collective, run outside this device's cond)."""
         x = self._input(j, fwd_buf, chunk, embedded)
         h, entry, stats = self.run(j, lambda lp: self.fns.forward(self.chunk_of(lp, chunk), x, self.template), 0)
-        stash = _put(stash, at, entry)
-        return stash, _add_at(sums, self.delay.accumulator(j), stats), h.astype(self.act_dtype)
+        stash = put(stash, at, entry)
+        return stash, add_at(sums, self.stats_offset(j), stats), h.astype(self.act_dtype)
 
-    @_scoped("pp_bwd")
+    @scoped("pp_bwd")
     def backward(self, j, bwd_buf, at, stash, acc_l, chunk=0, embedded=None):
         """Stages ``0..P-2``: the block's (``chunk``'s) vjp from stash entry ``at``; on stage 0 the
-        input cotangent goes into the embedding's gradient (the lookup's transpose, in :meth:`tick`)."""
-        i = self.delay.accumulator(j)
+        input cotangent goes into the embedding's gradient (the lookup's transpose, by the loop)."""
         entry = [ring[at] for ring in stash]
         x_again = lambda: self._input(j, entry[0], chunk, embedded)  # noqa: E731
         g_l, g_x = self.run(j, lambda lp: self.fns.backward(self.chunk_of(lp, chunk), entry, x_again, bwd_buf,
                                                             self.template), 0)
-        return self.add_layers(acc_l, i, g_l, chunk), g_x.astype(self.act_dtype)
+        return self.add_layers(acc_l, self.layer_offset(j, chunk), g_l, chunk), g_x.astype(self.act_dtype)
 
-    @_scoped("pp_bwd")
+    @scoped("pp_bwd")
     def input_grad(self, j, bwd_buf, at, stash, save, save_at, chunk=0, embedded=None):
         """``I`` on stages ``0..P-2``: the input cotangent from stash entry ``at``, no weight
         gradient; what its ``W`` needs goes into entry ``save_at`` of the ``save`` ring."""
@@ -196,36 +234,36 @@ class _Device:
         x_again = lambda: self._input(j, entry[0], chunk, embedded)  # noqa: E731
         g_x, kept = self.run(j, lambda lp: self.fns.input_grad(self.chunk_of(lp, chunk), entry, x_again, bwd_buf,
                                                                self.template), 0)
-        return _put(save, save_at, kept), g_x.astype(self.act_dtype)
+        return put(save, save_at, kept), g_x.astype(self.act_dtype)
 
-    @_scoped("pp_last")
+    @scoped("pp_last")
     def last_input(self, j, fwd_buf, acc_t, sums, save, save_at):
         """``I`` on the last stage: block, head and loss as one vjp (the head's gradient included);
         the layers' ``W`` input into entry ``save_at``."""
-        i, tokens, c = self.delay.accumulator(j), self.tokens_of(j), self.chunks - 1
-        g_h, g_x, kept, stats = self.delay.run(
-            j, lambda w: self.fns.last_input(self.chunk_of(w[0], c), w[2], fwd_buf, tokens), self.cur, self.prev)
-        acc_t = {**acc_t, "head": _add_at(acc_t["head"], i, g_h, self.top_axes["head"])}
-        return acc_t, _add_at(sums, i, stats), _put(save, save_at, kept), g_x.astype(self.act_dtype)
+        tokens, c = self.tokens_of(j), self.chunks - 1
+        g_h, g_x, kept, stats = self.run(
+            j, lambda w: self.fns.last_input(self.chunk_of(w[0], c), w[2], fwd_buf, tokens))
+        acc_t = {**acc_t, "head": add_at(acc_t["head"], self.head_offsets(j), g_h, self.top_axes["head"])}
+        return acc_t, add_at(sums, self.stats_offset(j), stats), put(save, save_at, kept), g_x.astype(self.act_dtype)
 
-    @_scoped("pp_bwd")
+    @scoped("pp_bwd")
     def weight_grad(self, j, save, at, acc_l, chunk=0):
         """``W``: the layers' gradient from entry ``at`` of the ``save`` ring, into ``acc_l``."""
         entry = [ring[at] for ring in save]
         g_l = self.run(j, lambda lp: self.fns.weight_grad(self.chunk_of(lp, chunk), entry), 0)
-        return self.add_layers(acc_l, self.delay.accumulator(j), g_l, chunk)
+        return self.add_layers(acc_l, self.layer_offset(j, chunk), g_l, chunk)
 
-    @_scoped("pp_last")
+    @scoped("pp_last")
     def last(self, j, fwd_buf, acc_l, acc_t, sums):
         """Stage ``P-1`` (its last chunk): block, final norm, head and loss of microbatch ``j`` as
         one fused vjp."""
-        i, tokens, c = self.delay.accumulator(j), self.tokens_of(j), self.chunks - 1
-        g_l, g_h, g_x, stats = self.delay.run(
-            j, lambda w: self.fns.last(self.chunk_of(w[0], c), w[2], fwd_buf, tokens), self.cur, self.prev)
-        acc_t = {**acc_t, "head": _add_at(acc_t["head"], i, g_h, self.top_axes["head"])}
-        return self.add_layers(acc_l, i, g_l, c), acc_t, _add_at(sums, i, stats), g_x.astype(self.act_dtype)
+        tokens, c = self.tokens_of(j), self.chunks - 1
+        g_l, g_h, g_x, stats = self.run(j, lambda w: self.fns.last(self.chunk_of(w[0], c), w[2], fwd_buf, tokens))
+        acc_t = {**acc_t, "head": add_at(acc_t["head"], self.head_offsets(j), g_h, self.top_axes["head"])}
+        return (self.add_layers(acc_l, self.layer_offset(j, c), g_l, c), acc_t,
+                add_at(sums, self.stats_offset(j), stats), g_x.astype(self.act_dtype))
 
-    @_scoped("pp_embed_grad")
+    @scoped("pp_embed_grad")
     def lookup_transpose_add(self, acc_t, tokens, ct, i, keep):
         """Stage 0's embedding gradient, added to accumulator ``i`` (of a tied table: in the head's
         ``[D, V]`` accumulator, which the last stage also adds to).  Whole tables: only where
@@ -241,43 +279,8 @@ class _Device:
         table = add(acc_t["embed"]["embedding"], tokens, ct, i, self.top_axes["embed"]["embedding"], False)
         return {**acc_t, "embed": {"embedding": table}}
 
-    @_scoped("pp_tick")
-    def tick(self, carry, row):
-        """One tick: a forward slot and a backward slot, each a ``lax.cond`` on the table (idle
-        slots compute nothing), then the activation to ``s+1`` and the cotangent to ``s-1``."""
-        stash, fwd_buf, bwd_buf, acc_l, acc_t, sums = carry
-        jf, jb = row[0], row[1]
-        stash, sums, h_out = jax.lax.cond(
-            self.delay.live(jf) & ~self.is_last, lambda st, su: self.forward(jf, fwd_buf, self.slot(jf), st, su),
-            lambda st, su: (st, su, jnp.zeros_like(fwd_buf)), stash, sums)
-        live = self.delay.live(jb)
-        # Two conds, not one with a branch per slot kind: a buffer that a branch passes through
-        # unchanged is copied by XLA at the branch's end, so each cond takes only what its slot
-        # writes (the head's vocabulary-sized accumulator goes through the last stage's alone).
-        acc_l, g_x = jax.lax.cond(live & ~self.is_last, lambda al: self.backward(jb, bwd_buf, self.slot(jb), stash, al),
-                                  lambda al: (al, jnp.zeros_like(bwd_buf)), acc_l)
-        acc_l, acc_t, sums, g_x = jax.lax.cond(live & self.is_last,
-                                               lambda al, at, su, _: self.last(jb, fwd_buf, al, at, su),
-                                               lambda *a: a, acc_l, acc_t, sums, g_x)
-        # Stage 0's input cotangent into the embedding's gradient rows, outside the conds (on every
-        # stage; where ``keep`` is false the indices are dropped): updated inside a cond branch, XLA
-        # copies the whole vocabulary-sized accumulator at every backward slot.
-        keep = self.is_first & live
-        ct = jnp.where(keep, g_x, jnp.zeros_like(g_x)).astype(jnp.float32)
-        acc_t = self.lookup_transpose_add(acc_t, self.tokens_of(jb)[:, :-1], ct, self.delay.accumulator(jb), keep)
-        fwd_buf, bwd_buf = send(self.n_stages, h_out, g_x)
-        return (stash, fwd_buf, bwd_buf, acc_l, acc_t, sums), None
 
-
-def send(n_stages: int, h_out, g_x):
-    """One tick's hops: each stage's forward output to the next stage, its input cotangent to the
-    previous one; returns what each stage receives."""
-    with jax.named_scope("pp_send"):
-        fwd_perm, bwd_perm = hop_perms(n_stages)
-        return jax.lax.ppermute(h_out, "stage", fwd_perm), jax.lax.ppermute(g_x, "stage", bwd_perm)
-
-
-@_scoped("pp_versions")
+@scoped("pp_versions")
 def _versions(model_cfg, params):
     """(layers, top, head) of a weight version in ``compute_dtype``, device-varying; the head
     ``[D, V]`` (:func:`stage.head_of`: a tied table is held in that layout, so nothing is
@@ -286,109 +289,74 @@ def _versions(model_cfg, params):
     return layers, top, head_of(model_cfg, top)
 
 
-@dataclasses.dataclass(frozen=True)
-class TickLoop:
-    """The tick tables' loop: one forward and one backward slot per tick (:meth:`_Device.tick`), a
-    stash ring of ``stash_slots`` entries indexed by the microbatch's place in the stream, one
-    activation and one cotangent in transit."""
 
-    table: tick_tables.TickTable
-    recompute: bool = True
+def make_grads_fn(model_cfg, mesh, loop, params_abstract, carries_state: bool, expert_parallel: bool = False,
+                  recompute: bool = True, stage_rows: tuple | None = None):
+    """``shard_map``-ped ``(versions, batch, pstate, live, step) -> (grads, stats, pstate)``.
 
-    @property
-    def n_stages(self) -> int:
-        return self.table.n_stages
-
-    @property
-    def microbatches(self) -> int:
-        return self.table.microbatches
-
-    @property
-    def schedule(self) -> tick_tables.TickTable:
-        return self.table
-
-    @property
-    def chunks(self) -> int:
-        return 1
-
-    @property
-    def split(self) -> bool:
-        return False
-
-    def rows(self) -> np.ndarray:
-        """``[ticks, P, 2]``: each tick's (forward, backward) microbatch per stage."""
-        return np.stack([self.table.forward, self.table.backward], axis=-1)
-
-    def buffers(self, fns: StageFns, layers, x):
-        """``(stash, fwd_buf, bwd_buf)`` of a step that starts empty; ``x`` one activation."""
-        S = tick_tables.stash_slots(self.n_stages, first_stage_stashes=not self.recompute)
-        stash = [vary(jnp.zeros((S,) + e.shape, e.dtype)) for e in residual_shapes(fns, layers, x)]
-        return stash, x, x
-
-    def body(self, dev: "_Device"):
-        return dev.tick
-
-
-def make_grads_fn(model_cfg, mesh, loop, is_async: bool, carries_state: bool, params_abstract,
-                  expert_parallel: bool = False, recompute: bool = True, stage_rows: tuple | None = None):
-    """``shard_map``-ped ``(cur, prev, batch, pstate, prev_live, step) -> (grads, stats, pstate)``.
-
-    ``loop`` says how the step's slots run: :class:`TickLoop`, or a program's lock-step slots
-    (:class:`asyncpp_jax.pipeline.program_executor.SlotLoop`): its ``rows()`` are scanned, each
-    stage taking its column (every stage's, when ``loop.whole_rows``), through ``body(dev)``, from
-    the buffers ``buffers(...)`` makes.  A loop with ``vocab_parallel``
-    (:class:`asyncpp_jax.pipeline.vocab_loop.VocabTickLoop`) runs the vocabulary-sized tables split
-    over ``stage``, and the specs and reductions here follow it."""
-    n_stages, M = loop.n_stages, loop.microbatches
+    ``loop`` (:class:`asyncpp_jax.pipeline.program_executor.SlotLoop`) is a compiled program: its
+    ``rows()`` are scanned, each device taking its column (every device's, when
+    ``loop.whole_rows``), through ``body(dev)``.  ``versions``: ``w[t], ..., w[t-D]`` (``D`` the
+    program's delay), in the engine's layout; ``live``: bool ``[D + 1]``, whether step ``t - k``
+    ran this program (``optim.DelaySchedule.in_force``).  ``carries_state``: the run hands a
+    :class:`PipelineState` from step to step (a flushless program, or a flushed one standing in
+    for it at a synchronous start or cooldown).  With ``loop.vocab_parallel`` the
+    vocabulary-sized tables are split over ``stage`` and the specs and reductions follow it."""
+    program = loop.plan.program
+    n_stages, M, flushless = program.devices, program.microbatches, program.flushless
     fns = StageFns(model_cfg, M, recompute, stage_rows, split=loop.split)
     act_dtype = dense.dtype_of(model_cfg.compute_dtype)
-    vocab_parallel = getattr(loop, "vocab_parallel", False)
-    pspec = param_specs(params_abstract, expert_parallel, vocab_parallel)
-    uspec = update_specs(params_abstract, n_stages, expert_parallel, vocab_parallel)
+    split_tables = loop.vocab_parallel
+    offsets = Offsets.of(program, model_cfg.tie_embeddings)
+    pspec = param_specs(params_abstract, expert_parallel, split_tables)
+    uspec = update_specs(params_abstract, n_stages, expert_parallel, split_tables)
     tied = model_cfg.tie_embeddings
     top_specs = _top_acc_specs(model_cfg, uspec)
     rows = loop.rows()
 
-    def local(cur, prev, batch, pstate, prev_live, step):
+    def local(versions, batch, pstate, live, step):
         s = jax.lax.axis_index("stage")
-        cur_v = _versions(model_cfg, cur)
-        prev_v = _versions(model_cfg, prev) if is_async else cur_v
+        versions_v = tuple(_versions(model_cfg, v) for v in versions)
         b, T = batch.shape[1], batch.shape[2] - 1
-        if carries_state:
+        if flushless:
             strip = lambda x: x[0, 0]  # noqa: E731
             stash, fwd_buf, bwd_buf = [strip(r) for r in pstate.stash], strip(pstate.fwd_buf), strip(pstate.bwd_buf)
-            prev_batch = pstate.prev_batch
+            batches = jnp.concatenate([batch[None], pstate.batches])
         else:
-            stash, fwd_buf, bwd_buf = loop.buffers(fns, cur_v[0], vary(jnp.zeros((b, T, model_cfg.d_model), act_dtype)))
-            prev_batch = batch
-        delay = OneStepDelay(is_async, prev_live)
-        n_acc = delay.accumulators
+            stash, fwd_buf, bwd_buf = loop.buffers(fns, versions_v[0][0],
+                                                   vary(jnp.zeros((b, T, model_cfg.d_model), act_dtype)))
+            batches = batch[None]
         # The embedding's lookup gradient (stage 0) and the head's (stage P-1, as [D, V]); a tied
         # table has one accumulator, in its (the head's) layout, for both.  Each replicated leaf's
-        # accumulators are stacked along the axis _acc_axis gives it, the layers' in front.
-        top_acc = {"head": cur_v[2]} if tied else {"embed": cur_v[1]["embed"], "head": cur_v[2]}
+        # accumulators (one per update offset it reaches) are stacked along the axis _acc_axis
+        # gives it, the layers' in front.
+        cur = versions_v[0]
+        top_acc = {"head": cur[2]} if tied else {"embed": cur[1]["embed"], "head": cur[2]}
+        top_counts = {"head": {k: offsets.count(g) for k, g in offsets.head_groups().items()}}
+        if not tied:
+            top_counts["embed"] = {"embedding": offsets.count("embed")}
         top_axes = jax.tree.map(lambda x, sp: _acc_axis(sp, x.ndim), top_acc, top_specs)
-        stacked = lambda x, ax: jnp.zeros(x.shape[:ax] + (n_acc,) + x.shape[ax:], jnp.float32)  # noqa: E731
-        acc_l = vary(jax.tree.map(lambda x: stacked(x, 0), cur_v[0]))
-        acc_t = vary(jax.tree.map(stacked, top_acc, top_axes))
-        slots = stash[0].shape[0]
-        dev = _Device(fns, delay, s, n_stages, cur_v, prev_v, batch, prev_batch, step, slots, act_dtype, top_axes,
-                      chunks=loop.chunks, vocab_parallel=vocab_parallel)
-        sums0 = vary({k: jnp.zeros((n_acc,), jnp.float32) for k in stat_names(model_cfg)})
+        stacked = lambda x, ax, n: jnp.zeros(x.shape[:ax] + (n,) + x.shape[ax:], jnp.float32)  # noqa: E731
+        acc_l = vary(jax.tree.map(lambda x: stacked(x, 0, offsets.count("layers")), cur[0]))
+        acc_t = vary(jax.tree.map(lambda n, x, ax: jax.tree.map(lambda y, a: stacked(y, a, n), x, ax),
+                                  top_counts, top_acc, top_axes))
+        dev = Device(fns, s, n_stages, versions_v, batches, live, offsets, act_dtype, top_axes,
+                     chunks=program.chunks, vocab_parallel=split_tables)
+        sums0 = vary({k: jnp.zeros((offsets.count("stats"),), jnp.float32) for k in stat_names(model_cfg)})
         carry = (stash, fwd_buf, bwd_buf, acc_l, acc_t, sums0)
-        xs = rows if getattr(loop, "whole_rows", False) else jnp.take(rows, s, axis=1)
-        carry, _ = jax.lax.scan(loop.body(dev), carry, xs)
-        return _finish(model_cfg, carry, pstate, cur, batch, prev_live, is_async, carries_state, top_specs,
-                       top_axes, expert_parallel, vocab_parallel)
+        xs = rows if loop.whole_rows else jnp.take(rows, s, axis=1)
+        carry, _ = jax.lax.scan(loop.body(dev, step), carry, xs)
+        return _finish(model_cfg, carry, pstate, offsets, live, flushless, carries_state, top_specs, top_axes,
+                       expert_parallel, split_tables)
 
-    def grads_fn(cur, prev, batch, pstate, prev_live, step):
-        sspec = pipeline_state_specs(params_abstract, pstate, expert_parallel, vocab_parallel)
-        fn = jax.shard_map(local, mesh=mesh, in_specs=(pspec, pspec, BATCH_SPEC, sspec, P(), P()),
+    def grads_fn(versions, batch, pstate, live, step):
+        sspec = pipeline_state_specs(params_abstract, pstate, expert_parallel, split_tables)
+        vspec = tuple(pspec for _ in versions)
+        fn = jax.shard_map(local, mesh=mesh, in_specs=(vspec, BATCH_SPEC, sspec, P(), P()),
                            out_specs=(uspec, P(), sspec))
-        return fn(cur, prev, batch, pstate, prev_live, step)
+        return fn(versions, batch, pstate, live, step)
 
     return grads_fn
-
 
 def _top_acc_specs(model_cfg, uspec) -> dict:
     """Where each replicated leaf's update lives (:func:`update_specs`), laid out like the
@@ -405,54 +373,71 @@ def _is_table_accumulator(path) -> bool:
     return path[0].key == "embed" or path[-1].key == "w"
 
 
-def _reduce_accumulators(model_cfg, acc_l, acc_t, sums, n_acc, top_specs, top_axes, vocab_parallel=False):
+def _reduce_accumulators(model_cfg, acc_l, acc_t, sums, offsets: Offsets, top_specs, top_axes,
+                         vocab_parallel=False):
     """The step's accumulators -> ``[(this replica's gradient laid out as update_specs, loss sums)]``,
-    one per batch they hold.  The replicated leaves are reduced over ``stage`` once for all
-    batches (a table split over its vocabulary is not: each device's block is whole); the
+    one per update offset, each gradient holding the groups that have that offset
+    (:meth:`Offsets.count`).  The replicated leaves are reduced over ``stage`` once for all
+    offsets (a table split over its vocabulary is not: each device's block is whole); the
     reduction over ``data`` is the caller's, once per batch's whole gradient."""
     def reduce(path, acc, spec, axis):
         own_block = vocab_parallel and _is_table_accumulator(path)
         return acc if own_block else reduce_top(acc, spec, axis)
 
     summed = jax.tree_util.tree_map_with_path(reduce, acc_t, top_specs, top_axes)
+    total = max(n for _, n in offsets.counts)
+
+    def at(a, x, axis):
+        if a < x.shape[axis]:
+            return jax.lax.index_in_dim(x, a, axis, keepdims=False)
+        return jnp.zeros(x.shape[:axis] + x.shape[axis + 1:], x.dtype)
+
     out = []
-    for k in range(n_acc):
-        t = jax.tree.map(lambda a, ax: jax.lax.index_in_dim(a, k, ax, keepdims=False), summed, top_axes)
+    for k in range(total):
+        t = jax.tree.map(functools.partial(at, k), summed, top_axes)
         if model_cfg.tie_embeddings:  # both uses of the table, in its one [D, V] accumulator
             top = {"final_norm": t["head"]["final_norm"], "embed": {"embedding": t["head"]["w"]}}
         else:
             top = {**dense.grads_from_head(model_cfg, t["head"]), "embed": t["embed"]}
-        grads = join_params(jax.tree.map(lambda a: a[k], acc_l), top)
-        out.append((grads, {n: jax.lax.pmean(jax.lax.psum(v[k], "stage"), "data") for n, v in sums.items()}))
+        grads = join_params(jax.tree.map(lambda x: at(k, x, 0), acc_l), top)
+        grads = {g: v for g, v in grads.items() if offsets.count(g) > k}
+        sums_k = {n: jax.lax.pmean(jax.lax.psum(at(k, v, 0), "stage"), "data") for n, v in sums.items()}
+        out.append((grads, sums_k))
     return out
 
 
-@_scoped("pp_reduce")
-def _finish(model_cfg, carry, pstate, cur, batch, prev_live, is_async, carries_state, top_specs, top_axes,
-            expert_parallel, vocab_parallel=False):
-    """The end of a step: the applied batch's gradient and loss (accumulator 0, joined under
-    ``2bw`` with its head carried in as ``grad_partial``), and the in-flight state to carry."""
+@scoped("pp_reduce")
+def _finish(model_cfg, carry, pstate, offsets: Offsets, live, flushless: bool, carries_state: bool, top_specs,
+            top_axes, expert_parallel, vocab_parallel=False):
+    """The end of a step: the gradient and loss of update offset 0 (joined with what earlier steps
+    carried for it), and the in-flight state to hand on: the buffers, and the partial gradients
+    and loss sums of later updates (offsets ``1..``), each held per data replica.  A flushed
+    program inside a flushless run (a synchronous start or cooldown step) hands on zeros: what
+    was in flight is dropped, as ``optim.delay`` drops it."""
     stash, fwd_buf, bwd_buf, acc_l, acc_t, sums = carry
-    n_acc = jax.tree.leaves(acc_l)[0].shape[0]  # OneStepDelay.accumulators: 2 under the delayed table
-    reduced = _reduce_accumulators(model_cfg, acc_l, acc_t, sums, n_acc, top_specs, top_axes, vocab_parallel)
-    grads, totals = reduced[0]
+    reduced = _reduce_accumulators(model_cfg, acc_l, acc_t, sums, offsets, top_specs, top_axes, vocab_parallel)
     new = None
     if carries_state:
-        if is_async:  # batch t-1's head, carried from the previous step, joins its tail before the reduction
-            keep = lambda a, p: a + jnp.where(prev_live, p, jnp.zeros_like(p))  # noqa: E731
-            grads = jax.tree.map(keep, grads, on_data_axis(pstate.grad_partial, expert_parallel, add=False))
-            totals = jax.tree.map(keep, totals, pstate.stats_partial)
-            partial, partial_sums = reduced[1]
+        if flushless:  # what earlier steps made for these updates joins before the reduction over data
+            came = [on_data_axis(g, expert_parallel, add=False) for g in pstate.grad_partial]
+            keep = lambda x, p: x + jnp.where(live[1], p, jnp.zeros_like(p))  # noqa: E731  (zeros: a fresh run)
+            for a, (g_in, s_in) in enumerate(zip(came, pstate.stats_partial)):
+                g, s = reduced[a]
+                reduced[a] = ({k: jax.tree.map(keep, v, g_in[k]) if k in g_in else v for k, v in g.items()},
+                              jax.tree.map(keep, s, s_in))
+            partial = [on_data_axis(g, expert_parallel, add=True) for g, _ in reduced[1:]]
+            partial_sums = [s for _, s in reduced[1:]]
+            stash = [x[None, None] for x in stash]
+            fwd_buf, bwd_buf = fwd_buf[None, None], bwd_buf[None, None]
         else:
-            partial = jax.tree.map(jnp.zeros_like, grads)
-            partial_sums = jax.tree.map(jnp.zeros_like, totals)
-        partial = on_data_axis(partial, expert_parallel, add=True)
-        grow = lambda x: x[None, None]  # noqa: E731
-        new = PipelineState(prev_params=cur, stash=[grow(r) for r in stash], fwd_buf=grow(fwd_buf),
-                            bwd_buf=grow(bwd_buf), grad_partial=partial, stats_partial=partial_sums,
-                            prev_batch=batch)
-    grads = mean_over_data(grads, expert_parallel)  # once per batch: its head and tail together
-    count = totals.pop("count")  # 0 at a fill update: no batch's gradient is applied, so no loss
+            partial = jax.tree.map(jnp.zeros_like, list(pstate.grad_partial))
+            partial_sums = jax.tree.map(jnp.zeros_like, list(pstate.stats_partial))
+            stash, fwd_buf, bwd_buf = pstate.stash, pstate.fwd_buf, pstate.bwd_buf  # untouched: none is live next
+        new = pstate._replace(stash=list(stash), fwd_buf=fwd_buf, bwd_buf=bwd_buf, grad_partial=tuple(partial),
+                              stats_partial=tuple(partial_sums))
+    grads, totals = reduced[0]
+    grads = mean_over_data(grads, expert_parallel)  # once per batch: every part of it together
+    count = totals.pop("count")  # 0 at a fill update: no batch's loss was finished, so none is logged
     stats = {k: v / count for k, v in totals.items()}
     stats["loss_microbatches"] = count
     return grads, stats, new

@@ -149,10 +149,10 @@ class MpmdTrainStep:
         self.zero_activation = [jax.jit(functools.partial(jnp.zeros, a.shape, a.dtype), out_shardings=a.sharding)
                                 for a in acts]
         self.update = GroupedUpdate(model_cfg, optimizer, schedule, pl, params_abstract, grad_clip, expert_parallel)
-        self.flushed = programs.validate(programs.generate("1f1b", P_, microbatches))
+        self.flushed = programs.validate(programs.generate("1f1b" if self.is_2bw else pipeline_schedule, P_, microbatches))
         self.windows = {"flushed": order(self.flushed, False)}
         if self.is_2bw:
-            self.delayed = programs.validate(programs.two_bw(P_, microbatches))
+            self.delayed = programs.validate(programs.generate("2bw", P_, microbatches))
             self.windows.update(fill=order(self.delayed, False), steady=order(self.delayed, True))
             self.carried = carried_keys(self.windows["fill"], P_)
         self._last_step: tuple | None = None  # (the step array this returned, its value): no read back

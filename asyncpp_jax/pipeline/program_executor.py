@@ -1,10 +1,11 @@
-"""The engine running a schedule given as a program (:mod:`asyncpp_jax.pipeline.programs`).
+"""The engine's one loop: any schedule, given as a program (:mod:`asyncpp_jax.pipeline.programs`).
 
 :func:`asyncpp_jax.pipeline.slot_plan.compile_program` places the program's actions in lock-step
 slots and assigns every buffer entry; :class:`SlotLoop` is the loop body that
 :func:`asyncpp_jax.pipeline.executor.make_grads_fn` scans over those slots.  In a slot each device
-runs its row's backward, then its forward (either may be absent), with the slot computations of the
-tick loop (:class:`~asyncpp_jax.pipeline.executor._Device`):
+runs its row's backward, then its forward (either may be absent), with the slot computations of
+:class:`~asyncpp_jax.pipeline.executor.Device`; an action of a batch that did not run this
+program (a flushless program's first steps, or after a synchronous start) is skipped:
 
 * ``F`` on stages ``0..P-2``: the block on the embedded tokens (stage 0) or on the activation in
   its ``fwd`` entry; the backward's entry goes to its stash entry;
@@ -36,12 +37,17 @@ from asyncpp_jax.pipeline import slot_plan
 from asyncpp_jax.pipeline.collectives import hop_perms, vary
 from asyncpp_jax.pipeline.stage import StageFns, chunk_rows, residual_shapes, save_shapes
 
+ENTRY_COLUMNS = {"stash": ("f_stash", "b_stash"), "fwd": ("f_fwd", "b_fwd", "fwd_store"),
+                 "bwd": ("b_bwd", "bwd_store")}  # the columns naming an entry of a buffer kept across steps
+
 
 @dataclasses.dataclass(frozen=True)
 class SlotLoop:
     """A compiled program as :func:`~asyncpp_jax.pipeline.executor.make_grads_fn`'s loop."""
 
     plan: slot_plan.SlotPlan
+    vocab_parallel = False  # the tables whole on their stages (VocabSlotLoop: split over stage)
+    whole_rows = False  # each device scans its own column of the rows
 
     @property
     def n_stages(self) -> int:
@@ -85,11 +91,25 @@ class SlotLoop:
 
     columns = slot_plan.COLUMNS  # what a row of :meth:`rows` holds, in order
 
-    def body(self, dev):
+    def entries(self, r: dict, step) -> dict:
+        """A flushless plan's entries as this step finds them (:attr:`slot_plan.SlotPlan.cyclic`):
+        microbatch ``step * M + m`` is entry ``(m mod S + step * M) mod S`` of a ring of ``S``
+        entries (the last, write-only entry stays); a flushed plan's rows name them as they are."""
+        if not self.plan.cyclic:
+            return r
+        r = dict(r)
+        for name, cols in ENTRY_COLUMNS.items():
+            S = self.plan.depth[name] - 1
+            shift = jnp.mod(step * self.microbatches, S)
+            for c in cols:
+                r[c] = jnp.where(r[c] >= S, r[c], jnp.mod(r[c] + shift, S))
+        return r
+
+    def body(self, dev, step):
         n = self.n_stages
         # An interleaved device's chunks are a ring: the last device's chunk c feeds device 0's c + 1.
         fwd_perm, bwd_perm = hop_perms(n, ring=self.chunks > 1)
-        b, T = dev.batch.shape[1], dev.batch.shape[2] - 1
+        b, T = dev.batches.shape[2], dev.batches.shape[3] - 1
         x = vary(jnp.zeros((b, T, dev.fns.cfg.d_model), dev.act_dtype))
         if not dev.fns.recompute:
             # The backward runs first in a slot but rebuilds its vjp closure from the layout the
@@ -101,8 +121,8 @@ class SlotLoop:
         def slot(carry, row):
             stash, fwd, bwd, acc_l, acc_t, sums = carry
             stash, save = stash[:n_stash], stash[n_stash:]
-            r = {name: row[i] for i, name in enumerate(self.columns)}
-            jf, has_f = r["f"], r["f"] != slot_plan.IDLE
+            r = self.entries({name: row[i] for i, name in enumerate(self.columns)}, step)
+            jf, has_f = r["f"], dev.is_live(r["f"])
             x_f = fwd[r["f_fwd"]]
             zeros = jnp.zeros_like(x_f)
             emb_f, emb_b = self.embedded(dev, r)
@@ -135,26 +155,27 @@ class SlotLoop:
     @staticmethod
     def ran_first_backward(dev, r):
         """Whether this device ran the first virtual stage's ``B`` (or ``I``) in the slot."""
-        return dev.first(r["b_chunk"]) & (r["b"] != slot_plan.IDLE)
+        return dev.first(r["b_chunk"]) & dev.is_live(r["b"])
 
     def embedding_grad(self, dev, r, acc_t, g_x):
         """The first virtual stage's input cotangent into the embedding's gradient rows, outside
-        the conds as in the tick loop."""
+        the conds: updated inside a cond branch, XLA copies the whole vocabulary-sized accumulator
+        at every backward slot."""
         ct, jb = self.embedding_cotangent(dev, r, g_x)
         jb_live = jnp.where(jb != slot_plan.IDLE, jb, 0)
-        return dev.lookup_transpose_add(acc_t, dev.tokens_of(jb_live)[:, :-1], ct, dev.delay.accumulator(jb_live),
-                                        self.ran_first_backward(dev, r))
+        return dev.lookup_transpose_add(acc_t, dev.tokens_of(jb_live)[:, :-1], ct,
+                                        dev.offset(jb_live, dev.offsets.delays[0]), self.ran_first_backward(dev, r))
 
     def final_backward(self, dev, r, stash, fwd, acc_l, acc_t, sums, g_x):
         """The last virtual stage's ``B``: block, head and loss as one fused vjp under its cond."""
-        jb, has_b = r["b"], r["b"] != slot_plan.IDLE
+        jb, has_b = r["b"], dev.is_live(r["b"])
         return jax.lax.cond(has_b & dev.final(r["b_chunk"]),
                             lambda al, at, su, _: dev.last(jb, fwd[r["b_fwd"]], al, at, su),
                             lambda *a: a, acc_l, acc_t, sums, g_x)
 
     def final_input_grad(self, dev, r, stash, fwd, acc_t, sums, save, g_x):
         """The last virtual stage's ``I``: the fused vjp with respect to the head, input and taps."""
-        jb, has_b = r["b"], r["b"] != slot_plan.IDLE
+        jb, has_b = r["b"], dev.is_live(r["b"])
         return jax.lax.cond(
             has_b & dev.final(r["b_chunk"]),
             lambda at, su, sv, _: dev.last_input(jb, fwd[r["b_fwd"]], at, su, sv, r["b_save"]),
@@ -162,7 +183,7 @@ class SlotLoop:
 
     def _backward(self, dev, r, stash, save, fwd, bwd, acc_l, acc_t, sums, zeros, embedded):
         """A slot's ``B``: the block's vjp (stages ``0..P-2``), or the last stage's."""
-        jb, has_b, b_last = r["b"], r["b"] != slot_plan.IDLE, dev.final(r["b_chunk"])
+        jb, has_b, b_last = r["b"], dev.is_live(r["b"]), dev.final(r["b_chunk"])
         acc_l, g_x = jax.lax.cond(
             has_b & ~b_last,
             lambda al: dev.backward(jb, bwd[r["b_bwd"]], r["b_stash"], stash, al, r["b_chunk"], embedded=embedded),
@@ -173,7 +194,7 @@ class SlotLoop:
     def _split_backward(self, dev, r, stash, save, fwd, bwd, acc_l, acc_t, sums, zeros, embedded):
         """A slot's ``I`` (into the ``save`` ring; on the last stage with the head's gradient) and
         ``W`` (from it, into the layers' accumulator), each under its own cond."""
-        jb, has_b, b_last = r["b"], r["b"] != slot_plan.IDLE, dev.final(r["b_chunk"])
+        jb, has_b, b_last = r["b"], dev.is_live(r["b"]), dev.final(r["b_chunk"])
         save, g_x = jax.lax.cond(
             has_b & ~b_last,
             lambda sv: dev.input_grad(jb, bwd[r["b_bwd"]], r["b_stash"], stash, sv, r["b_save"], r["b_chunk"],
@@ -181,6 +202,6 @@ class SlotLoop:
             lambda sv: (sv, zeros), save)
         acc_t, sums, save, g_x = self.final_input_grad(dev, r, stash, fwd, acc_t, sums, save, g_x)
         jw = r["w"]
-        acc_l = jax.lax.cond(jw != slot_plan.IDLE, lambda al: dev.weight_grad(jw, save, r["w_save"], al, r["w_chunk"]),
+        acc_l = jax.lax.cond(dev.is_live(jw), lambda al: dev.weight_grad(jw, save, r["w_save"], al, r["w_chunk"]),
                              lambda al: al, acc_l)
         return acc_l, acc_t, sums, save, g_x

@@ -17,24 +17,34 @@ send/recv pairs; the schedules are
 * ``zb-h1``: zero bubble H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"): 1F1B with ``B``
   split into ``I`` (on the critical path) and ``W`` (deferred into the cool-down bubble; device
   ``s`` defers ``s`` of them, so every device holds at most ``P`` microbatches, 1F1B's peak);
+* ``sync``: 1F1B with a flush whose backwards run as early as the lock-step dataflow allows:
+  device ``s`` runs ``2(P - 1 - s)`` warm-up forwards, then one forward and one backward in turn
+  (the eager order of GPipe-style "backward as soon as possible" tables; it holds up to
+  ``2(P - s) - 1`` microbatches, ``1f1b`` at most ``P - s``);
 * ``2bw``: PipeDream-2BW (Narayanan et al. 2021, "Memory-Efficient Pipeline-Parallel DNN
   Training"): 1F1B that never flushes; a microbatch uses its batch's weights for its forward and
   its backward, and update ``t`` applies batch ``t - 1`` (two weight versions, one-step delay);
-* ``sync-ticks`` / ``2bw-ticks``: the engine's current lock-step tick tables
-  (asyncpp_jax.pipeline.tick_tables) read as programs (:func:`from_tick_table`).
+* ``pipedream``: PipeDream's per-stage delay (Narayanan et al. 2019, "PipeDream: Generalized
+  Pipeline Parallelism for DNN Training") with vertical sync: a batch reads one weight version on
+  every stage, runs its forwards in its own step, and stage ``s`` runs its backwards ``P - 1 - s``
+  steps later, so update ``t`` applies stage ``s``'s gradient of batch ``t - (P - 1 - s)`` and
+  stage ``s`` keeps ``P - s`` weight versions (weight stashing).
 
-Microbatches are step-relative, as in the tick tables: ``m`` in ``[0, M)`` is this step's batch,
-``m < 0`` the previous batch's microbatch ``m + M``.  A program with ``delay = 0`` is one flushed
-step; with ``delay = 1`` it is one window of a steady state that repeats every step (the first
-step's references to a batch before the first are the fill: nothing runs there).  Versions are
-relative too: ``0`` reads ``w[t]``, ``-1`` reads ``w[t-1]``.
+Microbatches are step-relative: ``m`` in ``[0, M)`` is this step's batch, ``m < 0`` the microbatch
+``m mod M`` of batch ``t + m // M`` (``-1``: the previous batch's last).  A program with ``delay = 0``
+is one flushed step; with ``delay > 0`` it is one window of a steady state that repeats every step
+(the first steps' references to batches before the first are the fill: nothing runs there).
+Versions are relative too: ``0`` reads ``w[t]``, ``-1`` reads ``w[t-1]``.  Each virtual stage ``u``
+has a delay ``d_u`` (``stage_delays``; by default every stage the program's ``delay``): update
+``t`` applies stage ``u``'s gradient of batch ``t - d_u``.  This is the one place the engine's delay
+lives: the executor reads the versions and the stage delays off the program, nothing else.
 
 :func:`validate` checks, naming the device, the action and the rule:
 
 * ``shape``: one list per device, known kinds, chunks in range;
 * ``version``: a microbatch reads its batch's weights in every action (one version for its F and
-  its B/I/W), and no batch older than the schedule's ``delay`` (sync: the step's weights; 2bw: one
-  step stale, two versions live);
+  its B/I/W), and stage ``u`` touches no batch older than its delay ``d_u`` (sync: the step's
+  weights; 2bw: one step stale, two versions live; pipedream: stage ``s`` ``P - 1 - s`` stale);
 * ``once``: every (virtual stage, microbatch) gets one ``F`` and either one ``B`` or one ``I`` and
   one ``W`` per step;
 * ``order``: on each device a microbatch's ``F`` precedes its ``B``/``I``, and ``I`` precedes ``W``;
@@ -50,21 +60,20 @@ dependencies and the weight update as a collective at each step's end, from per-
 :func:`bubble_fraction`, :func:`buffers` (peak messages in transit per channel) and
 :func:`min_microbatches` (the smallest ``M`` whose generated program validates).
 
-The engine executes a flushed program, ``F`` with ``B`` or with ``I`` and ``W``, on any number of
-chunks per device (:mod:`asyncpp_jax.pipeline.slot_plan` places it into lock-step slots and assigns
-every buffer entry; :mod:`asyncpp_jax.pipeline.program_executor` runs the rows):
-``config.pipeline.schedule`` ``1f1b``, ``interleaved`` and ``zb-h1``.  Flushless programs are not
-executed yet; docs/design.md, section 6.1, says what constrains them (lock-step slots last as long
-as their costliest action, :func:`lockstep`; a message crosses a device boundary in one slot; on
-XLA:CPU a conditional whose branches both write the stash ring copies it at every slot).
+The engine executes every valid program: :mod:`asyncpp_jax.pipeline.slot_plan` places it into
+lock-step slots and assigns every buffer entry (a flushless program's entries are kept across
+steps, in the checkpointed state), :mod:`asyncpp_jax.pipeline.program_executor` runs the rows.
+Flushed programs run ``F`` with ``B``, or with ``I`` and ``W``, on any number of chunks per device;
+flushless ones ``F`` and ``B`` on one chunk per device.  docs/design.md, section 6.1, says what
+constrains the lock-step executor (slots last as long as their costliest action,
+:func:`lockstep`; a message crosses a device boundary in one slot; on XLA:CPU a conditional whose
+branches both write the stash ring copies it at every slot).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-
-from asyncpp_jax.pipeline import tick_tables
 
 KINDS = ("F", "B", "I", "W")
 BACKWARDS = ("B", "I")  # the actions that send a gradient to the previous stage
@@ -101,11 +110,22 @@ class Program:
     chunks: int = 1
     delay: int = 0
     training: bool = True  # False: a forward-only program (eval): one F per stage and microbatch, nothing else
+    stage_delays: tuple | None = None  # d_u per virtual stage (None: every stage ``delay``); delay = max(d_u)
 
     @property
     def stages(self) -> int:
         """Virtual stages: ``chunks * devices``."""
         return self.chunks * self.devices
+
+    @property
+    def delays(self) -> tuple:
+        """``d_u`` per virtual stage: update ``t`` applies stage ``u``'s gradient of batch ``t - d_u``."""
+        return tuple(self.stage_delays) if self.stage_delays is not None else (self.delay,) * self.stages
+
+    @property
+    def flushless(self) -> bool:
+        """Whether batches cross step boundaries (the state carries what is in flight)."""
+        return self.delay > 0
 
     def stage_of(self, device: int, chunk: int) -> int:
         return chunk * self.devices + device
@@ -222,13 +242,54 @@ def interleaved(P: int, M: int, v: int = 2) -> Program:
 
 
 def two_bw(P: int, M: int) -> Program:
-    """PipeDream-2BW (Narayanan et al. 2021) in steady state: 1F1B that never flushes.  Device ``s``
-    runs this step's forward ``k`` and the backward of the microbatch ``P - 1 - s`` behind it, for
-    ``k = 0 .. M - 1``; a negative microbatch is the previous batch's and reads ``w[t-1]``.  Valid
-    (two versions) when every backward is at most one batch behind: ``M >= P - 1``."""
-    lag = [P - 1 - s for s in range(P)]
-    lists = [tuple(a for k in range(M) for a in (_act("F", k, M), _act("B", k - lag[s], M))) for s in range(P)]
+    """PipeDream-2BW (Narayanan et al. 2021) in steady state: 1F1B that never flushes; a negative
+    microbatch is the previous batch's and reads ``w[t-1]``.  With ``M >= 2(P - 1)`` stage ``s``
+    runs, at each of the step's ``M`` ticks ``k``, the forward of ``k - s`` and the backward of
+    ``k - 2(P - 1) + s`` (forwards and backwards both cross the step boundary, so in lock-step every
+    stage is busy at every tick: no ramp).  With ``P - 1 <= M < 2(P - 1)`` that order would reach two
+    batches back, so stage ``s`` runs this step's forward ``k`` and the backward of the microbatch
+    ``P - 1 - s`` behind it (the backwards alone cross the boundary).  Valid (two versions) from
+    ``M >= P - 1``."""
+    if M >= 2 * (P - 1):
+        lists = [tuple(a for k in range(M) for a in (_act("F", k - s, M), _act("B", k - 2 * (P - 1) + s, M)))
+                 for s in range(P)]
+    else:
+        lag = [P - 1 - s for s in range(P)]
+        lists = [tuple(a for k in range(M) for a in (_act("F", k, M), _act("B", k - lag[s], M))) for s in range(P)]
     return Program("2bw", P, M, tuple(lists), delay=1)
+
+
+def sync(P: int, M: int) -> Program:
+    """A flushed step in the eager order: stage ``s`` runs the forward of ``m`` at tick ``m + s`` and
+    its backward at tick ``m + 2(P - 1) - s`` (each tick's forward, then its backward), so it starts
+    with ``2(P - 1 - s)`` warm-up forwards; its gradient is the unpipelined model's."""
+    lists = []
+    for s in range(P):
+        acts = []
+        for k in range(M + 2 * P - 2):
+            f, b = k - s, k - 2 * (P - 1) + s
+            acts += [_act("F", f, M)] * (0 <= f < M) + [_act("B", b, M)] * (0 <= b < M)
+        lists.append(tuple(acts))
+    return Program("sync", P, M, tuple(lists))
+
+
+def pipedream(P: int, M: int) -> Program:
+    """PipeDream (Narayanan et al. 2019) with vertical sync, per batch: step ``t`` runs every stage's
+    forward of batch ``t`` at ``w[t]``; stage ``s`` runs its backwards of batch ``t - d_s``,
+    ``d_s = P - 1 - s``, at that batch's weights ``w[t - d_s]``, so update ``t`` applies each stage's
+    gradient with the stage's own delay (the simulate runner's ``staleness.mode=pipedream``,
+    ``pipedream_gradient='per_leaf'``).  Stage ``s`` keeps ``P - s`` weight versions and the
+    activations of ``P - s`` batches; the last stage's forward and backward of a microbatch are one
+    fused step.  On stage ``s < P - 1`` each backward of the old batch comes before the forward it is
+    paired with: the old batch's cotangents are all waiting when the step starts, so the stage works
+    while this step's forwards ripple down the stages."""
+    lists = []
+    for s in range(P):
+        lag = (P - 1 - s) * M
+        acts = [a for k in range(M) for a in ((_act("B", k - lag, M), _act("F", k, M)) if lag
+                                               else (_act("F", k, M), _act("B", k, M)))]
+        lists.append(tuple(acts))
+    return Program("pipedream", P, M, tuple(lists), delay=P - 1, stage_delays=tuple(range(P - 1, -1, -1)))
 
 
 def forward_only(P: int, M: int, v: int = 1) -> Program:
@@ -244,34 +305,24 @@ def forward_only(P: int, M: int, v: int = 1) -> Program:
     return Program("forward" if v == 1 else f"forward v={v}", P, M, lists, chunks=v, training=False)
 
 
-def from_tick_table(table) -> Program:
-    """A ``tick_tables.TickTable`` as a program: each tick's forward, then its backward, in tick order;
-    a negative microbatch reads ``w[t-1]`` (what ``OneStepDelay.run`` does)."""
-    P, M = table.n_stages, table.microbatches
-    lists = []
-    for s in range(P):
-        acts = []
-        for k in range(table.ticks):
-            f, b = int(table.forward[k, s]), int(table.backward[k, s])
-            acts += [_act("F", f, M)] * (f != tick_tables.IDLE) + [_act("B", b, M)] * (b != tick_tables.IDLE)
-        lists.append(tuple(acts))
-    return Program(f"{table.name}-ticks", P, M, tuple(lists), delay=int(table.name == "2bw"))
-
-
-def _tick_program(name: str, P: int, M: int) -> Program:
-    table = tick_tables.sync_table(P, M) if name == "sync" else tick_tables.async_table(P, M, check=False)
-    return from_tick_table(table)
-
-
 GENERATORS = {
+    "sync": lambda P, M, v=1: sync(P, M),
     "1f1b": lambda P, M, v=1: one_f_one_b(P, M),
     "interleaved": lambda P, M, v=2: interleaved(P, M, v),
     "zb-h1": lambda P, M, v=1: zb_h1(P, M),
     "2bw": lambda P, M, v=1: two_bw(P, M),
+    "pipedream": lambda P, M, v=1: pipedream(P, M),
     "forward": lambda P, M, v=1: forward_only(P, M, v),
-    "sync-ticks": lambda P, M, v=1: _tick_program("sync", P, M),
-    "2bw-ticks": lambda P, M, v=1: _tick_program("2bw", P, M),
 }
+
+
+def register(name: str, generator) -> None:
+    """Add schedule ``name``: ``generator(P, M, v=1) -> Program``.  The engine runs it as it runs the
+    built-in ones (``config.pipeline.schedule=name``, or ``engine.make_pipeline_train_step``): a new
+    schedule is a generator and nothing else (docs/pipeline.md, "Add a schedule")."""
+    if name in GENERATORS:
+        raise ProgramError(f"a schedule named {name!r} exists already; pick another name")
+    GENERATORS[name] = generator
 
 
 def generate(name: str, P: int, M: int, v: int | None = None) -> Program:
@@ -279,6 +330,64 @@ def generate(name: str, P: int, M: int, v: int | None = None) -> Program:
     if name not in GENERATORS:
         raise ProgramError(f"no schedule named {name!r}; known: {', '.join(GENERATORS)}")
     return GENERATORS[name](P, M) if v is None else GENERATORS[name](P, M, v)
+
+
+# ---------------------------------------------------------------------------------- update offsets
+
+
+@dataclasses.dataclass(frozen=True)
+class Offsets:
+    """Which update each gradient a program's step makes joins, as an offset from this step's.
+
+    Stage ``u``'s gradient of batch ``t + k`` (``k <= 0``, the batch offset of its microbatch) is
+    applied at update ``t + k + d_u`` (:attr:`Program.delays`), offset ``k + d_u``: 0 now,
+    ``a > 0`` carried ``a`` steps in :class:`~asyncpp_jax.pipeline.state.PipelineState`.  Each group
+    of leaves has its own delay: the layer rows their stage's, the embedding table the first
+    stage's (a tied table both of its uses, as the simulate runner's per-leaf delays give it), the
+    final norm and an untied head the last stage's; the loss sums are logged with the batch
+    whose loss the last stage computed (offset ``k + d_last``).  ``counts``: per group, how many
+    offsets the program's actions reach (accumulators held in a step)."""
+
+    delays: tuple  # d_u per virtual stage
+    microbatches: int
+    tied: bool
+    counts: tuple  # ((group, count), ...) for GROUPS
+
+    GROUPS = ("layers", "embed", "final_norm", "lm_head", "stats")
+
+    @classmethod
+    def of(cls, program: Program, tied: bool) -> "Offsets":
+        d, M, last = program.delays, program.microbatches, program.stages - 1
+        reach = {g: {0} for g in cls.GROUPS}
+        for dev, acts in enumerate(program.actions):
+            for act in acts:
+                u, k = program.stage_of(dev, act.chunk), act.microbatch // M
+                if act.kind != "F":
+                    reach["layers"].add(k + d[u])
+                if act.kind in ("B", "I") and u == 0:
+                    reach["embed"].add(k + d[0])
+                if act.kind in ("B", "I") and u == last:
+                    reach["final_norm"].add(k + d[last])
+                    reach["embed" if tied else "lm_head"].add(k + d[0 if tied else last])
+                if act.kind == "F" or u == last:
+                    reach["stats"].add(k + d[last])
+        return cls(tuple(d), M, tied, tuple((g, max(reach[g]) + 1) for g in cls.GROUPS))
+
+    def count(self, group: str) -> int:
+        return dict(self.counts)[group]
+
+    @property
+    def carried(self) -> int:
+        """How many later updates' partial gradients a step hands on (0 for a flushed program)."""
+        return max(n for _, n in self.counts) - 1
+
+    def group_of(self, path) -> str:
+        """The group of a leaf of the params tree (model layout), by its top-level key."""
+        return path[0].key
+
+    def head_groups(self) -> dict:
+        """The engine's head accumulator ``{'final_norm', 'w'}``: each leaf's group."""
+        return {"final_norm": "final_norm", "w": "embed" if self.tied else "lm_head"}
 
 
 # ---------------------------------------------------------------------------------------- unroll
@@ -318,13 +427,16 @@ def _check_shape(p: Program) -> None:
 
 
 def _check_versions(p: Program) -> None:
-    """The delay rule: ``version == batch`` of the microbatch, and ``-delay <= batch <= 0``."""
+    """The delay rule: ``version == batch`` of the microbatch, and ``-d_u <= batch <= 0`` on stage ``u``."""
+    if len(p.delays) != p.stages or max(p.delays) != p.delay or min(p.delays) < 0:
+        raise ProgramError(f"{p.name}: rule 'version': stage_delays {p.stage_delays} must give each of the "
+                           f"{p.stages} stages a delay in [0, delay={p.delay}], the largest equal to delay")
     for d, acts in enumerate(p.actions):
         for a in acts:
-            b = _batch(a.microbatch, p.microbatches)
-            if not -p.delay <= b <= 0:
-                older = "only this step's batch (a flushed schedule)" if p.delay == 0 else \
-                    f"batches at most {p.delay} step(s) old ({p.delay + 1} weight versions)"
+            b, du = _batch(a.microbatch, p.microbatches), p.delays[p.stage_of(d, a.chunk)]
+            if not -du <= b <= 0:
+                older = "only this step's batch" if du == 0 else \
+                    f"batches at most {du} step(s) old ({du + 1} weight versions)"
                 _fail(p, d, a, "version", f"microbatch {a.microbatch} is of batch t{b:+d}, but the schedule keeps {older}")
             if a.version != b:
                 _fail(p, d, a, "version", f"microbatch {a.microbatch} is of batch t{b:+d}, so every action of it reads "
@@ -368,7 +480,7 @@ def _check_order(p: Program, lists: list[list[Op]]) -> None:
             done.add(op.key)
 
 
-def _deps(op: Op, n_stages: int) -> list[tuple]:
+def deps(op: Op, n_stages: int) -> list[tuple]:
     """The ops ``op`` waits for, as ``(kind, stage, g)``: the previous stage's F (for an F); the
     same stage's F and the next stage's backward, ``B/I`` (either, for a B or I); the same stage's I
     (for a W)."""
@@ -379,7 +491,7 @@ def _deps(op: Op, n_stages: int) -> list[tuple]:
     return [("F", op.stage, op.g)] + ([("B/I", op.stage + 1, op.g)] if op.stage + 1 < n_stages else [])
 
 
-def _ended(done: dict, kind: str, stage: int, g: int):
+def ended(done: dict, kind: str, stage: int, g: int):
     """When op ``(kind, stage, g)`` ended (``B/I``: whichever of the two ran), or None."""
     for k in (BACKWARDS if kind == "B/I" else (kind,)):
         if (k, stage, g) in done:
@@ -454,8 +566,8 @@ def _cost(op: Op, costs: dict, chunks: int) -> float:
 def _ready(op: Op, done: dict, p: Program, p2p: float):
     """The earliest start allowed by ``op``'s dependencies, or None if one has not run yet."""
     t = 0.0
-    for kind, stage, g in _deps(op, p.stages):
-        end = _ended(done, kind, stage, g)
+    for kind, stage, g in deps(op, p.stages):
+        end = ended(done, kind, stage, g)
         if end is None:
             return None
         t = max(t, end + (p2p if p.device_of(stage) != p.device_of(op.stage) else 0.0))
@@ -529,8 +641,8 @@ def _deadlock(p: Program, lists, nxt, done):
     stuck = [(d, lists[d][nxt[d]]) for d in range(p.devices) if nxt[d] < len(lists[d])]
 
     def waits(o):
-        deps = [f"{k} of {g} on stage {u}" for k, u, g in _deps(o, p.stages) if _ended(done, k, u, g) is None]
-        return ", ".join(deps) or "the step's update"
+        missing = [f"{k} of {g} on stage {u}" for k, u, g in deps(o, p.stages) if ended(done, k, u, g) is None]
+        return ", ".join(missing) or "the step's update"
 
     text = "; ".join(f"device {e} at {o.kind} of microbatch {o.g} on stage {o.stage} (step {o.step}) waits for "
                      f"{waits(o)}" for e, o in stuck)
@@ -557,8 +669,8 @@ def lockstep(p: Program, costs: dict | None = None, steps: int = 1, update: floa
             ran = []
             for d, ops in enumerate(lists):
                 op = ops[nxt[d]] if nxt[d] < len(ops) and ops[nxt[d]].step == n else None
-                if op is not None and all((e := _ended(slot_of, *dep)) is not None and e < k
-                                          for dep in _deps(op, p.stages)):
+                if op is not None and all((e := ended(slot_of, *dep)) is not None and e < k
+                                          for dep in deps(op, p.stages)):
                     ran.append(op)
                     nxt[d] += 1
             if not ran:
@@ -632,9 +744,9 @@ def buffers(p: Program, costs: dict | None = None, p2p: float = 0.0) -> dict:
     ends = {ops[i].key: run.end[(d, i)] for d, ops in enumerate(run.lists) for i in range(len(ops))}
     for d, ops in enumerate(run.lists):
         for i, op in enumerate(ops):
-            for kind, u, g in _deps(op, p.stages):
+            for kind, u, g in deps(op, p.stages):
                 src = p.device_of(u)
-                sent = _ended(ends, kind, u, g)
+                sent = ended(ends, kind, u, g)
                 if u != op.stage and src != d and sent is not None:
                     ch = ("activation" if op.kind == "F" else "gradient", src, d)
                     events[ch] += [(sent, 1), (run.start[(d, i)], -1)]

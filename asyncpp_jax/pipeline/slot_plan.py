@@ -60,6 +60,10 @@ class SlotPlan:
     rows: np.ndarray  # int32 [slots, devices, len(COLUMNS)]
     depth: dict
     paired: bool
+    # A flushless program's entries are kept across steps: entry ``(rows value + step * M) mod
+    # (depth - 1)`` holds microbatch ``step * M + m`` (the last entry stays the write-only one).
+    # False: a flushed plan's entries are the rows' values as they are.
+    cyclic: bool = False
 
     @property
     def slots(self) -> int:
@@ -153,13 +157,18 @@ def place(program: programs.Program, paired: bool = False) -> list[list[list]]:
     """The program's actions in lock-step slots: ``slots[k][d]`` lists device ``d``'s actions at
     slot ``k`` (:class:`~asyncpp_jax.pipeline.programs.Op`: none, one, or with ``paired`` one
     backward and one forward).  The last virtual stage's ``F`` computes nothing (its ``B`` runs the
-    fused vjp), so it takes no slot: it is done as soon as its input has arrived."""
-    lists = programs.unroll(program, 1)
-    nxt, slot_of, slots = [0] * program.devices, {}, []
+    fused vjp), so it takes no slot: it is done as soon as its input has arrived.  A flushless
+    program is placed in its steady state: the window of step ``delay`` (every batch it touches
+    exists), whose dependencies on earlier windows were met before it began."""
+    window = program.delay
+    unrolled = programs.unroll(program, window + 1)
+    lists = [[op for op in ops if op.step == window] for ops in unrolled]
+    nxt, slots = [0] * program.devices, []
+    slot_of = {op.key: -1 for ops in unrolled for op in ops if op.step < window}
 
     def ready(op, k):
-        return all((e := programs._ended(slot_of, *dep)) is not None and e < k
-                   for dep in programs._deps(op, program.stages))
+        return all((e := programs.ended(slot_of, *dep)) is not None and e < k
+                   for dep in programs.deps(op, program.stages))
 
     while any(nxt[d] < len(ops) for d, ops in enumerate(lists)):
         k, row = len(slots), [[] for _ in range(program.devices)]
@@ -197,24 +206,33 @@ def path(program: programs.Program, paired: bool, costs: dict | None = None) -> 
     return float(sum(max(sum(cost(op) for op in ops) for ops in row) for row in place(program, paired)))
 
 
+def compile_schedule(name: str, n_stages: int, microbatches: int, recompute: bool = True,
+                     virtual_stages: int = 1) -> SlotPlan:
+    """The plan of schedule ``name`` (``programs.generate``; ``virtual_stages`` chunks per device
+    under ``interleaved``)."""
+    v = virtual_stages if name == "interleaved" else None
+    return compile_program(programs.generate(name, n_stages, microbatches, v), recompute)
+
+
 def compile_program(program: programs.Program, recompute: bool = True, paired: bool | None = None) -> SlotPlan:
     """Validate ``program`` and compile it into a :class:`SlotPlan`, paired or not as ``paired``
     says (None: the faster at the default costs, unpaired on a tie).  Flushed programs
     (``delay = 0``) with ``F`` and ``B`` actions, or ``F``, ``I`` and ``W`` (a split backward), on
-    any number of chunks per device; a flushless program carries buffers across steps, which the
-    executor does not yet do."""
+    any number of chunks per device; flushless ones (``delay > 0``) with ``F`` and ``B`` on one
+    chunk per device, their buffers kept across steps (:func:`_compile_flushless`)."""
     programs.validate(program)
-    if program.delay:
-        raise programs.ProgramError(f"{program.name}: the program executor runs flushed programs (delay 0) only; "
-                                    "2bw runs on the tick tables (config.pipeline.schedule=2bw)")
     kinds = {a.kind for acts in program.actions for a in acts}
     if not (kinds <= {"F", "B"} or kinds <= {"F", "I", "W"}):
         raise programs.ProgramError(f"{program.name}: the program executor runs F with either B or I and W "
                                     f"actions, not {', '.join(sorted(kinds))} in one program")
+    if program.flushless and not (kinds <= {"F", "B"} and program.chunks == 1):
+        raise programs.ProgramError(f"{program.name}: a flushless program runs F and B actions on one chunk per "
+                                    f"device, not {', '.join(sorted(kinds))} on {program.chunks}")
+    build = _compile_flushless if program.flushless else _compile
     if paired is None:
-        plans = [_compile(program, recompute, p) for p in (False, True)]
+        plans = [build(program, recompute, p) for p in (False, True)]
         return min(plans, key=lambda plan: (plan.step_time(), plan.paired))
-    return _compile(program, recompute, paired)
+    return build(program, recompute, paired)
 
 
 def _compile(program: programs.Program, recompute: bool, paired: bool) -> SlotPlan:
@@ -269,3 +287,90 @@ def _compile(program: programs.Program, recompute: bool, paired: bool) -> SlotPl
         for name, d, i in arrived:
             rows[k, d, INDEX[f"{name}_store"]] = i
     return SlotPlan(program, rows, depth, paired)
+
+
+def _intervals(program: programs.Program, slots: list, recompute: bool, windows: int) -> dict:
+    """Per buffer, per device: ``{g: [first, last]}``, the times an entry for global microbatch ``g``
+    is held over ``windows`` repetitions of the steady window ``slots`` (a message lands half a slot
+    after its sender's slot; an entry is held through the slot that reads it)."""
+    P, last, M, K = program.devices, program.stages - 1, program.microbatches, len(slots)
+    held = {name: [dict() for _ in range(P)] for name in ("stash", "fwd", "bwd")}
+
+    def mark(name, d, g, t):
+        lo, hi = held[name][d].get(g, (t, t))
+        held[name][d][g] = (min(lo, t), max(hi, t))
+
+    for n in range(windows):
+        for k, row in enumerate(slots):
+            t = n * K + k
+            for d, ops in enumerate(row):
+                for op in ops:
+                    g, u = op.g + (n - program.delay) * M, op.stage
+                    if op.kind == "F":
+                        if 0 < u < last or (u == 0 and not recompute):
+                            mark("stash", d, g, t)
+                        if u > 0:
+                            mark("fwd", d, g, t)
+                        if u < last:
+                            mark("fwd", program.device_of(u + 1), g, t + 0.5)
+                    else:
+                        if 0 < u < last or (u == 0 and not recompute):
+                            mark("stash", d, g, t)
+                        mark("fwd" if u == last else "bwd", d, g, t)
+                        if u > 0:
+                            mark("bwd", program.device_of(u - 1), g, t + 0.5)
+    return held
+
+
+def _modulus(entries: list[dict]) -> int:
+    """The fewest entries ``S`` such that no two microbatches held at once on a device share
+    ``g mod S``."""
+    pairs = [(g1, g2) for per in entries for g1, (a1, b1) in per.items() for g2, (a2, b2) in per.items()
+             if g1 < g2 and a1 <= b2 and a2 <= b1]
+    S = max([1] + [len({g for g, (a, b) in per.items() if a <= t <= b}) for per in entries
+                   for t in {a for a, _ in per.values()}])
+    while any((g2 - g1) % S == 0 for g1, g2 in pairs):
+        S += 1
+    return S
+
+
+def _compile_flushless(program: programs.Program, recompute: bool, paired: bool) -> SlotPlan:
+    """A flushless program's steady window as rows whose entries are kept across steps: microbatch
+    ``g`` of the stream has entry ``g mod S`` of each buffer (``S`` the fewest entries for which no
+    two microbatches a device holds at once collide, found over ``delay + 3`` windows), so the
+    stash, the activations and the cotangents a step leaves behind are where the next step reads
+    them.  The rows hold ``m mod S`` for step-relative ``m``; the executor adds ``step * M``."""
+    P, last, M = program.devices, program.stages - 1, program.microbatches
+    slots = place(program, paired)
+    held = _intervals(program, slots, recompute, program.delay + 3)
+    S = {name: _modulus(held[name]) for name in ("stash", "fwd", "bwd")}
+    S["save"] = 1
+    rows = np.full((len(slots), P, len(COLUMNS)), -1, np.int32)
+    rows[..., INDEX["f"]] = rows[..., INDEX["b"]] = rows[..., INDEX["w"]] = IDLE
+    for k, row in enumerate(slots):
+        for d, ops in enumerate(row):
+            for op in ops:
+                m, u, r = op.g - program.delay * M, op.stage, rows[k, d]
+                if op.kind == "F":
+                    r[[INDEX["f"], INDEX["f_chunk"]]] = m, 0
+                    if u > 0:
+                        r[INDEX["f_fwd"]] = m % S["fwd"]
+                    if 0 < u < last or (u == 0 and not recompute):
+                        r[INDEX["f_stash"]] = m % S["stash"]
+                    if u < last:
+                        rows[k, program.device_of(u + 1), INDEX["fwd_store"]] = m % S["fwd"]
+                else:
+                    r[[INDEX["b"], INDEX["b_chunk"]]] = m, 0
+                    if u == last:
+                        r[INDEX["b_fwd"]] = m % S["fwd"]
+                    else:
+                        r[INDEX["b_bwd"]] = m % S["bwd"]
+                        if u > 0 or not recompute:
+                            r[INDEX["b_stash"]] = m % S["stash"]
+                    if u > 0:
+                        rows[k, program.device_of(u - 1), INDEX["bwd_store"]] = m % S["bwd"]
+    depth = {name: s + 1 for name, s in S.items()}
+    for name in BUFFERS:  # unused reads, and stores where nothing arrives, point at the write-only entry
+        cols = [INDEX[c] for c in COLUMNS if c.endswith("_" + name) or c == f"{name}_store"]
+        rows[..., cols] = np.where(rows[..., cols] < 0, depth[name] - 1, rows[..., cols])
+    return SlotPlan(program, rows, depth, paired, cyclic=True)

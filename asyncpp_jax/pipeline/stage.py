@@ -229,7 +229,7 @@ class StageFns:
         return lm, {"loss": lm, "ce": ce, "z_loss": z, "count": jnp.ones((), jnp.float32)}
 
     def _dense_stats(self) -> dict:
-        return block_stats(self.cfg, dense._no_moe_aux())
+        return block_stats(self.cfg, dense.no_moe_aux())
 
     def _loss_ct(self, like: Array) -> Array:
         """The cotangent of a microbatch's loss, ``1/M``, device-varying like ``like``."""

@@ -1,5 +1,5 @@
-"""What a pipeline run carries between steps (:class:`PipelineState`, ``2bw`` only), and where
-every part of a pipeline ``TrainState`` lives on the mesh."""
+"""What a pipeline run carries between steps (:class:`PipelineState`, flushless programs only), and
+where every part of a pipeline ``TrainState`` lives on the mesh."""
 
 from __future__ import annotations
 
@@ -14,29 +14,33 @@ from jax.sharding import PartitionSpec as P
 from asyncpp_jax.models import dense
 from asyncpp_jax.models.moe import with_expert_parallel
 from asyncpp_jax.optim.prediction import WeightPrediction, WeightPredictionState
-from asyncpp_jax.pipeline import tick_tables
 from asyncpp_jax.pipeline.collectives import vary
+from asyncpp_jax.pipeline import slot_plan
+from asyncpp_jax.pipeline.programs import Offsets
 from asyncpp_jax.pipeline.layout import DEVICE, local_over_data, param_specs, partial_specs, update_specs
 from asyncpp_jax.pipeline.stage import StageFns, residual_shapes, save_shapes, split_params, stat_names
 from asyncpp_jax.train_state import BATCH_SPEC, TrainState, from_host
 
 
 class PipelineState(NamedTuple):
-    """What crosses ``train_step`` calls under ``2bw`` (the ``sync`` schedule carries nothing).
+    """What crosses ``train_step`` calls under a flushless program (``2bw``, ``pipedream``; a
+    flushed one carries nothing): everything a batch in flight still needs, so a checkpoint holds it.
 
-    Each tensor is held once: the weight version is sharded like the parameters, the partial
-    gradient like the update (reduced over ``stage`` at the end of each step), with each data
-    replica's own (:func:`partial_specs`: it is reduced over ``data`` once, with its tail), and the
-    activation state is per device because every device's is different.
+    Each tensor is held once: the weight versions are sharded like the parameters, the partial
+    gradients like the update (reduced over ``stage`` at the end of each step), with each data
+    replica's own (:func:`partial_specs`: it is reduced over ``data`` once, with the rest of its
+    batch), and the activation state is per device because every device's is different.
     """
 
-    prev_params: Any  # w[t-1]: the weight version of the batch still draining
+    weight_versions: tuple  # w[t-1], ..., w[t-D]: the versions the batches in flight read (D: the delay)
     stash: list  # per entry [D, P, S, ...]: stage inputs (recompute) or residuals awaiting their backward
-    fwd_buf: jax.Array  # [D, P, b, T, d]: activation received from stage s-1 (compute dtype)
-    bwd_buf: jax.Array  # [D, P, b, T, d]: cotangent received from stage s+1 (compute dtype)
-    grad_partial: Any  # the in-flight batch's gradient so far: [data, ...] per replica (partial_specs)
-    stats_partial: dict  # the in-flight batch's loss sums so far (``count``: its finished microbatches)
-    prev_batch: jax.Array  # [M, B, T+1]: the in-flight batch's tokens (the last stage needs targets)
+    fwd_buf: jax.Array  # [D, P, S, b, T, d]: activations received from the previous stage (compute dtype)
+    bwd_buf: jax.Array  # [D, P, S, b, T, d]: cotangents received from the next stage (compute dtype)
+    # grad_partial[a]: what later steps' updates (offset a + 1 from the step that made it) have so
+    # far, [data, ...] per replica (partial_specs), for the leaf groups that reach that offset
+    grad_partial: tuple
+    stats_partial: tuple  # the loss sums of those updates so far (``count``: their finished microbatches)
+    batches: jax.Array  # [D, M, B, T+1]: the tokens of batches t-1, ..., t-D (the stages still need them)
     prediction: Any = None  # optim.WeightPredictionState (δ, sharded like the params) with weight prediction
 
 
@@ -63,27 +67,37 @@ def ring_shapes(model_cfg, mesh, params_abstract, microbatch_rows: int, seq_len:
 def init_pipeline_state(model_cfg, params, mesh, microbatches: int, global_batch: int, seq_len: int,
                         schedule: str = "2bw", recompute: bool = True, expert_parallel: bool = False,
                         weight_prediction: WeightPrediction | None = None, stage_rows: tuple | None = None):
-    """The in-flight state of a fresh run: ``None`` for ``sync`` (nothing crosses steps).
-    ``params`` in the engine's layout (padded by :func:`pad_layers` when ``stage_rows`` is set)."""
-    if schedule != "2bw":
+    """The in-flight state of a fresh run of ``schedule``'s program: ``None`` for a flushed one
+    (nothing crosses steps).  ``params`` in the engine's layout (padded by :func:`pad_layers` when
+    ``stage_rows`` is set)."""
+    plan = slot_plan.compile_schedule(schedule, mesh.shape["stage"], microbatches, recompute)
+    program = plan.program
+    if not program.flushless:
         return None
-    data, n_stages = mesh.shape["data"], mesh.shape["stage"]
+    data, n_stages, M, D = mesh.shape["data"], mesh.shape["stage"], program.microbatches, program.delay
     if expert_parallel:
         model_cfg = with_expert_parallel(model_cfg, "data", data)
-    b = global_batch // microbatches // data
-    slots = tick_tables.stash_slots(n_stages, first_stage_stashes=not recompute)
+    b = global_batch // M // data
+    depth = plan.depth
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     entry = ring_shapes(model_cfg, mesh, abstract, b, seq_len, recompute, expert_parallel, stage_rows)
-    act = jnp.zeros((data, n_stages, b, seq_len, model_cfg.d_model), dense.dtype_of(model_cfg.compute_dtype))
+    act = lambda n: jnp.zeros((data, n_stages, n, b, seq_len, model_cfg.d_model),  # noqa: E731
+                              dense.dtype_of(model_cfg.compute_dtype))
+    offsets = Offsets.of(program, model_cfg.tie_embeddings)
+
+    def partial(a):
+        return {g: jax.tree_util.tree_map_with_path(
+            lambda path, x: jnp.zeros((data,) * local_over_data(path, expert_parallel) + x.shape, jnp.float32), v)
+            for g, v in params.items() if offsets.count(g) > a}
+
     return PipelineState(
-        prev_params=jax.tree.map(jnp.copy, params),
-        stash=[jnp.zeros((data, n_stages, slots) + e.shape, e.dtype) for e in entry],
-        fwd_buf=act, bwd_buf=act,
-        grad_partial=jax.tree_util.tree_map_with_path(
-            lambda path, x: jnp.zeros((data,) * local_over_data(path, expert_parallel) + x.shape, jnp.float32),
-            params),
-        stats_partial={k: jnp.zeros((), jnp.float32) for k in stat_names(model_cfg)},
-        prev_batch=jnp.zeros((microbatches, global_batch // microbatches, seq_len + 1), jnp.int32),
+        weight_versions=tuple(jax.tree.map(jnp.copy, params) for _ in range(D)),
+        stash=[jnp.zeros((data, n_stages, depth["stash"]) + e.shape, e.dtype) for e in entry],
+        fwd_buf=act(depth["fwd"]), bwd_buf=act(depth["bwd"]),
+        grad_partial=tuple(partial(a) for a in range(1, offsets.carried + 1)),
+        stats_partial=tuple({k: jnp.zeros((), jnp.float32) for k in stat_names(model_cfg)}
+                            for _ in range(offsets.carried)),
+        batches=jnp.zeros((D, M, global_batch // M, seq_len + 1), jnp.int32),
         prediction=weight_prediction.init(params) if weight_prediction is not None else None,
     )
 
@@ -93,10 +107,12 @@ def pipeline_state_specs(params, pstate: PipelineState | None, expert_parallel: 
     if pstate is None:
         return None
     n_stages = pstate.fwd_buf.shape[1]
+    pspecs = param_specs(params, expert_parallel, vocab_parallel)
+    partial = partial_specs(params, n_stages, expert_parallel, vocab_parallel)
     return PipelineState(
-        prev_params=param_specs(params, expert_parallel, vocab_parallel), stash=[DEVICE] * len(pstate.stash),
-        fwd_buf=DEVICE, bwd_buf=DEVICE, grad_partial=partial_specs(params, n_stages, expert_parallel, vocab_parallel),
-        stats_partial={k: P() for k in pstate.stats_partial}, prev_batch=BATCH_SPEC,
+        weight_versions=tuple(pspecs for _ in pstate.weight_versions), stash=[DEVICE] * len(pstate.stash),
+        fwd_buf=DEVICE, bwd_buf=DEVICE, grad_partial=tuple({g: partial[g] for g in p} for p in pstate.grad_partial),
+        stats_partial=tuple({k: P() for k in s} for s in pstate.stats_partial), batches=P(None, None, "data"),
         prediction=None if pstate.prediction is None else WeightPredictionState(
             count=P(), velocity=param_specs(params, expert_parallel, vocab_parallel)))
 

@@ -1,28 +1,23 @@
-"""The tick loop and the program slots with the vocabulary-sized tables split over ``stage``
+"""The program slots with the vocabulary-sized tables split over ``stage``
 (``config.pipeline.vocab_parallel``; :mod:`asyncpp_jax.pipeline.vocab_parallel` has the algebra).
 
-A tick runs the tick table's slots as :meth:`asyncpp_jax.pipeline.executor._Device.tick` does,
-except where a table is read, which every device now joins (a collective cannot run inside one
-device's cond):
+:class:`VocabSlotLoop` runs any program's slots as
+:class:`~asyncpp_jax.pipeline.program_executor.SlotLoop` does, except where a table is read, which
+every device now joins (a collective cannot run inside one device's cond).  In a slot:
 
-1. stage 0's forward input (and, recomputing, its backward's) is looked up by every device from
-   its vocabulary block and summed over ``stage``;
-2. the stages' forward and backward slots run under their conds, as before;
-3. the last stage runs its block's forward under its cond, the block output is broadcast, every
-   device applies the final norm, its head block and its share of the loss and its gradient
-   (:func:`~asyncpp_jax.pipeline.vocab_parallel.head_loss_grads`), and the last stage runs the
-   block's backward from the summed cotangent under a second cond;
-4. stage 0's input cotangent is broadcast and every device adds it to its block's rows.
+1. the first virtual stage's forward input (and, recomputing, its backward's) is looked up by
+   every device from its vocabulary block and summed over ``stage``;
+2. the stages' backward and forward run under their conds, as without the split;
+3. the last virtual stage runs its block's forward under its cond, the block output is broadcast,
+   every device applies the final norm, its head block and its share of the loss and its
+   gradient (:func:`~asyncpp_jax.pipeline.vocab_parallel.head_loss_grads`), and the last stage runs
+   the block's backward (or, for a split backward, its input gradient: :func:`last_input`, its
+   ``W`` later from the ``save`` ring) from the summed cotangent under a second cond;
+4. the first stage's input cotangent is broadcast and every device adds it to its block's rows.
 
 Each table's gradient is then whole on its block's device: nothing is reduced over ``stage``.
-Which microbatch stage 0 and the last stage work on is read off the whole tick row, so the scan
-takes every stage's column (``whole_rows``).
-
-A program's slots (:class:`VocabSlotLoop`: ``1f1b``, ``interleaved``, ``zb-h1``) run the same
-three steps, the first and last *virtual* stages in place of stage 0 and ``P-1``: each device's row
-carries the slot's microbatches at the tables (:func:`vocab_columns`), and the last stage's
-``I`` of a split backward runs the block's input gradient after the shared head
-(:func:`last_input`), its ``W`` later from the ``save`` ring as without the split.
+Which microbatch the first and last virtual stages work on is carried on every device's row
+(:func:`vocab_columns`).
 """
 
 from __future__ import annotations
@@ -36,47 +31,36 @@ import numpy as np
 from asyncpp_jax.pipeline import vocab_parallel as vp
 from asyncpp_jax.pipeline.collectives import vary
 from asyncpp_jax.pipeline import slot_plan
-from asyncpp_jax.pipeline.executor import TickLoop, _add_at, _Device, _put, _scoped, send
+from asyncpp_jax.pipeline.executor import Device, add_at, put, scoped
 from asyncpp_jax.pipeline.program_executor import SlotLoop
 from asyncpp_jax.pipeline.stage import stat_names
-
-
-@dataclasses.dataclass(frozen=True)
-class VocabTickLoop(TickLoop):
-    """:class:`TickLoop` with the tables split over ``stage``: :func:`tick` per tick."""
-
-    vocab_parallel = True
-    whole_rows = True  # the scan gives each device the tick's [P, 2] row: stage 0's and the last's too
-
-    def body(self, dev: _Device):
-        return lambda carry, row: tick(dev, carry, row)
 
 
 def _zeros_like_tree(tree):
     return jax.tree.map(jnp.zeros_like, tree)
 
 
-def embedded(dev: _Device, j):
+def embedded(dev: Device, j):
     """Stage 0's input for microbatch ``j``, looked up by every device (zeros when ``j`` is idle)."""
     tokens = dev.tokens_of(j)[:, :-1]
     b, T = tokens.shape
     zero = vary(jnp.zeros((b, T, dev.fns.cfg.d_model), dev.act_dtype))
     # The predicate is the same on every device (a tick-table entry), so all of them take the
     # branch with the collective.
-    return jax.lax.cond(dev.delay.live(j),
+    return jax.lax.cond(dev.is_live(j),
                         lambda: vary(dev.run(j, lambda top: vp.lookup(dev.fns.cfg, top, tokens), 1)
                                      .astype(dev.act_dtype)),
                         lambda: zero)
 
 
-def _block_and_head(dev: _Device, j, fwd_buf, entry_like, acc_t):
+def _block_and_head(dev: Device, j, fwd_buf, entry_like, acc_t):
     """Microbatch ``j``'s last block forward (the last stage's cond) and the head and loss on every
-    device.  Returns ``(on_last, accumulator, entry, g_h, acc_t, stats)``: ``entry`` the block's
+    device.  Returns ``(on_last, entry, g_h, acc_t, stats)``: ``entry`` the block's
     stash entry (for its backward), ``g_h`` the cotangent of its output, ``stats`` what the loss
     sums gain (added by the caller, inside its block's conditional).  ``entry_like``: the stash's
     arrays (for their shapes)."""
-    on_last = dev.delay.live(j) & dev.is_last
-    i, c = dev.delay.accumulator(j), dev.chunks - 1
+    on_last = dev.is_live(j) & dev.is_last
+    c = dev.chunks - 1
 
     def block_forward():
         h, entry, stats = dev.run(j, lambda lp: dev.fns.forward(dev.chunk_of(lp, c), fwd_buf, dev.template), 0)
@@ -90,30 +74,29 @@ def _block_and_head(dev: _Device, j, fwd_buf, entry_like, acc_t):
     targets = dev.tokens_of(j)[:, 1:]
 
     def head():
-        loss, stats, g_head, g_h = dev.delay.run(
-            j, lambda w: vp.head_loss_grads(dev.fns.cfg, w[2], h_all, targets, 1.0 / dev.fns.microbatches),
-            dev.cur, dev.prev)
+        loss, stats, g_head, g_h = dev.run(
+            j, lambda head_w: vp.head_loss_grads(dev.fns.cfg, head_w, h_all, targets, 1.0 / dev.fns.microbatches), 2)
         return vary((stats, g_head, g_h))
 
     zeros = vary(({k: jnp.zeros((), jnp.float32) for k in HEAD_STATS}, _zeros_like_tree(dev.cur[2]),
                   jnp.zeros_like(h)))
     # The predicate is the slot's, the same on every device: all of them join the head's collectives.
-    head_stats, g_head, g_h = jax.lax.cond(dev.delay.live(j), head, lambda: zeros)
+    head_stats, g_head, g_h = jax.lax.cond(dev.is_live(j), head, lambda: zeros)
     # Every device adds its head block's gradient; the final norm's, the same on every device, and
     # the loss statistics are added by the last stage only (both are summed over stage later).
     mine = lambda t: jax.tree.map(lambda x: jnp.where(dev.is_last, x, jnp.zeros_like(x)), t)  # noqa: E731
     g_head = {"final_norm": mine(g_head["final_norm"]), "w": g_head["w"]}
-    acc_t = {**acc_t, "head": _add_at(acc_t["head"], i, g_head, dev.top_axes["head"])}
+    acc_t = {**acc_t, "head": add_at(acc_t["head"], dev.head_offsets(j), g_head, dev.top_axes["head"])}
     stats = dict(block_stats)
     stats.update(head_stats, loss=block_stats["loss"] + head_stats["loss"])
-    return on_last, i, entry, g_h.astype(dev.act_dtype), acc_t, mine(stats)
+    return on_last, entry, g_h.astype(dev.act_dtype), acc_t, mine(stats)
 
 
-@_scoped("pp_last")
-def last(dev: _Device, j, fwd_buf, entry_like, acc_l, acc_t, sums, g_x):
+@scoped("pp_last")
+def last(dev: Device, j, fwd_buf, entry_like, acc_l, acc_t, sums, g_x):
     """Microbatch ``j`` on the last (virtual) stage: block forward (its cond), head and loss on
     every device, block backward (its cond)."""
-    on_last, i, entry, g_h, acc_t, stats = _block_and_head(dev, j, fwd_buf, entry_like, acc_t)
+    on_last, entry, g_h, acc_t, stats = _block_and_head(dev, j, fwd_buf, entry_like, acc_t)
     c = dev.chunks - 1
     # The loss sums are added inside the block's backward cond, which runs after the slot's
     # backward: the slot's forward takes these sums and writes the stash in place, so this orders
@@ -123,23 +106,24 @@ def last(dev: _Device, j, fwd_buf, entry_like, acc_l, acc_t, sums, g_x):
     def block_backward(al, _, su):
         g_l, g = dev.run(j, lambda lp: dev.fns.backward(dev.chunk_of(lp, c), entry, lambda: entry[0], g_h,
                                                         dev.template), 0)
-        return dev.add_layers(al, i, g_l, c), g.astype(dev.act_dtype), _add_at(su, i, stats)
+        return (dev.add_layers(al, dev.layer_offset(j, c), g_l, c), g.astype(dev.act_dtype),
+                add_at(su, dev.stats_offset(j), stats))
 
     acc_l, g_x, sums = jax.lax.cond(on_last, block_backward, lambda al, gx, su: (al, gx, su), acc_l, g_x, sums)
     return acc_l, acc_t, sums, g_x
 
 
-@_scoped("pp_last")
-def last_input(dev: _Device, j, fwd_buf, entry_like, acc_t, sums, save, save_at, g_x):
+@scoped("pp_last")
+def last_input(dev: Device, j, fwd_buf, entry_like, acc_t, sums, save, save_at, g_x):
     """``I`` of microbatch ``j`` on the last stage (a split backward): as :func:`last`, but the
     block's input cotangent only, what its ``W`` needs into entry ``save_at`` of ``save``."""
-    on_last, i, entry, g_h, acc_t, stats = _block_and_head(dev, j, fwd_buf, entry_like, acc_t)
+    on_last, entry, g_h, acc_t, stats = _block_and_head(dev, j, fwd_buf, entry_like, acc_t)
     c = dev.chunks - 1
 
     def block_input_grad(sv, _, su):  # the loss sums added here, inside the cond, as in last()
         g, kept = dev.run(j, lambda lp: dev.fns.input_grad(dev.chunk_of(lp, c), entry, lambda: entry[0], g_h,
                                                            dev.template), 0)
-        return _put(sv, save_at, kept), g.astype(dev.act_dtype), _add_at(su, i, stats)
+        return put(sv, save_at, kept), g.astype(dev.act_dtype), add_at(su, dev.stats_offset(j), stats)
 
     save, g_x, sums = jax.lax.cond(on_last, block_input_grad, lambda sv, gx, su: (sv, gx, su), save, g_x, sums)
     return acc_t, sums, save, g_x
@@ -148,31 +132,8 @@ def last_input(dev: _Device, j, fwd_buf, entry_like, acc_t, sums, save, save_at,
 HEAD_STATS = ("loss", "ce", "z_loss", "count")  # what head_loss_grads reports
 
 
-def _stat_zeros(dev: _Device) -> dict:
+def _stat_zeros(dev: Device) -> dict:
     return {k: jnp.zeros((), jnp.float32) for k in stat_names(dev.fns.cfg)}
-
-
-@_scoped("pp_tick")
-def tick(dev: _Device, carry, row):
-    """One tick of ``row`` (``[P, 2]``: every stage's forward and backward microbatch)."""
-    stash, fwd_buf, bwd_buf, acc_l, acc_t, sums = carry
-    jf, jb = row[dev.stage, 0], row[dev.stage, 1]
-    first_f, first_b, last_j = row[0, 0], row[0, 1], row[dev.n_stages - 1, 1]
-    x_f = embedded(dev, first_f)
-    x_b = embedded(dev, first_b) if dev.fns.recompute else None
-    stash, sums, h_out = jax.lax.cond(
-        dev.delay.live(jf) & ~dev.is_last,
-        lambda st, su: dev.forward(jf, fwd_buf, dev.slot(jf), st, su, embedded=x_f),
-        lambda st, su: (st, su, jnp.zeros_like(fwd_buf)), stash, sums)
-    acc_l, g_x = jax.lax.cond(dev.delay.live(jb) & ~dev.is_last,
-                              lambda al: dev.backward(jb, bwd_buf, dev.slot(jb), stash, al, embedded=x_b),
-                              lambda al: (al, jnp.zeros_like(bwd_buf)), acc_l)
-    acc_l, acc_t, sums, g_x = last(dev, last_j, fwd_buf, stash, acc_l, acc_t, sums, g_x)
-    ct = jax.lax.psum(jnp.where(dev.is_first, g_x, jnp.zeros_like(g_x)).astype(jnp.float32), "stage")
-    acc_t = dev.lookup_transpose_add(acc_t, dev.tokens_of(first_b)[:, :-1], ct, dev.delay.accumulator(first_b),
-                                     keep=True)  # every device adds its block's rows (keep is for whole tables)
-    fwd_buf, bwd_buf = send(dev.n_stages, h_out, g_x)
-    return (stash, fwd_buf, bwd_buf, acc_l, acc_t, sums), None
 
 
 VOCAB_COLUMNS = ("first_f", "first_b", "last_b")  # the slot's microbatches at the tables, on every device's row

@@ -29,7 +29,7 @@ from asyncpp_jax import configs
 from asyncpp_jax.models import count_params, layers
 from asyncpp_jax.models.flops import active_matmul_params, flops_per_token
 from asyncpp_jax.models.moe import with_expert_parallel
-from asyncpp_jax.pipeline import engine, mpmd_memory, tick_tables
+from asyncpp_jax.pipeline import engine, mpmd_memory, slot_plan
 from asyncpp_jax.pipeline import state as pipeline_state
 from asyncpp_jax.pipeline.mpmd_placement import bytes_on_devices
 from asyncpp_jax.train import fit
@@ -77,10 +77,10 @@ def _eval_memory(runner, state) -> dict:
 
 
 def _stash_bytes(runner) -> dict:
-    """Per device, the stash under each ``pipeline.recompute`` setting (shapes only): the tick
-    tables' ring of ``stash_slots`` entries (``sync``, ``2bw``), or the depth a program's slot plan
-    derives (``1f1b``, ``interleaved``: an entry holds one chunk's input, or its residuals, ``1/v``
-    of a stage's; ``zb-h1``: with its ``save`` ring, what each ``I`` keeps for its ``W``)."""
+    """Per device, the stash under each ``pipeline.recompute`` setting (shapes only): the depth the
+    schedule's slot plan derives (``interleaved``: an entry holds one chunk's input, or its
+    residuals, ``1/v`` of a stage's; ``zb-h1``: with its ``save`` ring, what each ``I`` keeps for
+    its ``W``; a flushless program's entries are kept across steps, in the state)."""
     c = runner.config
     if not runner.pipelined or runner.mpmd:  # mpmd: each stage's stash is in its own line
         return {}
@@ -97,13 +97,10 @@ def _stash_bytes(runner) -> dict:
 
     for recompute in (True, False):
         per_entry = entry_bytes(recompute)
-        if c.pipeline.schedule in engine.PROGRAM_SCHEDULES:
-            plan = engine.sync_loop(c.pipeline.schedule, c.pipeline.stages, c.train.microbatches, recompute, v).schedule
-            total = plan.depth["stash"] * per_entry // (1 if recompute else v)
-            if split:  # what each I keeps for its W: every leaf call's input and output cotangent
-                total += plan.depth["save"] * entry_bytes(recompute, "save")
-        else:
-            total = tick_tables.stash_slots(c.pipeline.stages, first_stage_stashes=not recompute) * per_entry
+        plan = slot_plan.compile_schedule(c.pipeline.schedule, c.pipeline.stages, c.train.microbatches, recompute, v)
+        total = plan.depth["stash"] * per_entry // (1 if recompute else v)
+        if split:  # what each I keeps for its W: every leaf call's input and output cotangent
+            total += plan.depth["save"] * entry_bytes(recompute, "save")
         out["recompute" if recompute else "keep_residuals"] = total
     return out
 
@@ -166,7 +163,7 @@ def attention_stand_in(c) -> str:
                                   cuda_flash)
 
 
-def _measure(c, devices, budget: int | None) -> fit.Measurement:
+def measure(c, devices, budget: int | None) -> fit.Measurement:
     """Lower and compile ``c``'s train step on ``devices`` from abstract shapes; the eval step too
     unless the train step alone is already over ``budget``."""
     runner = runner_lib.build(c, devices)
@@ -218,12 +215,12 @@ def dry_run(c, devices=None, spare_devices=None) -> dict:
     pool = list(spare_devices) if spare_devices is not None else devices
     budget = fit.budget_bytes(c, dry_run=True)
 
-    def measure(cfg):
+    def measure_candidate(cfg):
         n = len(devices) if cfg.mesh.data == -1 else configs.devices_needed(cfg)
         stand_in = fit.with_fields(cfg, model__attention=attention_stand_in(cfg))
-        return _measure(stand_in, pool[:n] if n > len(devices) else devices, budget)
+        return measure(stand_in, pool[:n] if n > len(devices) else devices, budget)
 
-    decision = fit.decide(c, measure, budget)
+    decision = fit.decide(c, measure_candidate, budget)
     suggestion = [] if decision.fits else fit.suggest(decision, max_devices=len(pool))
     c, m = decision.config, decision.measurement
     if m.eval_peak is None:

@@ -19,7 +19,7 @@ from asyncpp_jax import configs
 from asyncpp_jax import train_state as state_lib
 from asyncpp_jax.models import abstract_params, hf_llama
 from asyncpp_jax.optim import build_optimizer, delay_schedule, weight_prediction, weight_versions
-from asyncpp_jax.pipeline import engine, make_mesh, mpmd, slot_plan, tick_tables
+from asyncpp_jax.pipeline import engine, make_mesh, mpmd, slot_plan
 from asyncpp_jax.train import step as step_lib
 
 
@@ -63,19 +63,16 @@ class Runner:
         """Layer chunks per device: ``virtual_stages`` under ``interleaved``, else 1."""
         return (self.interleave or (0, 1))[1]
 
-    def schedule_plan(self) -> tick_tables.TickTable | slot_plan.SlotPlan | None:
-        """What the engine's step runs, printable (``render()``, ``useful_fraction()``): the tick
-        table of ``sync`` or ``2bw``, or a program schedule's lock-step slots."""
+    def schedule_plan(self) -> slot_plan.SlotPlan | None:
+        """What the engine's step runs, printable (``render()``, ``useful_fraction()``): the
+        schedule's program in lock-step slots (under ``mpmd``, its program)."""
         c = self.config
         if not self.pipelined:
             return None
         if self.mpmd:
             return self.train_step.delayed if c.pipeline.schedule == "2bw" else self.train_step.flushed
-        if c.pipeline.schedule == "2bw":
-            return tick_tables.async_table(c.pipeline.stages, c.train.microbatches)
-        loop = engine.sync_loop(c.pipeline.schedule, c.pipeline.stages, c.train.microbatches, c.pipeline.recompute,
-                                self.chunks)
-        return loop.schedule
+        return slot_plan.compile_schedule(c.pipeline.schedule, c.pipeline.stages, c.train.microbatches,
+                                          c.pipeline.recompute, self.chunks)
 
     def init_fn(self) -> Callable:
         """``init(key) -> state`` for a fresh run (the trainer jits it with the state's shardings).

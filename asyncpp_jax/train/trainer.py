@@ -112,7 +112,7 @@ def fitted_config(config, devices):
     (train/fit.py): on an accelerator, or with ``train.device_memory_gb`` set, by compiling the
     step; with no budget (CPU) nothing is compiled.  A setting that does not fit is a ConfigError."""
     budget = fit.budget_bytes(config, devices)
-    decision = fit.decide(config, lambda c: dry_run._measure(c, devices, budget), budget)
+    decision = fit.decide(config, lambda c: dry_run.measure(c, devices, budget), budget)
     if not decision.fits:
         raise fit.not_fitting_error(decision, fit.suggest(decision, max_devices=len(devices)),
                                     f"compiled for {devices[0].platform}")
@@ -299,10 +299,10 @@ class Trainer:
             raise
         except CheckpointError as e:
             self._settle_checkpoints()
-            self._write_status("checkpoint_failed", p.step, error=str(e), last_checkpoint=self._last_sealed())
+            self._write_status("checkpoint_failed", p.step, error=str(e), last_checkpoint=self.last_sealed())
             raise
         except KeyboardInterrupt:  # a second Ctrl-C: stop at once, without waiting for in-flight saves
-            self._write_status("interrupted", p.step, last_checkpoint=self._last_sealed())
+            self._write_status("interrupted", p.step, last_checkpoint=self.last_sealed())
             raise
         except BaseException:
             self._settle_checkpoints()  # in-flight saves land, also on a crash
@@ -526,9 +526,14 @@ class Trainer:
             self._retired = (good, moved)
         return self._retired
 
-    def _last_sealed(self) -> int | None:
+    def last_sealed(self) -> int | None:
+        """The newest checkpoint step that is sealed (complete and verified), or None."""
         steps = self.checkpointer.sealed_steps()
         return max(steps) if steps else None
+
+    def release_workdir(self) -> None:
+        """Give up the workdir's lock without closing (an abandoned compile still runs on a thread)."""
+        self._lock.release()
 
     def _settle_checkpoints(self) -> None:
         """Let in-flight saves land while another error is already on its way out."""
