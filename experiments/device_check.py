@@ -189,8 +189,10 @@ def run_notebook(tiny: bool, workdir: pathlib.Path) -> dict:
     path, overrides, _ = _notebook_preset(backend)
     settings = [o.removeprefix("--config.") for o in overrides]
     updates = 2 if tiny else NOTEBOOK_UPDATES
+    # as the notebook's make_config shortens a run: warmup over a twentieth of the updates
     settings += [f"train.steps={updates}", f"train.eval_every={updates}", f"train.checkpoint_every={updates}",
-                 "train.eval_batches=2", "train.progress_bar=False", "train.log_every=1"]
+                 f"optimizer.warmup_steps={max(updates // 20, 1)}", "train.eval_batches=2",
+                 "train.progress_bar=False", "train.log_every=1"]
     if tiny:
         settings += [f"model.{k}={v}" for k, v in TINY_MODEL.items()] + [
             "data.seq_len=32", "train.global_batch_size=8", f"data.source={_tiny_source()}", "data.val_fraction=0.2"]
