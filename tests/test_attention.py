@@ -68,9 +68,9 @@ def _assert_close(got, want, rel, what):
 SHAPES = [(4, True), (2, True), (4, False), (2, False)]  # (kv heads of 4, tied): MHA/GQA x tied/untied
 SHAPE_IDS = ["mha-tied", "gqa-tied", "mha-untied", "gqa-untied"]
 DTYPES = [("float32", FP32_REL), ("bfloat16", BF16_REL)]
-# Every (shape, dtype) is a case; two of them, together MHA and GQA, tied and untied, fp32 and bf16,
-# run in the default suite (each costs two compiles), the rest under -m slow.
-DEFAULT_CASES = {("gqa-untied", "fp32"), ("mha-tied", "bf16")}
+# Every (shape, dtype) is a case; GQA untied in fp32 (the strict 1e-5) runs in the default suite,
+# the rest (two compiles each) under -m slow.
+DEFAULT_CASES = {("gqa-untied", "fp32")}
 
 
 def _cases():
