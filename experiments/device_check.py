@@ -47,7 +47,7 @@ DEFAULT_OUT = REPO_ROOT / "experiments" / "results" / "bench" / "device_check.js
 BACKEND_NEUTRAL_TESTS = ("tests/test_attention.py", "tests/test_model.py", "tests/test_moe.py",
                          "tests/test_staleness.py", "tests/test_optim_muon.py", "tests/test_optim_adan.py",
                          "tests/test_optim_mars.py", "tests/test_delay_corrections.py")
-TINY_TESTS = ("tests/test_config_domains.py",)
+TINY_TESTS = ("tests/test_report_stats.py",)
 NOTEBOOK_UPDATES = 50
 TESTS_TIMEOUT_S = 180
 ENGINE_UPDATES = 3
