@@ -867,7 +867,7 @@ def _program_errors(c) -> list[str]:
 
 
 def _check_pipeline(c) -> list[str]:
-    pipe, m, st, t, errs = c.pipeline, c.model, c.staleness, c.train, []
+    pipe, m, st, errs = c.pipeline, c.model, c.staleness, []
     if not (_is_int(pipe.stages) and pipe.stages >= 1):
         errs.append(f"config.pipeline.stages={pipe.stages!r} must be a positive integer.")
     if not isinstance(pipe.recompute, bool):

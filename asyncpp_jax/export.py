@@ -1,12 +1,15 @@
-"""Export a run's latest verified checkpoint as a Hugging Face Llama directory.
+"""Export a run's latest verified checkpoint as a Hugging Face model directory.
 
     python -m asyncpp_jax.export --workdir=runs/dense135m --out=exported/dense135m [--step=N] [--dtype=bfloat16]
 
-writes ``config.json`` (``LlamaForCausalLM``), ``model.safetensors`` and, when the run tokenized
-with a ``tokenizer.json``, that file with a ``tokenizer_config.json`` beside it, so that
+writes ``config.json`` (``LlamaForCausalLM``; an MoE run's ``MixtralForCausalLM`` or
+``Qwen2MoeForCausalLM``, :mod:`asyncpp_jax.models.hf_moe`), the weights as safetensors
+(``model.safetensors``, or shards with an index past :data:`asyncpp_jax.models.hf_llama.SHARD_BYTES`)
+and the tokenizer: the run's ``tokenizer.json``, or the byte tokenizer written as one, with a
+``tokenizer_config.json`` and ``special_tokens_map.json`` beside it, so that
 ``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` and ``AutoTokenizer.from_pretrained(DIR)``
-load it (docs/interop.md).  ``--config.model.init_from=hf:DIR`` reads it back bit for bit
-(``--dtype=float32``, the default).
+load it (docs/interop.md).  ``--config.model.init_from=hf:DIR`` reads a dense export back bit for
+bit (``--dtype=float32``, the default).
 
 The checkpoint is the newest step whose files match their sealed manifest (the check a resume
 makes, :func:`asyncpp_jax.train.checkpoint.verify`); only its parameters are read (orbax partial
@@ -31,7 +34,7 @@ import orbax.checkpoint as ocp
 
 from asyncpp_jax import configs
 from asyncpp_jax.data.tokenizers import get_tokenizer
-from asyncpp_jax.models import hf_llama
+from asyncpp_jax.models import hf_llama, hf_moe
 from asyncpp_jax.models.hf_llama import HFCheckpointError
 from asyncpp_jax.pipeline import engine
 from asyncpp_jax.train import checkpoint
@@ -48,10 +51,7 @@ def run_config(workdir: pathlib.Path) -> ml_collections.ConfigDict:
     if not path.is_file():
         raise ExportError(f"{workdir} has no config.json: not a run directory (python -m asyncpp_jax.main "
                           "--workdir=... writes one when a run starts).")
-    c = ml_collections.ConfigDict(json.loads(path.read_text()))
-    if c.model.get("moe") and c.model.moe.num_experts:
-        raise ExportError(f"{workdir} is an MoE run; only the dense model maps onto a Hugging Face Llama.")
-    return c
+    return ml_collections.ConfigDict(json.loads(path.read_text()))
 
 
 def latest_verified_step(workdir: pathlib.Path, step: int | None = None) -> tuple[int, pathlib.Path]:
@@ -73,11 +73,17 @@ def latest_verified_step(workdir: pathlib.Path, step: int | None = None) -> tupl
 def read_params(step_dir: pathlib.Path) -> dict:
     """The ``params`` of a saved train state, as NumPy arrays in the layout they were saved in."""
     path = step_dir / "state"
-    ckptr = ocp.PyTreeCheckpointer()
-    tree = ckptr.metadata(path).item_metadata
-    item = {"params": jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree["params"])}
-    restore_args = {"params": jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree["params"])}
-    out = ckptr.restore(path, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True))
+    # The item's handler, not a Checkpointer: the step's own metadata file sits one level up
+    # (the trainer's CheckpointManager wrote it), and a Checkpointer warns that it is missing here.
+    handler = ocp.PyTreeCheckpointHandler()
+    try:
+        tree = handler.metadata(path)
+        item = {"params": jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree["params"])}
+        restore_args = {"params": jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree["params"])}
+        out = handler.restore(path, args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args,
+                                                                partial_restore=True))
+    finally:
+        handler.close()
     return out["params"]
 
 
@@ -90,8 +96,9 @@ def model_layout(c, params: dict) -> dict:
 
 
 def _write_tokenizer(c, out: pathlib.Path) -> tuple[int | None, str | None]:
-    """Copy the run's ``tokenizer.json`` (if it used one) with a ``tokenizer_config.json``; returns
-    ``(eos id, tokenizer.json path)``, the byte tokenizer's eos id and ``None`` for a byte run."""
+    """Write the run's tokenizer as ``tokenizer.json`` (a copy of the run's file, or the byte
+    tokenizer written as one) with ``tokenizer_config.json`` and ``special_tokens_map.json``;
+    returns ``(eos id, the source tokenizer.json or 'byte')``."""
     eos_token = c.data.get("eos_token") or None
     try:
         tok = get_tokenizer(c.data.tokenizer, eos_token)
@@ -103,26 +110,32 @@ def _write_tokenizer(c, out: pathlib.Path) -> tuple[int | None, str | None]:
                           f"model's config.model.vocab_size={c.model.vocab_size}: not the tokenizer the run used.")
     path = getattr(tok, "path", None)
     if path is None:
-        return tok.eos_id, None
-    shutil.copyfile(path, out / "tokenizer.json")
+        tok.write_tokenizer_json(str(out / "tokenizer.json"))
+    else:
+        shutil.copyfile(path, out / "tokenizer.json")
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.eos_token, "bos_token": None,
         "unk_token": None, "pad_token": None, "add_bos_token": False, "add_eos_token": False,
+        # Without it transformers 4.x returns token_type_ids too, which generate() refuses.
+        "model_input_names": ["input_ids", "attention_mask"],
         "clean_up_tokenization_spaces": False, "model_max_length": int(c.data.seq_len)}, indent=2))
     (out / "special_tokens_map.json").write_text(json.dumps({"eos_token": tok.eos_token}, indent=2))
-    return tok.eos_id, path
+    return tok.eos_id, path or "byte"
 
 
 def export(workdir, out, step: int | None = None, dtype: str = "float32", log=print) -> dict:
-    """Write the run in ``workdir`` to ``out`` as a Hugging Face Llama directory; returns what was written."""
+    """Write the run in ``workdir`` to ``out`` as a Hugging Face model directory; returns what was written."""
     workdir, out = pathlib.Path(workdir), pathlib.Path(out)
     c = run_config(workdir)
+    writer = hf_llama.write_checkpoint
+    if hf_moe.uses_moe(c.model):
+        hf_moe.architecture(c.model)  # Mixtral or Qwen2-MoE, or refused naming the settings: before any read
+        writer = hf_moe.write_checkpoint
     s, step_dir = latest_verified_step(workdir, step)
     params = model_layout(c, read_params(step_dir))
     out.mkdir(parents=True, exist_ok=True)
     eos_id, tokenizer = _write_tokenizer(c, out)
-    hf_llama.write_checkpoint(str(out), c.model, params, max_position_embeddings=int(c.data.seq_len),
-                              eos_token_id=eos_id, dtype=dtype)
+    writer(str(out), c.model, params, max_position_embeddings=int(c.data.seq_len), eos_token_id=eos_id, dtype=dtype)
     info = {"workdir": str(workdir.resolve()), "step": s, "run": c.get("name"), "dtype": dtype,
             "runner": "pipeline" if configs.uses_pipeline(c) else "simulate", "tokenizer": tokenizer,
             "params": int(sum(int(x.size) for x in _leaves(params)))}

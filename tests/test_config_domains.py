@@ -150,7 +150,7 @@ BAD = [
     ("pipeline.stages", 0, {}, "positive integer"),
     ("pipeline.stages", 3, {}, "not divisible"),
     ("pipeline.schedule", "gpipe", {}, "is unknown"),
-    ("pipeline.stages", 4, {"pipeline.schedule": "2bw", "train.microbatches": 4}, "too few"),
+    ("pipeline.stages", 4, {"pipeline.schedule": "2bw", "train.microbatches": 2}, "too few"),
     ("pipeline.virtual_stages", 1, {"pipeline.stages": 2, "pipeline.schedule": "interleaved"}, ">= 2"),
     ("pipeline.virtual_stages", 3, {"pipeline.stages": 2, "pipeline.schedule": "interleaved"}, "equal chunks"),
     ("pipeline.stage_layers", (3, 1), {"pipeline.stages": 2, "pipeline.schedule": "zb-h1"}, "even split"),
@@ -172,7 +172,8 @@ BAD = [
     ("pipeline.vocab_parallel", True, {"pipeline.stages": 2, "pipeline.placement": "mpmd", "model.vocab_size": 258},
      "does not apply"),
     ("train.microbatches", 2, {"pipeline.stages": 4, "pipeline.schedule": "2bw", "pipeline.placement": "mpmd"},
-     "stages - 1 = 3"),
+     "it runs from config.train.microbatches=3"),
+    ("pipeline.schedule", "pipedream", {"pipeline.stages": 2, "pipeline.placement": "mpmd"}, "placement='spmd'"),
     # mesh
     ("mesh.data", 0, {}, "-1"),
     ("mesh.data", -2, {}, "-1"),

@@ -2,6 +2,7 @@
 trained byte-level BPE tokenizer of SmolLM2's kind, parallel and resumable preparation, and the
 whole path from a parquet file to a per-byte validation loss and an exported model."""
 
+import importlib.util
 import json
 import math
 import os
@@ -220,3 +221,38 @@ def test_progress_reports_tokens_per_second_and_eta(data, monkeypatch):
     meter.update(30, 50_000)  # 10 s for 30 of 120 documents: 5,000 tokens/s, 30 s to go
     meter.close()
     assert logs == ["corpus: 30 documents, 50000 tokens, 5,000 tokens/s, ETA 00:00:30"]
+
+
+@pytest.mark.slow  # imports torch and transformers, and trains 2 updates: ~30 s
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None or importlib.util.find_spec("torch") is None,
+                    reason="transformers and torch are not installed (pip install torch transformers); the exported "
+                    "tokenizer files are compared with the run's tokenizer.json without them")
+def test_transformers_loads_a_bpe_run_export(data, tmp_path):
+    """AutoTokenizer on a BPE run's export encodes as the run's tokenizer did, leaves out
+    token_type_ids, and generate(**tok(text, return_tensors='pt')) runs on the exported model."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from asyncpp_jax import configs, export
+    from asyncpp_jax.train.trainer import Trainer
+
+    root, texts, tok_path = data
+    c = configs.base_config()
+    c.model.update(vocab_size=384, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64)
+    c.data.update(source=f"hf:parquet:{root}/parquet/*.parquet", tokenizer=tok_path, cache_dir=str(tmp_path / "c"),
+                  seq_len=32, val_fraction=0.2)
+    c.train.update(steps=2, global_batch_size=8, eval_every=2, eval_batches=1, checkpoint_every=2, progress_bar=False)
+    c.optimizer.update(lr=1e-2, warmup_steps=1)
+    t = Trainer(c, tmp_path / "run")
+    t.run()
+    t.close()
+    export.export(t.workdir, tmp_path / "hf", log=lambda _: None)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    ours = get_tokenizer(tok_path)
+    for text in texts[:20]:
+        assert tok(text)["input_ids"] == ours.encode(text).tolist()
+    inputs = tok("def main(", return_tensors="pt")
+    assert "token_type_ids" not in inputs
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+    out = model.generate(**inputs, max_new_tokens=4, do_sample=False, pad_token_id=tok.eos_token_id)
+    assert out.shape[1] > inputs["input_ids"].shape[1]

@@ -75,18 +75,21 @@ def init_pipeline(cfg, tx, mesh, M, B, schedule, poison=False, ep=False, recompu
 
 
 def run_pipeline(cfg, tx, data, P, schedule, data_size=1, dsched=None, poison=False, ep=False, recompute=True,
-                 prediction=None, virtual_stages=1, vocab_parallel=False):
+                 prediction=None, virtual_stages=1, vocab_parallel=False, state=None):
     """Train on ``data`` with the engine; ``virtual_stages`` > 1: the params held interleaved
     (``to_model_layout(..., interleave=(P, virtual_stages))`` reads them back); ``vocab_parallel``:
-    the tables split over ``stage``."""
+    the tables split over ``stage``; ``state``: resume from it (host arrays, as a restore gives)."""
     M, B = data[0].shape[0], data[0].shape[0] * data[0].shape[1]
     mesh = engine.make_pipeline_mesh(data_size, P)
     interleave = (P, virtual_stages) if virtual_stages > 1 else None
     step = engine.make_pipeline_train_step(cfg, tx, SCHED, mesh, engine_shapes(cfg, interleave), M, schedule, dsched,
                                            expert_parallel=ep, recompute=recompute, weight_prediction=prediction,
                                            virtual_stages=virtual_stages, vocab_parallel=vocab_parallel)
-    state = init_pipeline(cfg, tx, mesh, M, B, schedule, poison, ep, recompute, prediction, interleave,
-                          vocab_parallel)
+    if state is None:
+        state = init_pipeline(cfg, tx, mesh, M, B, schedule, poison, ep, recompute, prediction, interleave,
+                              vocab_parallel)
+    else:
+        state = engine.place_state(state, mesh, engine_shapes(cfg, interleave), ep, vocab_parallel)
     metrics = []
     for b in data:
         state, m = step(state, jax.device_put(b, engine.global_batch_sharding(mesh)))

@@ -157,8 +157,13 @@ def test_eval_is_the_forward_only_program():
 
 
 def test_program_executor_refuses_what_it_cannot_run_yet():
-    with pytest.raises(programs.ProgramError, match="flushed programs"):
-        slot_plan.compile_program(programs.generate("2bw", 4, 8))
+    assert slot_plan.compile_program(programs.generate("2bw", 4, 8)).cyclic  # flushless: entries kept across steps
+    # A flushless program with a split backward: not yet (F and B on one chunk per device).
+    zb = programs.generate("zb-h1", 2, 2)
+    flushless = dataclasses.replace(zb, name="zb-h1 never flushing", delay=1)
+    programs.validate(flushless)
+    with pytest.raises(programs.ProgramError, match="flushless program runs F and B"):
+        slot_plan.compile_program(flushless)
     # A valid program whose device 0 runs microbatch 0's backward whole and the rest split: the
     # executor runs one kind of backward per program.
     zb = programs.generate("zb-h1", 2, 2)

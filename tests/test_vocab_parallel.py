@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import test_pipeline as tp
 from test_compiled_step import vocab_moves_in_loops
+from asyncpp_jax import configs
 from asyncpp_jax.models import dense
 from asyncpp_jax.pipeline import engine, make_mesh
 from asyncpp_jax.pipeline import vocab_parallel as vp
@@ -252,9 +253,10 @@ def test_no_device_holds_a_whole_table(schedule, tie):
 
 
 def test_a_vocabulary_the_stages_do_not_divide_is_refused():
-    cfg = _engine_cfg(31)
-    mesh = engine.make_pipeline_mesh(1, STAGES)
-    with pytest.raises(ValueError, match=r"vocab_parallel=True .* does not divide config.model.vocab_size=31"):
-        engine.make_pipeline_train_step(cfg, tp.make_opt("adamw"), tp.SCHED, mesh, tp.engine_shapes(cfg), 6, "2bw",
-                                        vocab_parallel=True)
+    """The rule is checked once, by the config's validator; the engine relies on it."""
+    c = configs.base_config()
+    c.model.vocab_size = 31
+    c.pipeline.update(stages=STAGES, schedule="2bw", vocab_parallel=True)
+    with pytest.raises(configs.ConfigError, match=r"vocab_parallel=True .* does not divide config.model.vocab_size=31"):
+        configs.validate(configs.resolve(c))
 

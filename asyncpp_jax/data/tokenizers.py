@@ -35,6 +35,7 @@ class ByteTokenizer:
 
     vocab_size = 257
     eos_id = 256
+    eos_token = "<|endoftext|>"  # its name in the exported tokenizer.json (write_tokenizer_json)
     fingerprint = "byte-v1"
 
     def encode(self, text: str) -> np.ndarray:
@@ -52,6 +53,36 @@ class ByteTokenizer:
 
     def __repr__(self) -> str:
         return "ByteTokenizer()"
+
+    def write_tokenizer_json(self, path: str) -> None:
+        """This tokenizer as a Hugging Face ``tokenizer.json`` (what an export ships, so that
+        ``AutoTokenizer`` loads it): GPT-2's byte-level alphabet as a BPE vocabulary with no merges,
+        token ``b`` for byte ``b`` (so each byte is one token, with this tokenizer's ids), and
+        :attr:`eos_token` as the added special token 256.  Encodes any text to the same ids as
+        :meth:`encode`, except that the literal text of :attr:`eos_token` becomes id 256."""
+        import tokenizers  # pylint: disable=import-outside-toplevel
+        from tokenizers.pre_tokenizers import ByteLevel  # pylint: disable=import-outside-toplevel
+
+        chars = _byte_level_chars()
+        tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
+        tok.pre_tokenizer = ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = tokenizers.decoders.ByteLevel()
+        tok.add_special_tokens([tokenizers.AddedToken(self.eos_token, special=True, normalized=False)])
+        tok.save(path)
+
+
+def _byte_level_chars() -> dict[int, str]:
+    """GPT-2's byte-to-character table (Radford et al. 2019, the ``bytes_to_unicode`` of its
+    encoder), which byte-level pre-tokenizers use: printable Latin-1 bytes stand for themselves,
+    the other 68 bytes map in order to the characters from U+0100 up."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    out, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            out[b] = chr(b)
+        else:
+            out[b], extra = chr(256 + extra), extra + 1
+    return out
 
 
 class HFTokenizer:

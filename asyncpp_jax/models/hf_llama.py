@@ -28,13 +28,15 @@ a ``torch.nn.Linear`` weight is ``[out, in]`` and a Flax ``Dense`` kernel ``[in,
 With ``tie_word_embeddings`` the head is the embedding table; a checkpoint that still stores
 ``lm_head.weight`` then has it ignored.
 
-**Memory.**  The safetensors format is read here by hand: an 8-byte header length, a JSON header
-(each tensor's dtype, shape and byte range), then the raw little-endian bytes.  Each file is
-memory-mapped and each tensor read in place, so loading costs the parameters themselves (the
-destination) plus one leaf in flight, never a second copy of the file.  ``bfloat16`` and
-``float16`` tensors widen to the model's ``float32`` exactly; other dtypes are refused.
+**Memory.**  The ``safetensors`` package reads and writes the files.  Reading opens each file
+with ``safe_open`` (memory-mapped) and reads one tensor at a time into its destination, so loading
+costs the parameters themselves plus one tensor in flight, never a second copy of the file.
+Writing builds one file at a time (``safetensors``' writer takes a file's tensors together), so
+a directory is split into shards of at most :data:`SHARD_BYTES` (with an index, as
+``save_pretrained`` writes): the parameters plus one shard.  ``bfloat16`` and ``float16``
+tensors widen to the model's ``float32`` exactly; other dtypes are refused.
 
-Plain NumPy (and ``ml_dtypes`` for bfloat16, a JAX dependency); only
+NumPy and ``safetensors`` (and ``ml_dtypes`` for bfloat16, a JAX dependency); only
 :func:`params_initializer` touches JAX.
 """
 
@@ -43,7 +45,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import struct
 from typing import Callable
 
 import numpy as np
@@ -83,104 +84,89 @@ class HFCheckpointError(ConfigError):
 
 
 # ---------------------------------------------------------------------------------------------
-# The safetensors format, by hand (https://github.com/huggingface/safetensors, "Format").
-
-
-def _np_dtypes() -> dict:
-    import ml_dtypes  # a JAX dependency: numpy has no bfloat16
-
-    return {"F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
-            "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype("<i8"), "I32": np.dtype("<i4"),
-            "I16": np.dtype("<i2"), "I8": np.dtype("i1"), "U8": np.dtype("u1"), "BOOL": np.dtype("?")}
-
+# safetensors files, through the safetensors package
 
 # What widens exactly into the model's float32 parameters.
 _LOSSLESS_INTO_F32 = ("F32", "BF16", "F16")
-
-
-def read_safetensors_header(path: str) -> dict:
-    """``{name: {'dtype', 'shape', 'data_offsets'}, '__metadata__': {...}}`` and ``'__data_start__'``."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise HFCheckpointError(f"{path} is not a safetensors file (shorter than its 8-byte header length)")
-        (n,) = struct.unpack("<Q", head)
-        size = os.path.getsize(path)
-        if n > size - 8:
-            raise HFCheckpointError(f"{path} is not a safetensors file (header length {n} > file size {size})")
-        try:
-            header = json.loads(f.read(n))
-        except ValueError as e:
-            raise HFCheckpointError(f"{path} is not a safetensors file (its header is not JSON: {e})") from e
-    header["__data_start__"] = 8 + n
-    return header
+# Largest file the writer builds in memory: safetensors' writer takes a whole file's tensors at once.
+SHARD_BYTES = 1 << 30
 
 
 class SafetensorsFile:
-    """One safetensors file, memory-mapped: :meth:`tensor` is a read-only view (no copy)."""
+    """One safetensors file opened with ``safetensors.safe_open`` (memory-mapped): names, shapes and
+    dtypes from its header; :meth:`tensor` reads one tensor."""
 
     def __init__(self, path: str):
+        from safetensors import SafetensorError, safe_open  # pylint: disable=import-outside-toplevel
+
         self.path = path
-        header = read_safetensors_header(path)
-        start = header.pop("__data_start__")
-        self.metadata = header.pop("__metadata__", {}) or {}
-        self.entries = header
-        size = os.path.getsize(path) - start
-        self._data = np.memmap(path, dtype=np.uint8, mode="r", offset=start, shape=(size,)) if size else None
-        for name, e in self.entries.items():
-            begin, end = e["data_offsets"]
-            if not 0 <= begin <= end <= size:
-                raise HFCheckpointError(f"{path}: tensor {name!r} lies outside the file (bytes {begin}..{end} of {size})")
+        try:
+            self._file = safe_open(path, framework="numpy")
+        except (SafetensorError, OSError) as e:
+            raise HFCheckpointError(f"{path} is not a safetensors file ({e})") from e
+        self.metadata = self._file.metadata() or {}
 
     def names(self) -> list[str]:
-        return list(self.entries)
+        return list(self._file.keys())
 
     def dtype_name(self, name: str) -> str:
-        return self.entries[name]["dtype"]
+        return self._file.get_slice(name).get_dtype()
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.entries[name]["shape"])
+        return tuple(self._file.get_slice(name).get_shape())
 
     def tensor(self, name: str) -> np.ndarray:
-        e = self.entries[name]
-        dtypes = _np_dtypes()
-        if e["dtype"] not in dtypes:
-            raise HFCheckpointError(f"{self.path}: tensor {name!r} has dtype {e['dtype']}, which this reader does not know")
-        dtype = dtypes[e["dtype"]]
-        begin, end = e["data_offsets"]
-        count = math.prod(e["shape"])
-        if end - begin != count * dtype.itemsize:
-            raise HFCheckpointError(f"{self.path}: tensor {name!r} has {end - begin} bytes for shape {e['shape']} "
-                                    f"of {e['dtype']} ({count * dtype.itemsize} expected)")
-        if count == 0:
-            return np.zeros(e["shape"], dtype)
-        return self._data[begin:end].view(dtype).reshape(e["shape"])
+        return self._file.get_tensor(name)
 
 
 def write_safetensors(path: str, tensors: list[tuple[str, tuple, np.dtype, Callable[[], np.ndarray]]],
                       metadata: dict | None = None) -> None:
-    """Write ``(name, shape, dtype, make)`` tensors, each made (``make()``) and written one at a
-    time, so the writer holds one tensor beside whatever the caller holds.  The header is padded
-    with spaces to a multiple of 8 bytes, as the reference writer does; ``__metadata__``
-    ``{'format': 'pt'}`` is what ``transformers`` expects of a PyTorch checkpoint."""
-    names = {np.dtype(v): k for k, v in _np_dtypes().items()}
-    header, offset = {"__metadata__": {"format": "pt", **(metadata or {})}}, 0
-    for name, shape, dtype, _ in tensors:
-        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
-        header[name] = {"dtype": names[np.dtype(dtype)], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
+    """Write ``(name, shape, dtype, make)`` tensors to one file with ``safetensors.numpy.save_file``
+    (each made by ``make()``; the file's tensors are held together while it is written: see
+    :func:`write_directory` for the bound).  ``__metadata__`` ``{'format': 'pt'}`` is what
+    ``transformers`` expects of a PyTorch checkpoint."""
+    from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
+
+    made = {}
+    for name, shape, dtype, make in tensors:
+        x = np.ascontiguousarray(make()).astype(dtype, copy=False)
+        if x.shape != tuple(shape):
+            raise ValueError(f"tensor {name!r}: made shape {x.shape}, declared {tuple(shape)}")
+        made[name] = x
     tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for name, shape, dtype, make in tensors:
-            x = np.ascontiguousarray(make()).astype(dtype, copy=False)  # every platform JAX runs on is little-endian
-            if x.shape != tuple(shape):
-                raise ValueError(f"tensor {name!r}: made shape {x.shape}, declared {tuple(shape)}")
-            f.write(x.tobytes(order="C"))
+    save_file(made, tmp, metadata={"format": "pt", **(metadata or {})})
     os.replace(tmp, path)
+
+
+def write_directory(directory: str, tensors: list[tuple[str, tuple, np.dtype, Callable[[], np.ndarray]]],
+                    config: dict, max_shard_bytes: int = SHARD_BYTES) -> list[str]:
+    """``config.json`` and the tensors as ``model.safetensors``, or, past ``max_shard_bytes``, as
+    ``model-0000k-of-0000n.safetensors`` shards listed by ``model.safetensors.index.json`` (as
+    ``save_pretrained`` shards).  Tensors are made one shard at a time, so writing holds at most
+    one shard (or one tensor larger than a shard) beside the caller's parameters.  Returns the
+    weight files written."""
+    os.makedirs(directory, exist_ok=True)
+    shards, size = [[]], 0
+    for t in tensors:
+        nbytes = math.prod(t[1]) * np.dtype(t[2]).itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += nbytes
+    names = ([WEIGHTS_FILE] if len(shards) == 1 else
+             [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))])
+    for name, shard in zip(names, shards):
+        write_safetensors(os.path.join(directory, name), shard)
+    if len(shards) > 1:
+        total = sum(math.prod(t[1]) * np.dtype(t[2]).itemsize for t in tensors)
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {t[0]: name for name, shard in zip(names, shards) for t in shard}}
+        with open(os.path.join(directory, INDEX_FILE), "w", encoding="utf-8") as f:
+            json.dump(index, f, indent=2)
+    with open(os.path.join(directory, CONFIG_FILE), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    return names
 
 
 # ---------------------------------------------------------------------------------------------
@@ -499,7 +485,7 @@ def hf_tensors(model_cfg, params: dict, dtype=np.float32) -> list[tuple[str, tup
 
             def make(leaf=leaf, i=i, transposed=transposed, layered=path[0] == "layers"):
                 x = np.asarray(leaf[i] if layered else leaf)
-                return (x.T if transposed else x).astype(dtype)
+                return np.ascontiguousarray(x.T if transposed else x, dtype=dtype)  # one copy at most
 
             out.append((name, hf_shape, dtype, make))
     return out
@@ -507,17 +493,19 @@ def hf_tensors(model_cfg, params: dict, dtype=np.float32) -> list[tuple[str, tup
 
 def write_checkpoint(directory: str, model_cfg, params: dict, max_position_embeddings: int,
                      eos_token_id: int | None = None, bos_token_id: int | None = None,
-                     dtype: str = "float32") -> None:
-    """Write ``params`` as a Hugging Face Llama directory (``config.json``, ``model.safetensors``).
+                     dtype: str = "float32", max_shard_bytes: int = SHARD_BYTES) -> list[str]:
+    """Write ``params`` as a Hugging Face Llama directory (``config.json``, the safetensors
+    weights: :func:`write_directory`); returns the weight files.
 
     ``dtype='float32'`` (the parameters' own) reads back bit-identically; ``'bfloat16'`` halves the
-    file and rounds each weight to nearest-even."""
+    files and rounds each weight to nearest-even."""
+    np_dtype = np_dtype_of(dtype)
+    cfg = hf_config(model_cfg, max_position_embeddings, eos_token_id, bos_token_id, dtype)
+    return write_directory(directory, hf_tensors(model_cfg, params, np_dtype), cfg, max_shard_bytes)
+
+
+def np_dtype_of(dtype: str) -> np.dtype:
+    """``'float32'`` or ``'bfloat16'`` as a NumPy dtype (``ml_dtypes``' bfloat16)."""
     import ml_dtypes  # pylint: disable=import-outside-toplevel
 
-    np_dtype = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}[dtype]
-    os.makedirs(directory, exist_ok=True)
-    write_safetensors(os.path.join(directory, WEIGHTS_FILE), hf_tensors(model_cfg, params, np_dtype))
-    cfg = hf_config(model_cfg, max_position_embeddings, eos_token_id, bos_token_id, dtype)
-    with open(os.path.join(directory, CONFIG_FILE), "w", encoding="utf-8") as f:
-        json.dump(cfg, f, indent=2)
-
+    return {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}[dtype]

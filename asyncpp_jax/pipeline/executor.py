@@ -41,7 +41,7 @@ from asyncpp_jax.pipeline.layout import on_data_axis, param_specs, update_specs
 from asyncpp_jax.pipeline.stage import (ResidualTemplate, StageFns, chunk_rows, head_of, is_first_virtual,
                                         is_last_virtual, join_params, lookup_transpose_add, split_params,
                                         stat_names, table_size)
-from asyncpp_jax.pipeline.state import PipelineState, pipeline_state_specs
+from asyncpp_jax.pipeline.state import pipeline_state_specs
 from asyncpp_jax.train_state import BATCH_SPEC
 
 IDLE = np.iinfo(np.int32).min  # no action in this column of a slot (slot_plan.IDLE)

@@ -29,7 +29,7 @@ from asyncpp_jax import configs
 from asyncpp_jax.models import count_params, layers
 from asyncpp_jax.models.flops import active_matmul_params, flops_per_token
 from asyncpp_jax.models.moe import with_expert_parallel
-from asyncpp_jax.pipeline import engine, mpmd_memory, slot_plan
+from asyncpp_jax.pipeline import mpmd_memory, slot_plan
 from asyncpp_jax.pipeline import state as pipeline_state
 from asyncpp_jax.pipeline.mpmd_placement import bytes_on_devices
 from asyncpp_jax.train import fit

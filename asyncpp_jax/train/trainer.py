@@ -42,7 +42,7 @@ from tqdm import tqdm
 
 from asyncpp_jax import configs
 from asyncpp_jax.data import CorpusError, load_corpus, make_eval_batches, make_train_iterator, prepare_corpus_for
-from asyncpp_jax.models import count_params, dense
+from asyncpp_jax.models import count_params, dense, hf_llama
 from asyncpp_jax.models.flops import flops_per_token
 from asyncpp_jax.optim import describe_routing
 from asyncpp_jax.train import dry_run, fit, preemption, profile
@@ -143,6 +143,8 @@ class Trainer:
             raise
 
     def _setup(self, config, devices):
+        if config.model.get("init_from"):  # before the corpus, whose preparation can take hours
+            hf_llama.ParamReader(config.model, config.model.init_from[len("hf:"):])
         devices = list(devices if devices is not None else jax.devices())
         config = self.config = fitted_config(config, devices)
         c = config
