@@ -22,6 +22,8 @@ MUON_SCALINGS = ("moonlight", "keller")
 ADAN_DECAY_MODES = ("proximal", "decoupled")
 SCHEDULES = ("constant", "cosine", "linear", "wsd")
 DTYPES = ("float32", "bfloat16")
+ATTENTION_KERNELS = ("auto", "xla", "dot_product", "splash")  # models/layers.py: attend
+SPLASH_SEQ_MULTIPLE = 128  # splash attention's blocks are multiples of 128 tokens
 RUNNERS = ("auto", "simulate", "pipeline")
 PLACEMENTS = ("spmd", "mpmd")
 MPMD_SCHEDULES = ("sync", "1f1b", "2bw")  # what config.pipeline.placement='mpmd' runs (asyncpp_jax.pipeline.mpmd)
@@ -41,6 +43,17 @@ DEFAULT_CONFIG = PRESETS_DIR / "tiny.py"
 # about 15 GB of its 16.
 HARDWARE_GB = {"cpu": 8.0, "t4-16gb": 15.0, "tpu-v5e-16gb": 16.0, "a100-40gb": 40.0, "h100-80gb": 80.0,
                "tpu-v5p-95gb": 95.0, "h200-141gb": 141.0}
+# ``config.hardware``'s platform (as jax names it) and whether cuDNN's flash attention runs there
+# (Ampere or newer; a T4 is Turing): what attention='auto' becomes on it (models/layers.py).
+HARDWARE_PLATFORM = {"cpu": ("cpu", False), "t4-16gb": ("cuda", False), "tpu-v5e-16gb": ("tpu", False),
+                     "a100-40gb": ("cuda", True), "h100-80gb": ("cuda", True), "tpu-v5p-95gb": ("tpu", False),
+                     "h200-141gb": ("cuda", True)}
+# Dense matmul peak TFLOP/s of one device, (bf16, fp32), by a piece of jax's ``device_kind``: the
+# vendors' datasheet figures without sparsity (H100/H200 SXM; a TPU multiplies fp32 in bf16 passes,
+# so its bf16 peak is the yardstick for both).  MFU (experiments/bench_mfu.py) is measured against it.
+PEAK_TFLOPS = {"H100": (989.0, 67.0), "H200": (989.0, 67.0), "A100": (312.0, 19.5), "T4": (65.0, 8.1),
+               "TPU v5p": (459.0, 459.0), "TPU v5 lite": (197.0, 197.0), "TPU v5e": (197.0, 197.0),
+               "TPU v4": (275.0, 275.0), "TPU v6": (918.0, 918.0)}
 # Largest mesh accepted at all (more devices than any TPU pod or GPU cluster this code targets), and
 # the largest made of fake XLA:CPU devices on a host without an accelerator.
 MAX_MESH_DEVICES = 65536
@@ -317,6 +330,9 @@ def _model_defaults() -> ml_collections.ConfigDict:
             compute_dtype="float32",
             param_dtype="float32",
             remat=False,  # see also train.auto_remat
+            # attention kernel (models/layers.py: attend): auto = splash on TPU, cuDNN's fused kernel
+            # (dot_product) on a CUDA GPU, the einsum path (xla) elsewhere
+            attention="auto",
             # '' = random init; 'hf:DIR' = start from a local Hugging Face Llama checkpoint
             # (config.json + safetensors; models/hf_llama.py), checked against these fields
             init_from="",
@@ -364,6 +380,11 @@ def _check_model(c) -> list[str]:
     _number(errs, "model.z_loss", m.z_loss, ge=0)
     _flag(errs, "model.tie_embeddings", m.tie_embeddings)
     _flag(errs, "model.remat", m.remat)
+    if _choice(errs, "model.attention", m.attention, ATTENTION_KERNELS) and m.attention == "splash":
+        if _is_int(c.data.seq_len) and c.data.seq_len % SPLASH_SEQ_MULTIPLE:
+            errs.append(f"config.model.attention='splash' needs config.data.seq_len to be a multiple of "
+                        f"{SPLASH_SEQ_MULTIPLE} (its kernel's block), not {c.data.seq_len}; change the length, or "
+                        "set config.model.attention='auto' (which picks splash only where it fits).")
     if not (m.init_from == "" or (isinstance(m.init_from, str) and m.init_from.startswith("hf:") and m.init_from[3:])):
         errs.append(f"config.model.init_from={m.init_from!r} must be '' (random init) or 'hf:DIR', DIR a local "
                     "Hugging Face Llama directory (config.json and model.safetensors).")

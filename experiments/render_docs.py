@@ -734,10 +734,81 @@ def bench_prepare(doc: pathlib.Path) -> str:
     return "\n".join(lines)
 
 
+def _accelerator_checks() -> list[dict]:
+    """The device_check records of a real accelerator run (not ``--tiny``, not a CPU)."""
+    path = BENCH_LINK / "device_check.jsonl"
+    recs = records.load("device_check", "device_check") if path.exists() else []
+    return [r for r in recs if not r["figures"].get("tiny") and r["figures"].get("platform") != "cpu"]
+
+
+def _fmt_part(part, fmt) -> str:
+    if not isinstance(part, (dict, list)):
+        return "not run"
+    if isinstance(part, dict) and "error" in part:
+        return f"FAILED ({part['error'][:80]})"
+    if isinstance(part, dict) and "skipped" in part:
+        return f"skipped: {part['skipped']}"
+    return fmt(part)
+
+
+def accelerator_checks(doc: pathlib.Path) -> str:
+    """One row per accelerator run of ``python -m experiments.device_check``."""
+    rows = _accelerator_checks()
+    if not rows:
+        return ("No accelerator has run `python -m experiments.device_check` yet: every figure of this project "
+                "is from CPU. The section above says what the command will measure; its record goes to "
+                "`experiments/results/bench/device_check.jsonl`.")
+
+    def tests(t):
+        c = t["counts"]
+        return f"{c.get('passed', 0)} passed, {c.get('failed', 0)} failed, {c.get('skipped', 0)} skipped"
+
+    def bench(b):
+        return "; ".join(f"{x['config']}: {x['tokens_per_s']:,.0f} tok/s, MFU {x['mfu']:.1%}, "
+                         f"attention {x['attention']['kernel']} {x['attention']['xla_over_kernel']:.2f}x xla" for x in b)
+
+    def engine(e):
+        return "; ".join(f"{x['schedule']} on {x['stages']}: max param diff {x['max_abs_param_difference_vs_simulate']:.1e}"
+                         for x in e)
+
+    def notebook(n):
+        loss = n.get("val_loss_per_byte")
+        return f"{n['status']} after {n['updates']} updates, val {loss:.4f} nats/byte" if loss else n["status"]
+
+    def lowering(x):
+        return f"{x['auto_kernel']}: {x['looked_for']} {'found' if x['found'] else 'NOT found'}"
+
+    lines = ["| date, commit | device | tests | bench_mfu | engine vs simulate | notebook preset | fused kernel | total |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        f = r["figures"]
+        lines.append(f"| {r['date']}, {r['commit']} | {f['devices']} x {f['device_kind']} | "
+                     + " | ".join(_fmt_part(f.get(k), fn) for k, fn in (("tests", tests), ("bench_mfu", bench),
+                                                                        ("engine", engine), ("notebook", notebook),
+                                                                        ("lowering", lowering)))
+                     + f" | {f['total_s']:.0f} s |")
+    return "\n".join(lines + ["", _provenance(rows, [BENCH_LINK / "device_check.jsonl"], doc)])
+
+
+def accelerator_status(doc: pathlib.Path) -> str:
+    """The README's Status line: what has run on an accelerator, from the device_check records."""
+    rows = _accelerator_checks()
+    tail = ("Not yet run on real hardware: any cluster, the `gpu` and `paper` study presets, and the 10B MoE "
+            "beyond its dry run.")
+    if not rows:
+        return ("**Status**: everything here has run on CPU only (fake CPU devices for meshes, several local "
+                "processes for multi-host); no GPU or TPU has run it yet (no accelerator record of "
+                "`python -m experiments.device_check`, [docs/accelerators.md](docs/accelerators.md)). " + tail)
+    seen = sorted({f"{r['figures']['device_kind']} ({r['figures']['platform']})" for r in rows})
+    return (f"**Status**: `python -m experiments.device_check` has run on {', '.join(seen)} (the tests, "
+            f"bench_mfu, the engine and the notebook's preset for {rows[-1]['figures'].get('notebook', {}).get('updates', '?')} "
+            f"updates; [docs/accelerators.md](docs/accelerators.md)); everything else on CPU only. " + tail)
+
+
 RENDERERS = {f.__name__: f for f in (paper_regime, paper_optimizers, bench_small_updates, bench_prepare, notebooks, glance, main_job, main_job_summary, tiny_optimizers, bench_optimizers, optimizers_study,
                                       bench_pipeline_work, bench_pipeline_processes, bench_pipeline_compile, bench_pipeline_conditionals, bench_pipeline_schedules,
                                       moe10b_dry_run, llama3_8b_dry_run, mpmd_dry_run, vocab_parallel_table, fit_table,
-                                      ci)}
+                                      ci, accelerator_checks, accelerator_status)}
 
 
 def render(text: str, doc: pathlib.Path) -> str:

@@ -44,6 +44,8 @@ BAD = [
     ("model.z_loss", INF, {}, "finite"),
     ("model.compute_dtype", "int8", {}, "unsupported"),
     ("model.param_dtype", "bfloat16", {}, "fp32 master"),
+    ("model.attention", "flash", {}, "is unknown"),
+    ("model.attention", "splash", {"data.seq_len": 200}, "multiple of 128"),
     # mixture of experts (moe_tiny base)
     ("model.moe.num_experts", 1, {}, ">= 2"),
     ("model.moe.num_experts", -4, {}, ">= 2"),

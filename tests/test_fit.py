@@ -7,7 +7,7 @@ import pytest
 
 from asyncpp_jax import configs
 from asyncpp_jax.train import dry_run, fit
-from asyncpp_jax.train.trainer import Trainer, _fit
+from asyncpp_jax.train.trainer import Trainer, fitted_config
 from configs.tiny import get_config as tiny
 
 GB = fit.GB
@@ -125,7 +125,7 @@ def test_real_compiles_pick_microbatches_and_the_trainer_refuses_a_setting_that_
     and the trainer stops an explicit microbatches=1 before training, naming the count that fits."""
     devices = jax.devices()[:1]
     c = _small()
-    search = fit.Search(lambda x: dry_run._measure(x, devices, None), 0)  # one cache for every compile
+    search = fit.Search(lambda x: dry_run.measure(x, devices, None), 0)  # one cache for every compile
     peak = {m: search(fit.with_fields(configs.resolve(c), train__microbatches=m)).peak for m in (1, 16)}
     assert peak[16] < peak[1]
     search.budget = budget = int((peak[1] + peak[16]) / 2)
@@ -144,5 +144,5 @@ def test_the_default_cpu_run_compiles_nothing_extra(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("compiled a candidate without a memory budget")
 
-    monkeypatch.setattr(dry_run, "_measure", refuse)
-    assert _fit(tiny(), jax.devices()).train.microbatches == 1
+    monkeypatch.setattr(dry_run, "measure", refuse)
+    assert fitted_config(tiny(), jax.devices()).train.microbatches == 1

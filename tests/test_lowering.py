@@ -9,6 +9,8 @@ fake-device mesh lowers as a real mesh would.  Lowering only: nothing is compile
 
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -101,3 +103,116 @@ def test_mpmd_programs_lower_for_gpu_and_tpu(case):
         assert exported.platforms == TARGETS, name
         text = exported.mlir_module()
         assert "lapack" not in text.lower() and "ducc" not in text.lower(), name
+
+
+# ---------------------------------------------------------------------------------------------
+# The attention kernel (config.model.attention) in the lowered step
+
+
+def _attention_config(attention: str, seq_len: int = 128, **kw):
+    c = _config(**kw)
+    c.model.attention = attention
+    c.data.seq_len = seq_len
+    configs.validate(c)
+    return c
+
+
+def _tpu_modules(c) -> dict:
+    """The MLIR text of ``c``'s train step and eval step exported for ``tpu`` (abstract shapes)."""
+    r = runner_lib.build(c, jax.devices())
+    state = r.abstract_state(jax.random.key(0))
+    rows = c.train.global_batch_size // c.train.microbatches
+    batch = jax.ShapeDtypeStruct((c.train.microbatches, rows, c.data.seq_len + 1), np.int32,
+                                 sharding=r.batch_sharding())
+    out = {"train": jax.export.export(r.train_step, platforms=("tpu",))(state, batch).mlir_module()}
+    if not r.mpmd:
+        eval_batch = jax.ShapeDtypeStruct((rows * r.eval_group(), c.data.seq_len + 1), np.int32,
+                                          sharding=step_lib.eval_sharding(r.mesh))
+        out["eval"] = jax.export.export(r.eval_step(), platforms=("tpu",))(state.params, eval_batch).mlir_module()
+    return out
+
+
+SPLASH_RUNNERS = {
+    "simulate": dict(),
+    "engine-sync": dict(stages=2, schedule="sync"),
+    "engine-2bw": dict(stages=2, schedule="2bw"),
+}
+
+
+# Two of the six in the default suite (each exports a train and an eval step); the rest under -m slow.
+SPLASH_DEFAULT = {("simulate", "auto"), ("engine-2bw", "splash")}
+
+
+@pytest.mark.needs_devices(4)
+@pytest.mark.parametrize("case, attention", [
+    pytest.param(case, attention, id=f"{case}-{attention}",
+                 marks=() if (case, attention) in SPLASH_DEFAULT else (pytest.mark.slow,))
+    for case in sorted(SPLASH_RUNNERS) for attention in ("splash", "auto")])
+def test_splash_kernel_is_in_the_step_exported_for_tpu(case, attention):
+    """``splash`` and ``auto`` put Pallas's splash kernel (a ``tpu_custom_call``) into the train
+    and eval steps of every runner lowered for ``tpu``; the einsum path puts none there."""
+    for what, text in _tpu_modules(_attention_config(attention, **SPLASH_RUNNERS[case])).items():
+        assert "tpu_custom_call" in text, (case, attention, what)
+
+
+@pytest.mark.needs_devices(4)
+@pytest.mark.parametrize("attention, seq_len", [("xla", 128), pytest.param("auto", 16, marks=pytest.mark.slow)],
+                         ids=["xla", "auto-off-block"])
+def test_no_tpu_kernel_without_splash(attention, seq_len):
+    """The einsum path, and ``auto`` at a length splash's blocks do not divide (it then runs
+    ``dot_product``, XLA's attention on a TPU), lower without the kernel."""
+    for what, text in _tpu_modules(_attention_config(attention, seq_len)).items():
+        assert "tpu_custom_call" not in text, (attention, what)
+
+
+@pytest.mark.needs_devices(4)
+def test_splash_kernel_in_every_mpmd_stage_program():
+    """Under the mpmd placement each stage's programs that run its layers hold the kernel."""
+    from asyncpp_jax.pipeline import mpmd_memory
+
+    c = _attention_config("splash", stages=2, schedule="2bw", placement="mpmd")
+    r = runner_lib.build(c, jax.devices())
+    step = r.train_step
+    for s in range(step.n_stages):
+        texts = [jax.export.export(fn, platforms=("tpu",))(*args).mlir_module()
+                 for _, fn, args in mpmd_memory.stage_programs(step, s)]
+        assert any("tpu_custom_call" in t for t in texts), s
+
+
+def _without_locations(text: str) -> str:
+    return "\n".join(re.sub(r"\s*loc\([^()]*(\([^()]*\)[^()]*)*\)", "", line) for line in text.splitlines()
+                     if not line.startswith("#loc"))
+
+
+def test_tpu_splash_kernel_is_the_causal_one_on_q_k_v():
+    """The tpu module of ``attend(..., 'splash')`` is, op for op, that of Pallas's splash kernel
+    built here from the library's ``CausalMask`` on ``(q / sqrt(d), k, v)``: a mask dropped or K
+    and V swapped change the module (checked by mutation)."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    from asyncpp_jax.models import layers
+
+    b, t, n, kv, d = 2, 128, 4, 2, 16
+    q = jax.ShapeDtypeStruct((b, t, n, d), np.float32)
+    k = jax.ShapeDtypeStruct((b, t, kv, d), np.float32)
+
+    def reference(q, k, v, interpret=False):
+        kernel = sa.make_splash_mha(sa.MultiHeadMask([sa.CausalMask((t, t))] * n),
+                                    block_sizes=sa.BlockSizes(*(128,) * 8), head_shards=1, q_seq_shards=1,
+                                    interpret=interpret)
+        heads_first = lambda x: x.swapaxes(1, 2)  # noqa: E731
+        q = q * np.float32(1 / np.sqrt(d))
+        return heads_first(jax.vmap(kernel)(heads_first(q), heads_first(k), heads_first(v)))
+
+    def reference_on_any_platform(q, k, v):  # as attend lays it out: the TPU's kernel, else interpreted
+        return jax.lax.platform_dependent(q, k, v, tpu=reference, default=lambda *a: reference(*a, interpret=True))
+
+    def export(fn):
+        fn.__name__ = "attention"
+        return _without_locations(jax.export.export(jax.jit(fn), platforms=("tpu",))(q, k, k).mlir_module())
+
+    def ours(q, k, v):
+        return layers.attend(q, k, v, None, "splash")
+
+    ours = export(ours)
+    assert "tpu_custom_call" in ours and ours == export(reference_on_any_platform)

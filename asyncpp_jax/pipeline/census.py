@@ -8,7 +8,8 @@ this count per update.
 
 Counting rule, for a closed jaxpr: each ``cond`` (a switch is one ``cond`` with several branches)
 counts 1 plus the largest count among its branches (the branch taken is data-dependent, so this is
-an upper bound); a ``scan`` counts its body ``length`` times; any other equation with sub-jaxprs
+an upper bound), except a ``lax.platform_dependent`` one (the attention kernel's choice), which
+lowering resolves: it counts only its largest branch; a Pallas kernel counts nothing; a ``scan`` counts its body ``length`` times; any other equation with sub-jaxprs
 (``pjit``, ``shard_map``, ``remat``, custom derivatives) counts their sum.  A ``while`` loop's trip
 count is not static: its body and condition are counted once and the loop is reported in
 ``Census.while_loops``.
@@ -40,9 +41,14 @@ def census(jaxpr) -> Census:
     conds = loops = 0
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
+        if name == "pallas_call":  # a kernel's own control flow is the kernel's, not XLA conditionals
+            continue
         subs = [census(s) for s in subjaxprs(eqn)]
         loops += sum(s.while_loops for s in subs)
-        if name == "cond":
+        if name == "cond" and eqn.params.get("branches_platforms") is not None:
+            # lax.platform_dependent: lowering keeps its platform's branch and no conditional
+            conds += max((s.conditionals for s in subs), default=0)
+        elif name == "cond":
             conds += 1 + max((s.conditionals for s in subs), default=0)
         elif name == "scan":
             conds += eqn.params["length"] * sum(s.conditionals for s in subs)

@@ -11,7 +11,10 @@ a config that does not fit gets the smallest change that does, each candidate co
 
 XLA:CPU compiles the program here; a GPU/TPU compiler fuses and lays out differently, so the
 temporary-buffer figure is an estimate of the accelerator's, while the argument (state) bytes are
-exact.
+exact.  Where ``config.hardware`` runs a fused attention kernel (splash on a TPU, cuDNN's flash
+attention on an Ampere or newer GPU; ``config.model.attention='auto'``), the program compiled here
+runs splash attention through Pallas's interpreter in its place (:func:`attention_stand_in`): it is
+blockwise as the fused kernels are, so the estimate holds no [T, T] score buffer.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from asyncpp_jax import configs
-from asyncpp_jax.models import count_params
+from asyncpp_jax.models import count_params, layers
 from asyncpp_jax.models.flops import active_matmul_params, flops_per_token
 from asyncpp_jax.models.moe import with_expert_parallel
 from asyncpp_jax.pipeline import mpmd_memory, slot_plan
@@ -150,6 +153,16 @@ def _layer_padding(runner) -> dict:
             "param_bytes_total": padded - real}
 
 
+def attention_stand_in(c) -> str:
+    """The attention kernel compiled here for ``c``'s memory: interpreted splash where
+    ``config.hardware`` runs a fused kernel, so that no [T, T] buffer is counted that the
+    accelerator never holds (:func:`asyncpp_jax.models.layers.memory_stand_in`)."""
+    platform, cuda_flash = configs.HARDWARE_PLATFORM[c.hardware]
+    m = c.model
+    return layers.memory_stand_in(m.attention, platform, c.data.seq_len, m.compute_dtype, layers.head_dim(m),
+                                  cuda_flash)
+
+
 def measure(c, devices, budget: int | None) -> fit.Measurement:
     """Lower and compile ``c``'s train step on ``devices`` from abstract shapes; the eval step too
     unless the train step alone is already over ``budget``."""
@@ -202,11 +215,12 @@ def dry_run(c, devices=None, spare_devices=None) -> dict:
     pool = list(spare_devices) if spare_devices is not None else devices
     budget = fit.budget_bytes(c, dry_run=True)
 
-    def measured(cfg):
+    def measure_candidate(cfg):
         n = len(devices) if cfg.mesh.data == -1 else configs.devices_needed(cfg)
-        return measure(cfg, pool[:n] if n > len(devices) else devices, budget)
+        stand_in = fit.with_fields(cfg, model__attention=attention_stand_in(cfg))
+        return measure(stand_in, pool[:n] if n > len(devices) else devices, budget)
 
-    decision = fit.decide(c, measured, budget)
+    decision = fit.decide(c, measure_candidate, budget)
     suggestion = [] if decision.fits else fit.suggest(decision, max_devices=len(pool))
     c, m = decision.config, decision.measurement
     if m.eval_peak is None:
@@ -233,6 +247,8 @@ def dry_run(c, devices=None, spare_devices=None) -> dict:
         "lower_seconds": m.detail["lower_seconds"],
         "compile_seconds": m.detail["compile_seconds"],
         "hardware": c.hardware,
+        "attention": c.model.attention,
+        "attention_memory_stand_in": attention_stand_in(c),
         "budget_bytes_per_device": decision.budget,
         "microbatches": c.train.microbatches,
         "remat": bool(c.model.remat),
@@ -319,6 +335,10 @@ def format_report(r: dict) -> str:
     lines.append("  fits: " + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in r["fits"].items()))
     lines.append(f"  target config.hardware={r['hardware']!r}, budget {gb(r['budget_bytes_per_device'])} per device: "
                  f"{r['decision']}")
+    if "attention" in r:
+        lines.append(f"  attention: config.model.attention={r['attention']!r}, its memory compiled here as "
+                     f"{r['attention_memory_stand_in']!r}" + (" (blockwise, no [T, T] scores)"
+                                                             if r["attention_memory_stand_in"] == "splash" else ""))
     if not r["fits_budget"]:
         if r["suggestion"]:
             lines.append("  DOES NOT FIT; smallest change that fits (each compiled to check): "

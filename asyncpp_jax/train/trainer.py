@@ -110,7 +110,7 @@ def _without_fill_loss(metrics: dict) -> dict:
     return {k: v for k, v in metrics.items() if k not in dropped}
 
 
-def _fit(config, devices):
+def fitted_config(config, devices):
     """``config`` resolved, its microbatches / remat decided against the device memory budget
     (train/fit.py): on an accelerator, or with ``train.device_memory_gb`` set, by compiling the
     step; with no budget (CPU) nothing is compiled.  A setting that does not fit is a ConfigError."""
@@ -150,7 +150,7 @@ class Trainer:
         if config.model.get("init_from"):  # before the corpus, whose preparation can take hours
             hf_llama.ParamReader(config.model, config.model.init_from[len("hf:"):])
         devices = list(devices if devices is not None else jax.devices())
-        config = self.config = _fit(config, devices)
+        config = self.config = fitted_config(config, devices)
         c = config
 
         d = c.data
