@@ -55,9 +55,9 @@ BUDGET_S = 420  # no part starts after 7 minutes, so that the check ends within 
 TINY_MODEL = dict(d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=64)
 
 
-def _notebook_preset(backend: str) -> tuple[str, list[str], int]:
-    """``(config file, overrides, steps)`` of the notebook's preset for ``backend`` (gpu, tpu, cpu),
-    read from the preset cell's top-level assignments and loops (the notebook is not imported)."""
+def notebook_presets() -> dict:
+    """The PRESETS of the notebook's preset cell, built by that cell's own top-level assignments
+    and loops (the notebook is generated, not imported; nothing else of the cell runs)."""
     nb = json.loads((REPO_ROOT / "notebooks" / "quickstart.ipynb").read_text())
     for cell in nb["cells"]:
         src = "".join(cell["source"])
@@ -66,9 +66,15 @@ def _notebook_preset(backend: str) -> tuple[str, list[str], int]:
                     and ("PRESETS" in ast.unparse(n) or "MODEL" in ast.unparse(n)) and "get(" not in ast.unparse(n)]
             scope: dict = {}
             exec(compile(ast.Module(body=body, type_ignores=[]), "quickstart", "exec"), {}, scope)
-            preset = scope["PRESETS"].get(backend, scope["PRESETS"]["cpu"])
-            return preset["config"], list(preset["overrides"]), preset["steps"]
-    raise RuntimeError("notebooks/quickstart.ipynb has no PRESETS cell")
+            return scope["PRESETS"]
+    raise ValueError("notebooks/quickstart.ipynb has no cell defining PRESETS")
+
+
+def _notebook_preset(backend: str) -> tuple[str, list[str], int]:
+    """``(config file, overrides, steps)`` of the notebook's preset for ``backend`` (gpu, tpu, cpu)."""
+    presets = notebook_presets()
+    preset = presets.get(backend, presets["cpu"])
+    return preset["config"], list(preset["overrides"]), preset["steps"]
 
 
 def run_tests(tiny: bool) -> dict:

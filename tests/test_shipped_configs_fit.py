@@ -9,7 +9,6 @@ to several minutes each on a busy 2-core machine, hence ``slow``.
 """
 
 import ast
-import json
 import os
 import re
 import subprocess
@@ -18,6 +17,7 @@ import sys
 import pytest
 
 from asyncpp_jax import configs
+from experiments import device_check
 from experiments.studies import common
 
 CONFIG_FILES = sorted(p.name for p in (configs.REPO_ROOT / "configs").glob("*.py") if p.name != "__init__.py")
@@ -25,18 +25,8 @@ BIG = {"dense135m.py", "dense360m.py", "llama3_8b.py", "moe10b.py", "moe_tiny.py
 
 
 def _notebook_presets() -> dict:
-    """The PRESETS of the notebook's preset cell, built by that cell's own top-level assignments
-    and loops (the notebook is generated, not imported; nothing else of the cell runs)."""
-    nb = json.loads((configs.REPO_ROOT / "notebooks" / "quickstart.ipynb").read_text())
-    for cell in nb["cells"]:
-        src = "".join(cell["source"])
-        if "PRESETS = {" in src:
-            body = [n for n in ast.parse(src).body if isinstance(n, (ast.Assign, ast.For))
-                    and ("PRESETS" in ast.unparse(n) or "MODEL" in ast.unparse(n)) and "get(" not in ast.unparse(n)]
-            scope: dict = {}
-            exec(compile(ast.Module(body=body, type_ignores=[]), "quickstart", "exec"), {}, scope)
-            return scope["PRESETS"]
-    raise AssertionError("no PRESETS in notebooks/quickstart.ipynb")
+    """The PRESETS of the notebook's preset cell (the device check reads them the same way)."""
+    return device_check.notebook_presets()
 
 
 def _dry_run(config_file: str, flags: list[str]):
