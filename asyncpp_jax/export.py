@@ -191,11 +191,13 @@ def export(workdir, out, step: int | None = None, dtype: str = "float32", log=pr
     tokenizer."""
     workdir, out = pathlib.Path(workdir), pathlib.Path(out)
     prepare_out(out, replace, log)
+    if (workdir / "config.json").is_file() and hf_moe.uses_moe(run_config(workdir).model):
+        hf_moe.architecture(run_config(workdir).model)  # Mixtral or Qwen2-MoE, or refused naming the settings
     s, step_dir = latest_verified_step(workdir, step)
     c = run_config(workdir, step_dir)
     writer = hf_llama.write_checkpoint
     if hf_moe.uses_moe(c.model):
-        hf_moe.architecture(c.model)  # Mixtral or Qwen2-MoE, or refused naming the settings: before any read
+        hf_moe.architecture(c.model)  # the checkpoint's own settings, before any parameter is read
         writer = hf_moe.write_checkpoint
     params = model_layout(c, read_params(step_dir))
     out.mkdir(parents=True, exist_ok=True)

@@ -172,10 +172,9 @@ def glance(doc: pathlib.Path) -> str:
         f"sync / 2bw = {best['sync_over_2bw']:.3f} against the textbook {best['textbook']:.3f}{small_text} | "
         f"{_link(docs / 'pipeline.md', doc)} |",
         "| Does the engine compute what the simulation does? | yes: equal parameters (fp32 allclose, rtol 2e-5) "
-        "for `sync`, `2bw` and the `1f1b`, `interleaved` and `zb-h1` programs, across a synchronous start and cooldown, "
-        "with MoE and data "
-        "parallel "
-        f"(tests) | {_link(docs / 'pipeline.md', doc)} |",
+        "for every schedule (`sync`, `1f1b`, `interleaved`, `zb-h1`; `2bw` against `delay(1)`, `pipedream` against "
+        "PipeDream's per-leaf delays), across a synchronous start and cooldown, with MoE and data parallel, and on a "
+        f"mid-run resume (tests) | {_link(docs / 'pipeline.md', doc)} |",
         _glance_2bw_pays(doc),
         f"| Do the optimizers cost what optax's own do? (time per update, ours / optax's) | {parity} | "
         f"{_link(docs / 'optimizers.md', doc)} |",
@@ -387,7 +386,8 @@ def _glance_2bw_pays(doc: pathlib.Path) -> str:
     costs = "per-action costs measured on this CPU" if "--measure" in rec["command"] else "given per-action costs"
     return (f"| When does 2BW beat the best synchronous schedule? (each schedule's program simulated from {costs}, "
             f"P = 4 and 8, M = P to 4P) | by {gains[0]:.2f}x to {gains[-1]:.2f}x a step (the best synchronous: "
-            f"{names}), shrinking as 1/M; the engine runs 1F1B, interleaved 1F1B and ZB-H1 as programs | "
+            f"{names}), shrinking as 1/M; every schedule is a program the one executor runs (add yours: a "
+            "generator) | "
             f"{_link(REPO_ROOT / 'docs' / 'pipeline.md', doc)} |")
 
 

@@ -884,7 +884,8 @@ def test_export_describes_the_checkpoint_it_holds(sealed_run, cache_dir, tmp_pat
     assert hf["eos_token_id"] == Tokenizer.from_file(bpe).token_to_id("<|endoftext|>") != 256
     info = export.export(tmp_path / "run", tmp_path / "e2", step=2, log=quiet)
     hf = json.loads((tmp_path / "e2" / "config.json").read_text())
-    assert info["tokenizer"] is None and hf["eos_token_id"] == 256 and not (tmp_path / "e2" / "tokenizer.json").exists()
+    assert info["tokenizer"] == "byte" and hf["eos_token_id"] == 256  # step 2 was trained on bytes
+    assert Tokenizer.from_file(str(tmp_path / "e2" / "tokenizer.json")).get_vocab_size() == 257  # bytes + eos, not the BPE
     _small_bpe(bpe, _stdlib_texts()[:2])  # another tokenizer at the same path
     with pytest.raises(export.ExportError, match="the file changed since"):
         export.export(tmp_path / "run", tmp_path / "e4b", log=quiet)

@@ -643,8 +643,10 @@ def test_export_out_must_be_a_new_or_empty_directory(run_of, tmp_path, capsys):
     assert export.main([f"--workdir={work}", f"--out={out}"]) == 2
     assert "is not empty" in capsys.readouterr().err and not (out / "config.json").exists()
     assert export.main([f"--workdir={work}", f"--out={out}", "--replace"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", hf_llama.WEIGHTS_FILE, "notes.txt",
-                                                            export.EXPORT_INFO])
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["config.json", hf_llama.WEIGHTS_FILE, "notes.txt", export.EXPORT_INFO, "tokenizer.json",
+         "tokenizer_config.json", "special_tokens_map.json"])  # the stale index gone, the byte tokenizer's files new
+    assert json.loads((out / "tokenizer.json").read_text()) != {}
 
 
 def test_a_damaged_config_or_index_is_named_not_a_traceback(tmp_path):

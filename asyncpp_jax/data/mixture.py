@@ -16,6 +16,8 @@ token, ``sum_k w_k * bytes_per_token_k`` (weights normalized).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from typing import Callable
 
@@ -47,6 +49,18 @@ class Mixture:
 
     def num_tokens(self, split: str) -> int:
         return sum(c.num_tokens(split) for c in self.corpora)
+
+    @property
+    def meta(self) -> dict:
+        """The first source's metadata (every source shares the tokenizer), the mixture as its source."""
+        return {**self.corpora[0].meta, "source": ";".join(f"{w:g}:{s}" for w, s in zip(self.weights, self.sources))}
+
+    @property
+    def fingerprint(self) -> str:
+        """16 hex digits over each source's corpus fingerprint and weight: a resume on another mix,
+        or on a source whose corpus changed, is a changed corpus (``train.resume``)."""
+        key = json.dumps([[round(w, 12), c.fingerprint] for w, c in zip(self.weights, self.corpora)])
+        return hashlib.sha256(key.encode()).hexdigest()[:16]
 
     def bytes_per_token(self, split: str) -> float:
         return sum(w * c.bytes_per_token(split) for w, c in zip(self.weights, self.corpora))
