@@ -1,1 +1,1 @@
-"""The paper's studies, one module each: ``study(preset) -> experiments.sweep.Study``."""
+"""The paper's studies, one module each: ``study(preset) -> experiments.study.Study``."""

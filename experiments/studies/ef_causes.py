@@ -21,7 +21,7 @@ learning rate).  Two seeds per run: 4.0k CPU-seconds a seed, about 70 minutes at
 """
 
 from experiments.studies.common import CPU, optimizer, preset
-from experiments.sweep import Study
+from experiments.study import Study
 
 ARMS = {"sync": {"staleness.mode": "sync"}, "2bw": {"staleness.mode": "2bw"},
         "ef": {"staleness.mode": "2bw", "staleness.mitigation": "ef"}}

@@ -16,7 +16,7 @@ again with it (one round of coordinate descent).
 """
 
 from experiments.studies.common import lr_of, preset, WD
-from experiments.sweep import Study
+from experiments.study import Study
 
 B1 = (0.9, 0.7, 0.5)
 SCHEDULES = {

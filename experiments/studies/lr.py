@@ -22,7 +22,7 @@ study at Lion's first pick here, after which Lion's grid here was run again with
 import math
 
 from experiments.studies.common import LR, lr_centre, optimizer, preset
-from experiments.sweep import Study
+from experiments.study import Study
 
 NAMES = ("adamw", "muon", "soap", "adan", "lion", "mars")
 FACTORS = (1 / 3, 1 / math.sqrt(3), 1.0, math.sqrt(3), 3.0)

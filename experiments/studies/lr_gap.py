@@ -6,7 +6,7 @@ are the ``lr`` study's runs, copied by the sweep when that study has been run un
 
 from experiments.studies import lr
 from experiments.studies.common import preset
-from experiments.sweep import Study
+from experiments.study import Study
 
 
 def study(name: str) -> Study:

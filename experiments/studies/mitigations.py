@@ -9,7 +9,7 @@ rejects it there.
 
 from experiments.studies.common import optimizer, preset
 from experiments.studies import tuned
-from experiments.sweep import Study
+from experiments.study import Study
 
 
 def base_study(name: str) -> Study:

@@ -2,7 +2,7 @@
 
 from experiments.studies.common import optimizer, preset
 from experiments.studies import tuned
-from experiments.sweep import Study
+from experiments.study import Study
 
 MOMENTA = (0.8, 0.9, 0.95, 0.98)
 

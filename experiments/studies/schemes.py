@@ -2,7 +2,7 @@
 
 from experiments.studies.common import optimizer, preset
 from experiments.studies import tuned
-from experiments.sweep import Study
+from experiments.study import Study
 
 DEPTHS = (2, 4, 8)
 

@@ -7,7 +7,7 @@ reused by the sweep for the seeds it has), else 3x rounded to two significant fi
 
 from experiments.studies import lr as lr_study
 from experiments.studies.common import optimizer, preset
-from experiments.sweep import Study
+from experiments.study import Study
 
 
 def lr_steps(opt: str, lr: float) -> tuple[float, float]:
