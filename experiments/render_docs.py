@@ -599,7 +599,7 @@ def paper_regime(doc: pathlib.Path) -> str:
         if e is None:
             return "-"
         if pct:
-            return f"{e.value:.0%}" + (f" ± {e.se:.0%}" if e.n > 1 else "")
+            return report_ladder.share_text(e)
         return f"{e.value:+.3f}" + (f" ± {e.se:.3f}" if e.n > 1 else "")
 
     head = ["updates x batch"] + [f"{paper_name} gap" for paper_name in ("AdamW", "Muon", "SOAP")] + \
@@ -621,7 +621,8 @@ def paper_regime(doc: pathlib.Path) -> str:
         spread = "Three seeds where a cell shows ± (paired standard error), the tuning run's one seed where not"
     done = {study: sum(1 for r in rows if r["study"] == study) for study in ("lr", "ladder_tune", "ladder")}
     note = (f"Gap = 2bw minus sync in nats/byte (the paper's in nats/token), best arm against best arm, each arm at "
-            f"its own learning rate from one grid; EF share = the fraction of the gap 2bw + EF recovers. "
+            f"its own learning rate from one grid; EF share = the fraction s of the gap 2bw + EF recovers, the point "
+            f"and its 90% interval from the linear test of G_EF - (1 - s) G, none where the gap is unresolved. "
             f"{spread}; "
             f"seeds {seeds}. Runs committed: {done['lr']} of the `lr` study, {done['ladder_tune']} of "
             f"`ladder_tune`'s {len(ladder_tune.variants())}, {done['ladder']} of `ladder`'s; a `-` is a rung not yet run.")
@@ -631,7 +632,7 @@ def paper_regime(doc: pathlib.Path) -> str:
 def paper_optimizers(doc: pathlib.Path) -> str:
     """Table 1 and 2 beside the ``optimizers`` study at ``cpu_regime`` (3,200 updates, three seeds):
     each optimizer's gap both ways and EF's share, with paired standard errors."""
-    from experiments import paper, stats, sweep
+    from experiments import paper, report_ladder, stats, sweep
     from experiments.studies import tuned
 
     rows = [json.loads(line) for line in REGIME_RESULTS.read_text().splitlines() if line.strip()] \
@@ -639,6 +640,9 @@ def paper_optimizers(doc: pathlib.Path) -> str:
     arms = stats.arms_of([r for r in rows if r["study"] == "optimizers"])
     if not arms:
         return "_The `optimizers` study at `cpu_regime` has no committed rows yet._"
+
+    def share(r):
+        return "-" if r is None else report_ladder.share_text(r) + f" ({r.n})"
 
     def est(e, pct=False):
         if e is None:
@@ -655,18 +659,143 @@ def paper_optimizers(doc: pathlib.Path) -> str:
         at_sync = f"{opt}/2bw{tuned.AT_SYNC}" if f"{opt}/2bw{tuned.AT_SYNC}" in arms else f"{opt}/2bw"
         lines.append(f"| {name} | {sum(sync) / len(sync):.3f} | {est(stats.gap(arms, f'{opt}/2bw', f'{opt}/sync'))} | "
                      f"{est(stats.gap(arms, at_sync, f'{opt}/sync'))} | {paper.gap(opt)} | "
-                     f"{est(stats.recovered(arms, f'{opt}/ef', f'{opt}/2bw', f'{opt}/sync'), pct=True)} | "
+                     f"{share(stats.share(arms, f'{opt}/ef', f'{opt}/2bw', f'{opt}/sync'))} | "
                      f"{paper.ef_share(opt)} |")
-    q = stats.ratio(arms, {"adamw/2bw": 1.0, "adamw/sync": -1.0}, {"muon/2bw": 1.0, "muon/sync": -1.0})
-    ratio = "-" if q is None else f"{q.value:.1f}" + ("" if q.n < 2 else f" ± {q.se:.1f}")
+    q = stats.fieller(arms, {"adamw/2bw": 1.0, "adamw/sync": -1.0}, {"muon/2bw": 1.0, "muon/sync": -1.0})
+    ratio = "-" if q is None else q.text() + " (90% Fieller interval)"
     seeds = sorted({s for runs in arms.values() for s, _ in runs})
     note = (f"3,200 updates of 2 x 128 bytes; each arm at its own learning rate from one grid (`optimizers_tune`), "
             f"and each delayed arm again at its synchronous arm's (\"at sync's lr\"); mean over seeds {seeds} ± paired "
-            f"standard error (seeds in brackets). AdamW's gap over Muon's: {ratio} (the paper: "
+            f"standard error (seeds in brackets); EF share: the point and its 90% interval from the linear test of "
+            f"G_EF - (1 - s) G, none where G is unresolved. AdamW's gap over Muon's: {ratio} (the paper: "
             f"{paper.gap_ratio():.0f}). Gaps in nats/byte (the paper's in nats/token of its tokenizer: compare "
             f"ratios and shares, not sizes). {sum(len(v) for v in arms.values())} runs committed of "
             f"`optimizers`' {len(sweep.expand(sweep.load_study('optimizers', 'cpu_regime')))}.")
     return "\n".join(lines + ["", f"_{note} Rows: {_link(REGIME_RESULTS, doc)}._"])
+
+
+def _regime_rows() -> list[dict]:
+    return [json.loads(line) for line in REGIME_RESULTS.read_text().splitlines() if line.strip()] \
+        if REGIME_RESULTS.is_file() else []
+
+
+def _t_word(e, up: str, down: str, none: str) -> str:
+    from experiments import stats
+
+    t = stats.t_critical(e.n)
+    return up if e.value - t * e.se > 0 else down if e.value + t * e.se < 0 else none
+
+
+def paper_summary(doc: pathlib.Path) -> str:
+    """The sentences under the two tables above, each from the cpu_regime rows: the AdamW/Muon ratio
+    and a ratio of 10 tested, EF's shares against the paper's, the ladder per interval and doubling
+    the tokens, each judged by the one-sided t test at n - 1 degrees of freedom."""
+    from experiments import paper, report_ladder, stats, tuning
+
+    rows = _regime_rows()
+    arms = stats.arms_of([r for r in rows if r["study"] == "optimizers"])
+    if not arms:
+        return "_No `cpu_regime` rows are committed yet._"
+    ga, gm = ({"adamw/2bw": 1.0, "adamw/sync": -1.0}, {"muon/2bw": 1.0, "muon/sync": -1.0})
+    q = stats.fieller(arms, ga, gm)
+    ten = stats.contrast(arms, {**ga, "muon/2bw": -10.0, "muon/sync": 10.0})
+    out = [f"AdamW's gap is {q.text()} times Muon's (90% Fieller interval, three seeds), against the paper's "
+           f"~{paper.gap_ratio():.0f}; a ratio of 10 is "
+           + _t_word(ten, "not rejected (it is exceeded)", "rejected", "not rejected")
+           + f" (G_AdamW - 10 G_Muon = {ten.value:+.3f} ± {ten.se:.3f}, one-sided t test at 2 degrees of freedom). "
+           "Gaps here are in nats/byte and the paper's in nats/token of its tokenizer, so only ratios and shares "
+           "compare across the two, not sizes."]
+    shares = []
+    for opt, name in (("adamw", "AdamW"), ("muon", "Muon"), ("soap", "SOAP")):
+        f = stats.share(arms, f"{opt}/ef", f"{opt}/2bw", f"{opt}/sync")
+        if f is None:
+            continue
+        if not f.resolved:
+            shares.append(f"{name}'s gap is not resolved from 0, so EF's share of it is not given")
+            continue
+        lo, hi = (float(x.strip("%")) / 100 for x in paper.ef_share(opt).split("-")) if "-" in paper.ef_share(opt) \
+            else (float(paper.ef_share(opt).strip("%")) / 100,) * 2
+        where = "inside" if f.lo <= lo and hi <= f.hi else "outside" if hi < f.lo or lo > f.hi else "partly inside"
+        shares.append(f"EF recovers {f.text(pct=True)} of {name}'s gap (the paper's {paper.ef_share(opt)} is {where} "
+                      "that interval)")
+    out.append("; ".join(shares) + ".")
+    picks = tuning.pick_arm_lrs(rows, "ladder_tune")
+    measured = [r for r in rows if r["study"] == "ladder"]
+    found = report_ladder.gaps(measured, picks)
+    steps = []
+    for opt, name in (("adamw", "AdamW"), ("muon", "Muon"), ("soap", "SOAP")):
+        iv = report_ladder.intervals(measured, found, opt)
+        bend = report_ladder.lack_of_fit(measured, found, opt)
+        if iv:
+            steps.append(f"{name}'s gap changes by " + " then ".join(f"{e.value:+.3f} ± {e.se:.3f} ({lo:,} -> {hi:,})" for lo, hi, e in iv)
+                         + ("" if bend is None else f", so its line " + _t_word(bend, "bends (lack of fit", "bends (lack of fit",
+                                                                               "fits (lack of fit") + f" {bend.value:+.3f} ± {bend.se:.3f})"))
+    if steps:
+        out.append("Per doubling of the updates on the same tokens, " + "; ".join(steps) + ".")
+    more = []
+    for opt, name in (("adamw", "AdamW"), ("muon", "Muon"), ("soap", "SOAP")):
+        a, b = found.get((6400, opt)), found.get((3200, opt))
+        if a and b and a["gap_best"] and b["gap_best"]:
+            (s1, d1, _), (s0, d0, _) = a["terms"]["best"], b["terms"]["best"]
+            c = stats.contrast(stats.arms_of(measured), {d1: 1.0, s1: -1.0, d0: -1.0, s0: 1.0})
+            more.append(f"{name}'s by {c.value:+.3f} ± {c.se:.3f} (" + _t_word(c, "grows", "shrinks", "no change beyond t SE") + ")")
+    if more:
+        out.append("Doubling the tokens at the same batch (3,200 -> 6,400 updates) changes " + ", ".join(more) + ".")
+    out.append("These rows follow the earlier protocol: each arm was tuned on seed 0, which is also one of the "
+               "three measured seeds, and on the same validation windows it is reported on. The factor screen "
+               "below follows the new one (tuning seeds never measured, a test split).")
+    return "\n\n".join(out) + f"\n\n_Generated from {_link(REGIME_RESULTS, doc)}._"
+
+
+def factors_answer(doc: pathlib.Path) -> str:
+    """"What makes the gap large?": the factor screen's cells and the conclusion, from its rows."""
+    from experiments import report_factors
+
+    rows = _regime_rows()
+    tune = [r for r in rows if r["study"] == report_factors.TUNE]
+    measured = [r for r in rows if r["study"] == report_factors.MEASURE]
+    from experiments.studies import factors
+
+    lines = [report_factors.progress(tune, measured), ""]
+    lines += report_factors.cell_table(measured, factors.QUEUE)
+    table, _ = report_factors.axis_table(measured)
+    lines += table + report_factors.conclusion(measured)
+    return "\n".join(lines) + f"\n\n_Generated from {_link(REGIME_RESULTS, doc)}._"
+
+
+# The GPU cells that would settle the size axis: the dense135m and dense360m bodies at the gpu
+# preset's byte vocabulary and tokens, AdamW and Muon, sync / 2bw / 2bw + EF.
+GPU_TUNE_POINTS, GPU_TUNE_SEEDS, GPU_MEASURE_SEEDS, GPU_MFU = 3, 1, 3, 0.4
+
+
+def gpu_plan(doc: pathlib.Path) -> str:
+    """The GPU runs that would settle the size axis and their cost from the FLOP counter."""
+    from asyncpp_jax import configs
+    from asyncpp_jax.models import dense
+    from asyncpp_jax.models.flops import flops_per_token
+    from experiments.studies import common
+
+    g = common.GPU
+    tokens = g["train.steps"] * g["train.global_batch_size"] * g["data.seq_len"]
+    runs_per_cell = 2 * 3 * (GPU_TUNE_POINTS * GPU_TUNE_SEEDS + GPU_MEASURE_SEEDS)
+    lines = ["| body | parameters | model FLOPs per run | H100-hours per run | runs | H100-hours |", "|---|---|---|---|---|---|"]
+    total = 0.0
+    for config in ("configs/dense135m.py", "configs/dense360m.py"):
+        c = configs.load_file(config)
+        c.model.vocab_size = g["model.vocab_size"]
+        n = dense.count_params(dense.abstract_params(c.model))
+        flops = flops_per_token(c.model, g["data.seq_len"]) * tokens
+        hours = flops / (GPU_MFU * g["train.peak_tflops_per_device"] * 1e12) / 3600
+        total += hours * runs_per_cell
+        lines.append(f"| `{config}` (byte vocabulary) | {n / 1e6:.1f}M | {flops:.2e} | {hours:.1f} | {runs_per_cell} | "
+                     f"{hours * runs_per_cell:.0f} |")
+    note = (f"Each cell: AdamW and Muon x sync, 2bw, 2bw + EF; each arm tuned on {GPU_TUNE_POINTS} learning rates at "
+            f"{GPU_TUNE_SEEDS} tuning seed, measured at {GPU_MEASURE_SEEDS} other seeds; the `gpu` preset's "
+            f"{tokens / 1e9:.2f}B byte tokens per run (5,000 updates of 128 x 2,048); FLOPs from "
+            f"`asyncpp_jax.models.flops` (6N + attention), hours at {GPU_MFU:.0%} MFU of "
+            f"{g['train.peak_tflops_per_device']:g} bf16 TFLOP/s. Both bodies: {total:.0f} H100-hours. With the "
+            "CPU screen's cells (0.76M-11.7M parameters) they give the AdamW/Muon ratio from 0.76M to 315M parameters.")
+    return "\n".join(lines + ["", f"_{note}_"])
 
 
 def bench_small_updates(doc: pathlib.Path) -> str:
@@ -702,7 +831,7 @@ def bench_prepare(doc: pathlib.Path) -> str:
     return "\n".join(lines)
 
 
-RENDERERS = {f.__name__: f for f in (paper_regime, paper_optimizers, bench_small_updates, bench_prepare, notebooks, glance, main_job, main_job_summary, tiny_optimizers, bench_optimizers, optimizers_study,
+RENDERERS = {f.__name__: f for f in (paper_regime, paper_optimizers, paper_summary, factors_answer, gpu_plan, bench_small_updates, bench_prepare, notebooks, glance, main_job, main_job_summary, tiny_optimizers, bench_optimizers, optimizers_study,
                                       bench_pipeline_work, bench_pipeline_processes, bench_pipeline_compile, bench_pipeline_conditionals, bench_pipeline_schedules,
                                       moe10b_dry_run, llama3_8b_dry_run, mpmd_dry_run, vocab_parallel_table, fit_table,
                                       ci)}

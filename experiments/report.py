@@ -17,8 +17,8 @@ seeds (:mod:`experiments.stats`: a seed fixes both the initial weights and the d
 delay gap over training tokens for the headline arms, with the trend test; the ``lr`` study's
 table of synchronous loss per learning rate with each optimizer's pick (:mod:`experiments.tuning`);
 and plots.  Then a verdict on each of the paper's claims that the given studies can test: exactly
-one of "reproduced", "not reproduced", "inconclusive at this scale", with the test (an estimate
-against two standard errors) and the numbers.
+one of "reproduced", "not reproduced", "inconclusive at this scale", with the test (a one-sided t
+test at level 5% with n - 1 degrees of freedom, :func:`experiments.stats.verdict`) and the numbers.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import tempfile
 
 import numpy as np
 
-from experiments import paper, report_ladder, stats, tuning
+from experiments import paper, report_factors, report_ladder, stats, tuning
 from experiments.report_format import claim, est, md_table, plot_xy, plt_module, se_kind
 from experiments.studies import tuned
 
@@ -163,12 +163,13 @@ def gap_curve(rows, delayed: str, sync: str):
 
 
 def trend(change: stats.Estimate) -> str:
-    """grows / shrinks / stays, by the change of the gap against two standard errors."""
+    """grows / shrinks / stays, by the change of the gap against t standard errors (:func:`stats.t_critical`)."""
     if change.n < 2:
         return "unknown (one seed: no standard error)"
-    if change.value > 2 * change.se:
+    t = stats.t_critical(change.n)
+    if change.value > t * change.se:
         return "grows"
-    if change.value < -2 * change.se:
+    if change.value < -t * change.se:
         return "shrinks"
     return "stays (within noise)"
 
@@ -192,18 +193,18 @@ def analyse_gap_over_time(name: str, rows, pairs, out: pathlib.Path, claims: dic
         table.append((label, f"{mid} / {last}", str(g_mid), str(g_last), str(change), trend(change)))
         opt = next((o for o, lab in headline.items() if lab == label), None)
         if opt is not None and change.n >= 2:
-            margin = GROWTH_MARGIN * max(g_mid.value, 0.0)
-            if change.value - 2 * change.se > 0:
+            margin, t = GROWTH_MARGIN * max(g_mid.value, 0.0), stats.t_critical(change.n)
+            if change.value - t * change.se > 0:
                 verdict = stats.NOT_REPRODUCED
-            elif change.value + 2 * change.se < margin:
+            elif change.value + t * change.se < margin:
                 verdict = stats.REPRODUCED
             else:
                 verdict = stats.INCONCLUSIVE
             key = f"The delay gap does not grow with training ({opt})"
             if prefer or key not in claims:
                 claim(claims, key, verdict,
-                       f"change c of the gap from the midpoint to the last evaluation: reproduced if c + 2 SE < "
-                       f"{GROWTH_MARGIN:.0%} of the midpoint gap, not reproduced if c - 2 SE > 0",
+                       f"change c of the gap from the midpoint to the last evaluation: reproduced if c + t SE < "
+                       f"{GROWTH_MARGIN:.0%} of the midpoint gap, not reproduced if c - t SE > 0",
                        f"`{name}`, {label}: gap {g_mid} at update {mid} -> {g_last} at update {last}; "
                        f"c = {change}", "the gap stays flat over training (reported, no figure)")
     if not series:
@@ -211,7 +212,8 @@ def analyse_gap_over_time(name: str, rows, pairs, out: pathlib.Path, claims: dic
     lines += ["### The delay gap over training", "",
               "Gap (async minus sync) at each evaluation, ± 1 SE over seeds (paired when the seeds pair). "
               "Test of the trend: the change c of the gap from the midpoint evaluation (the first at or after "
-              "half the run) to the last: grows if c > 2 SE, shrinks if c < -2 SE, else stays (within noise).", ""]
+              "half the run) to the last: grows if c > t SE, shrinks if c < -t SE, else stays (within noise); t is "
+              "the one-sided 5% point of Student's t at n - 1 degrees of freedom (2.92 at n = 3).", ""]
     lines += md_table(["arms", "evaluations (mid / last)", "gap at mid", "gap at last", "change c", "trend"], table)
     lines += ["", f"![gap over training]({plot_bands(series, out / f'{name}_gap_over_time.png', unit)})", ""]
     return lines
@@ -330,13 +332,7 @@ def analyse_mitigations(rows, out: pathlib.Path, claims: dict) -> list[str]:
                 if arm != "ef" else None
             table.append((opt, rank, arm, est(stats.gap(arms, f"{opt}/{arm}", sync)), f.pct(),
                           "-" if vs is None else f"{vs.value:+.0%} ± {vs.se:.0%}", se_kind(f)))
-        ef = stats.recovered(arms, f"{opt}/ef", none, sync)
-        if ef is not None:
-            claim(claims, f"Error feedback recovers a large part of the gap ({opt})",
-                   stats.verdict(ef, LARGE_PART, at_least=True),
-                   f"EF's fraction f: reproduced if f - 2 SE >= {LARGE_PART:.0%}, not reproduced if "
-                   f"f + 2 SE < {LARGE_PART:.0%}",
-                   f"f = {ef.pct()} ({se_kind(ef)})", f"{paper.ef_share(opt)} (Table 2)")
+        ef_claim(claims, arms, opt, f"{opt}/ef", none, sync, "`mitigations`")
     lines += md_table(["optimizer", "rank", "mitigation", "gap vs sync", "fraction of the gap recovered",
                      "minus EF's fraction", "standard errors"], table) + [""]
     if series:
@@ -377,8 +373,9 @@ def analyse_ef_causes(rows, out: pathlib.Path) -> list[str]:
             diff = stats.ratio_difference(
                 arms, ({"adamw/base/ef": 1.0, "adamw/base/sync": -1.0}, {"adamw/base/2bw": 1.0, "adamw/base/sync": -1.0}),
                 ({ef: 1.0, sync: -1.0}, {none: 1.0, sync: -1.0}))
-            effect = ("no standard error (one seed)" if diff.n < 2 else "raises it" if diff.value - 2 * diff.se > 0
-                      else "lowers it" if diff.value + 2 * diff.se < 0 else "no effect within 2 SE")
+            t = stats.t_critical(diff.n)
+            effect = ("no standard error (one seed)" if diff.n < 2 else "raises it" if diff.value - t * diff.se > 0
+                      else "lowers it" if diff.value + t * diff.se < 0 else "no effect within t SE")
         table.append((cause, setting, f"{sync_val.value:.3f}", est(stats.gap(arms, none, sync)),
                       est(stats.gap(arms, ef, sync)), f.pct(),
                       "-" if diff is None else f"{diff.value:+.0%} ± {diff.se:.0%}", effect, se_kind(f)))
@@ -388,7 +385,8 @@ def analyse_ef_causes(rows, out: pathlib.Path) -> list[str]:
              "Each cause changes one setting of the preset (AdamW at its tuned lr) and runs sync, 2bw and "
              "2bw + EF; `strength` changes only the EF arm. EF recovers = 1 - (EF - sync) / (2bw - sync) "
              "(delta method); minus base's = that fraction minus the preset's own, its SE from the "
-             "linearised difference (paired over seeds). Raises / lowers it: the difference beyond 2 SE.", ""]
+             "linearised difference (paired over seeds). Raises / lowers it: the difference beyond t SE (one-sided "
+             "t test at n - 1 degrees of freedom).", ""]
     lines += md_table(["cause", "setting", "sync val", "delay gap", "EF gap", "EF recovers", "minus base's",
                      "effect", "standard errors"], table) + [""]
     lines.append(f"![EF recovery per cause]({plot_xy({'adamw': series}, out / 'ef_causes_recovered.png', 'cause', 'fraction of the gap EF recovers', 'EF recovery per cause', bars=True)})")
@@ -461,16 +459,147 @@ def _ef_shares(arms, prefixes, claims) -> list[str]:
     cpu_regime), with the paper's Table 2 beside it and its claim."""
     body = []
     for p in prefixes:
-        f = stats.recovered(arms, f"{p}/ef", f"{p}/2bw", f"{p}/sync")
+        f = stats.share(arms, f"{p}/ef", f"{p}/2bw", f"{p}/sync")
         if f is None:
             continue
-        body.append((p, est(stats.gap(arms, f"{p}/ef", f"{p}/sync")), f.pct(), paper.ef_share(p), se_kind(f)))
-        claim(claims, f"Error feedback recovers a large part of the gap ({p})", stats.verdict(f, LARGE_PART, at_least=True),
-              f"EF's fraction f: reproduced if f - 2 SE >= {LARGE_PART:.0%}, not reproduced if f + 2 SE < {LARGE_PART:.0%}",
-              f"`optimizers`: f = {f.pct()} ({se_kind(f)})", f"{paper.ef_share(p)} (Table 2)")
+        g_ef = stats.gap(arms, f"{p}/ef", f"{p}/sync")
+        body.append((p, est(g_ef), report_ladder.share_text(f), paper.ef_share(p), se_kind(g_ef)))
+        ef_claim(claims, arms, p, f"{p}/ef", f"{p}/2bw", f"{p}/sync", "`optimizers`")
     if not body:
         return []
-    return md_table(["optimizer", "EF gap 2bw+EF - sync", "EF recovers", "the paper", "standard errors"], body) + [""]
+    return [report_ladder.SHARE_NOTE, ""] + \
+        md_table(["optimizer", "EF gap 2bw+EF - sync", "EF's share [90% interval]", "the paper", "standard errors"],
+                 body) + [""]
+
+
+def ef_claim(claims: dict, arms, opt: str, ef: str, none: str, sync: str, where: str) -> None:
+    """"EF recovers a large part of the gap": the linear test of c = G_EF - (1 - LARGE_PART) G, and no
+    verdict but inconclusive where the gap G itself is not resolved."""
+    f = stats.share(arms, ef, none, sync)
+    c = stats.share_at_least(arms, ef, none, sync, LARGE_PART)
+    if f is None or c is None:
+        return
+    verdict = stats.verdict(stats.Estimate(-c.value, c.se, c.paired, c.n)) if f.resolved else stats.INCONCLUSIVE
+    claim(claims, f"Error feedback recovers a large part of the gap ({opt})", verdict,
+          f"c = G_EF - {1 - LARGE_PART:g} G (EF's share s >= {LARGE_PART:.0%} iff c < 0): reproduced if c + t SE < 0, "
+          "not reproduced if c - t SE > 0; inconclusive where the gap G is not resolved",
+          f"{where}: c = {c} ({se_kind(c)}); s = {report_ladder.share_text(f)}", f"{paper.ef_share(opt)} (Table 2)")
+
+
+def _analyse_optimizers_sensitivity(name: str, rows: list[dict], arms, out: pathlib.Path, claims: dict) -> list[str]:
+    lines: list[str] = []
+    prefixes = sorted({v.rsplit("/", 1)[0] for v in arms})
+    gaps = {p: stats.gap(arms, f"{p}/2bw", f"{p}/sync") for p in prefixes}
+    lines += md_table(["setting", "delay gap 2bw - sync", "standard error"],
+                    [(p, est(g), se_kind(g)) for p, g in gaps.items()]) + [""]
+    if name == "optimizers":
+        lines += _ef_shares(arms, prefixes, claims)
+    if name == "optimizers" and gaps.get("adamw") and gaps.get("muon"):
+        d = stats.contrast(arms, {"adamw/2bw": 1.0, "adamw/sync": -1.0,
+                                  "muon/2bw": -FAR_LARGER, "muon/sync": FAR_LARGER})
+        verdict = stats.verdict(d)
+        if verdict == stats.REPRODUCED and gaps["adamw"].value <= 0:
+            verdict = stats.INCONCLUSIVE  # "far larger" than a gap that helps says nothing of the delay's harm
+        q = stats.fieller(arms, {"adamw/2bw": 1.0, "adamw/sync": -1.0}, {"muon/2bw": 1.0, "muon/sync": -1.0})
+        claim(claims, "AdamW's delay gap is far larger than Muon's", verdict,
+               f"d = G_AdamW - {FAR_LARGER:g} G_Muon: reproduced if d > t SE, not reproduced if d < -t SE",
+               f"G_AdamW {gaps['adamw']}, G_Muon {gaps['muon']}; d = {d} ({se_kind(d)}); G_AdamW / G_Muon = "
+               f"{q.text() if q else '-'} (90% Fieller interval)",
+               f"G_AdamW {paper.gap('adamw')}, G_Muon {paper.gap('muon')}: {paper.gap_ratio():.0f}x (Table 1)")
+    if name == "optimizers":
+        pairs = [(f"{opt} 2bw", f"{opt}/2bw", f"{opt}/sync") for opt in ("adamw", "muon")]
+        lines += analyse_gap_over_time(name, rows, pairs, out, claims,
+                                       {"adamw": "adamw 2bw", "muon": "muon 2bw"}, prefer=True)
+    return lines
+
+
+def _analyse_momentum(name: str, rows: list[dict], arms, out: pathlib.Path, claims: dict) -> list[str]:
+    lines: list[str] = []
+    series, found = collections.defaultdict(list), collections.defaultdict(list)
+    for v in arms:
+        m = re.match(r"(\w+)/beta=([\d.]+)/2bw$", v)
+        if m:
+            g = stats.gap(arms, v, v[: -len("2bw")] + "sync")
+            if g:
+                series[m.group(1)].append((float(m.group(2)), g.value, g.se))
+                found[m.group(1)].append((float(m.group(2)), g, m.group(2)))
+    series = {k: sorted(v) for k, v in series.items()}
+    lines += md_table(["optimizer", "momentum", "delay gap", "standard error"],
+                    [(k, x, str(g), se_kind(g)) for k, pts in sorted(found.items())
+                     for x, g, _ in sorted(pts, key=lambda p: p[0])]) + [""]
+    lines.append(f"![gap vs momentum]({plot_xy(series, out / 'momentum_gap.png', 'b1 / mu', 'delay gap', 'gap vs momentum')})")
+    lines.append("")
+    for opt, pts in sorted(found.items()):
+        if len(pts) < 2:
+            continue
+        pts = sorted(pts, key=lambda p: p[0])
+        (lo, g_lo, s_lo), (hi, g_hi, s_hi) = pts[0], pts[-1]
+        shrink = stats.contrast(arms, {f"{opt}/beta={s_lo}/2bw": 1.0, f"{opt}/beta={s_lo}/sync": -1.0,
+                                       f"{opt}/beta={s_hi}/2bw": -1.0, f"{opt}/beta={s_hi}/sync": 1.0})
+        claim(claims, f"Higher momentum shrinks the delay gap ({opt})", stats.verdict(shrink),
+               "s = gap at the lowest momentum - gap at the highest: reproduced if s > t SE, "
+               "not reproduced if s < -t SE",
+               f"gap {g_lo} at {lo:g} -> {g_hi} at {hi:g}; s = {shrink} ({se_kind(shrink)})",
+               "higher momentum consistently shrinks the gap (reported, no figure)")
+    return lines
+
+
+def _analyse_lion(name: str, rows: list[dict], arms, out: pathlib.Path, claims: dict) -> list[str]:
+    lines: list[str] = []
+    pick = tuning.pick_lion(rows)
+    if pick:
+        lines += [f"Pick (lowest mean final loss, no seed diverged): "
+                  f"{', '.join(f'{k} = {v}' for k, v in pick.items())}.", ""]
+    return lines
+
+
+def _analyse_schemes(name: str, rows: list[dict], arms, out: pathlib.Path, claims: dict) -> list[str]:
+    lines: list[str] = []
+    pts = []
+    for v in arms:
+        m = re.search(r"/pipedream/P=(\d+)$", v)
+        if m:
+            g = stats.gap(arms, v, v.split("/")[0] + "/sync")
+            if g:
+                pts.append((int(m.group(1)), g, v))
+    pts.sort(key=lambda p: p[0])
+    two = stats.gap(arms, "adamw/2bw", "adamw/sync")
+    series = {"pipedream": [(p, g.value, g.se) for p, g, _ in pts]}
+    if two and pts:
+        series["2bw"] = [(p, two.value, two.se) for p, _, _ in pts]
+    lines += md_table(["scheme", "P", "delay gap", "standard error"],
+                    [("pipedream", p, str(g), se_kind(g)) for p, g, _ in pts]
+                    + ([("2bw", "any", str(two), se_kind(two))] if two else [])) + [""]
+    if pts:
+        lines.append(f"![gap vs depth]({plot_xy(series, out / 'schemes_gap.png', 'pipeline depth P', 'delay gap', 'gap vs depth')})")
+        lines.append("")
+    if two and len(pts) > 1:
+        (p_lo, _, v_lo), (p_hi, _, v_hi) = pts[0], pts[-1]
+        deeper = stats.contrast(arms, {v_hi: 1.0, v_lo: -1.0})
+        vs_2bw = stats.contrast(arms, {v_hi: 1.0, "adamw/2bw": -1.0})
+        claim(claims, "PipeDream degrades with depth while 2BW does not",
+               _both([stats.verdict(deeper), stats.verdict(vs_2bw)]),
+               f"d1 = PipeDream(P={p_hi}) - PipeDream(P={p_lo}) and d2 = PipeDream(P={p_hi}) - 2BW: "
+               "reproduced if both > t SE, not reproduced if either < -t SE (2BW has one delay at any depth)",
+               f"PipeDream gap {' -> '.join(str(g) for _, g, _ in pts)} for P = "
+               f"{', '.join(str(p) for p, _, _ in pts)}; 2BW {two}; d1 = {deeper}, d2 = {vs_2bw}",
+               "PipeDream's gap grows with P, 2BW's does not (reported, no figure)")
+    return lines
+
+
+# Each study's own analysis, after its variant table and curves: study name -> function(name, rows,
+# arms, out, claims) -> report lines (the factor screen's and the ladder's are called from report()).
+ANALYSES = {
+    "optimizers": _analyse_optimizers_sensitivity,
+    "sensitivity": _analyse_optimizers_sensitivity,
+    "momentum": _analyse_momentum,
+    "mitigations": lambda name, rows, arms, out, claims: analyse_mitigations(rows, out, claims),
+    "lr": lambda name, rows, arms, out, claims: analyse_lr(rows, out, claims),
+    "lr_gap": lambda name, rows, arms, out, claims: analyse_lr_gap(rows, out),
+    "ef_causes": lambda name, rows, arms, out, claims: analyse_ef_causes(rows, out),
+    "lion": _analyse_lion,
+    "schemes": _analyse_schemes,
+}
 
 
 def analyse(name: str, rows: list[dict], out: pathlib.Path, claims: dict) -> list[str]:
@@ -486,97 +615,9 @@ def analyse(name: str, rows: list[dict], out: pathlib.Path, claims: dict) -> lis
     lines.append("")
 
     lines += report_ladder.at_sync_table(rows, lambda v: tuned.sync_of(arms, v))
-    if name in ("optimizers", "sensitivity"):
-        prefixes = sorted({v.rsplit("/", 1)[0] for v in arms})
-        gaps = {p: stats.gap(arms, f"{p}/2bw", f"{p}/sync") for p in prefixes}
-        lines += md_table(["setting", "delay gap 2bw - sync", "standard error"],
-                        [(p, est(g), se_kind(g)) for p, g in gaps.items()]) + [""]
-        if name == "optimizers":
-            lines += _ef_shares(arms, prefixes, claims)
-        if name == "optimizers" and gaps.get("adamw") and gaps.get("muon"):
-            d = stats.contrast(arms, {"adamw/2bw": 1.0, "adamw/sync": -1.0,
-                                      "muon/2bw": -FAR_LARGER, "muon/sync": FAR_LARGER})
-            verdict = stats.verdict(d)
-            if verdict == stats.REPRODUCED and gaps["adamw"].value <= 0:
-                verdict = stats.INCONCLUSIVE  # "far larger" than a gap that helps says nothing of the delay's harm
-            claim(claims, "AdamW's delay gap is far larger than Muon's", verdict,
-                   f"d = G_AdamW - {FAR_LARGER:g} G_Muon: reproduced if d > 2 SE, not reproduced if d < -2 SE",
-                   f"G_AdamW {gaps['adamw']}, G_Muon {gaps['muon']}; d = {d} ({se_kind(d)})",
-                   f"G_AdamW {paper.gap('adamw')}, G_Muon {paper.gap('muon')}: {paper.gap_ratio():.0f}x (Table 1)")
-        if name == "optimizers":
-            pairs = [(f"{opt} 2bw", f"{opt}/2bw", f"{opt}/sync") for opt in ("adamw", "muon")]
-            lines += analyse_gap_over_time(name, rows, pairs, out, claims,
-                                           {"adamw": "adamw 2bw", "muon": "muon 2bw"}, prefer=True)
-    elif name == "momentum":
-        series, found = collections.defaultdict(list), collections.defaultdict(list)
-        for v in arms:
-            m = re.match(r"(\w+)/beta=([\d.]+)/2bw$", v)
-            if m:
-                g = stats.gap(arms, v, v[: -len("2bw")] + "sync")
-                if g:
-                    series[m.group(1)].append((float(m.group(2)), g.value, g.se))
-                    found[m.group(1)].append((float(m.group(2)), g, m.group(2)))
-        series = {k: sorted(v) for k, v in series.items()}
-        lines += md_table(["optimizer", "momentum", "delay gap", "standard error"],
-                        [(k, x, str(g), se_kind(g)) for k, pts in sorted(found.items())
-                         for x, g, _ in sorted(pts, key=lambda p: p[0])]) + [""]
-        lines.append(f"![gap vs momentum]({plot_xy(series, out / 'momentum_gap.png', 'b1 / mu', 'delay gap', 'gap vs momentum')})")
-        lines.append("")
-        for opt, pts in sorted(found.items()):
-            if len(pts) < 2:
-                continue
-            pts = sorted(pts, key=lambda p: p[0])
-            (lo, g_lo, s_lo), (hi, g_hi, s_hi) = pts[0], pts[-1]
-            shrink = stats.contrast(arms, {f"{opt}/beta={s_lo}/2bw": 1.0, f"{opt}/beta={s_lo}/sync": -1.0,
-                                           f"{opt}/beta={s_hi}/2bw": -1.0, f"{opt}/beta={s_hi}/sync": 1.0})
-            claim(claims, f"Higher momentum shrinks the delay gap ({opt})", stats.verdict(shrink),
-                   "s = gap at the lowest momentum - gap at the highest: reproduced if s > 2 SE, "
-                   "not reproduced if s < -2 SE",
-                   f"gap {g_lo} at {lo:g} -> {g_hi} at {hi:g}; s = {shrink} ({se_kind(shrink)})",
-                   "higher momentum consistently shrinks the gap (reported, no figure)")
-    elif name == "mitigations":
-        lines += analyse_mitigations(rows, out, claims)
-    elif name == "lr":
-        lines += analyse_lr(rows, out, claims)
-    elif name == "lr_gap":
-        lines += analyse_lr_gap(rows, out)
-    elif name == "ef_causes":
-        lines += analyse_ef_causes(rows, out)
-    elif name == "lion":
-        pick = tuning.pick_lion(rows)
-        if pick:
-            lines += [f"Pick (lowest mean final loss, no seed diverged): "
-                      f"{', '.join(f'{k} = {v}' for k, v in pick.items())}.", ""]
-    elif name == "schemes":
-        pts = []
-        for v in arms:
-            m = re.search(r"/pipedream/P=(\d+)$", v)
-            if m:
-                g = stats.gap(arms, v, v.split("/")[0] + "/sync")
-                if g:
-                    pts.append((int(m.group(1)), g, v))
-        pts.sort(key=lambda p: p[0])
-        two = stats.gap(arms, "adamw/2bw", "adamw/sync")
-        series = {"pipedream": [(p, g.value, g.se) for p, g, _ in pts]}
-        if two and pts:
-            series["2bw"] = [(p, two.value, two.se) for p, _, _ in pts]
-        lines += md_table(["scheme", "P", "delay gap", "standard error"],
-                        [("pipedream", p, str(g), se_kind(g)) for p, g, _ in pts]
-                        + ([("2bw", "any", str(two), se_kind(two))] if two else [])) + [""]
-        if pts:
-            lines.append(f"![gap vs depth]({plot_xy(series, out / 'schemes_gap.png', 'pipeline depth P', 'delay gap', 'gap vs depth')})")
-            lines.append("")
-        if two and len(pts) > 1:
-            (p_lo, _, v_lo), (p_hi, _, v_hi) = pts[0], pts[-1]
-            deeper = stats.contrast(arms, {v_hi: 1.0, v_lo: -1.0})
-            vs_2bw = stats.contrast(arms, {v_hi: 1.0, "adamw/2bw": -1.0})
-            claim(claims, "PipeDream degrades with depth while 2BW does not",
-                   _both([stats.verdict(deeper), stats.verdict(vs_2bw)]),
-                   f"d1 = PipeDream(P={p_hi}) - PipeDream(P={p_lo}) and d2 = PipeDream(P={p_hi}) - 2BW: "
-                   "reproduced if both > 2 SE, not reproduced if either < -2 SE (2BW has one delay at any depth)",
-                   f"PipeDream gap {' -> '.join(str(g) for _, g, _ in pts)} for P = "
-                   f"{', '.join(str(p) for p, _, _ in pts)}; 2BW {two}; d1 = {deeper}, d2 = {vs_2bw}",
-                   "PipeDream's gap grows with P, 2BW's does not (reported, no figure)")
+    analysis = ANALYSES.get(name)
+    if analysis is not None:
+        lines += analysis(name, rows, arms, out, claims)
     return lines
 
 
@@ -597,6 +638,10 @@ def report(paths, out: pathlib.Path) -> pathlib.Path:
     for name in sorted(studies):
         if name in ("ladder_tune", "ladder"):
             body += analyse_ladder(name, studies[name], out, claims, ladder_picks)
+        elif name in (report_factors.TUNE, report_factors.MEASURE):
+            if name == report_factors.MEASURE or report_factors.MEASURE not in studies:
+                body += report_factors.analyse(studies.get(report_factors.TUNE, []), studies.get(name, [])
+                                               if name == report_factors.MEASURE else [], claims)
         elif name.endswith("_tune"):
             body += [f"## Study `{name}`", "", f"{len(studies[name])} runs, seeds "
                      f"{sorted({r['seed'] for r in studies[name]})}.", ""] + report_ladder.grid_table(studies[name], name)
@@ -613,9 +658,11 @@ def report(paths, out: pathlib.Path) -> pathlib.Path:
              "per-seed differences (paired: the seed's own luck cancels); otherwise the arms count as "
              "independent (SE^2 = sum of each mean's SE^2). Ratios take the delta method. Each table says which "
              "was used.", "", "## The paper's claims at this scale", "",
-             "Each claim gets exactly one verdict: reproduced (the test's estimate is more than 2 SE on the "
-             "claim's side of its threshold), not reproduced (more than 2 SE on the other side), or "
-             "inconclusive at this scale (within 2 SE, or fewer than two seeds).", ""]
+             "Each claim gets exactly one verdict by a one-sided t test at level 5% with n - 1 degrees of freedom "
+             "(n seeds; t = 2.92 at n = 3, 2.13 at n = 5): reproduced (the test's estimate is more than t SE on the "
+             "claim's side of its threshold), not reproduced (more than t SE on the other side), or "
+             "inconclusive at this scale (within t SE, or fewer than two seeds). In the tests below, t stands "
+             "for that point.", ""]
     if claims:
         lines += md_table(["claim", "verdict", "test", "measured", "the paper"],
                        [(c, v, test, why, theirs) for c, (v, test, why, theirs) in claims.items()])

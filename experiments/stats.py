@@ -180,3 +180,67 @@ def verdict(est: Estimate, above: float = 0.0, at_least: bool = False) -> str:
     if hi < above:
         return NOT_REPRODUCED
     return INCONCLUSIVE
+
+
+@dataclasses.dataclass(frozen=True)
+class Ratio:
+    """A ratio ``q = A / B`` of two contrasts with its Fieller interval: the values ``r`` for which the
+    linear contrast ``A - r B`` is not rejected by a two-sided t test at level ``2 ALPHA`` (so each
+    end is a one-sided 5% test).  ``resolved`` is False where ``B`` itself is not resolved from 0 by
+    that test: then the interval is unbounded and no ratio is given."""
+
+    value: float | None
+    lo: float | None
+    hi: float | None
+    n: int
+    paired: bool
+    resolved: bool
+
+    def text(self, pct: bool = False) -> str:
+        if not self.resolved:
+            return "- (gap unresolved)"
+        f = (lambda x: f"{x:.0%}") if pct else (lambda x: f"{x:.2f}")
+        return f"{f(self.value)} [{f(self.lo)}, {f(self.hi)}]"
+
+
+def _variance_of(arms: Arms, coefs: dict) -> float:
+    e = contrast(arms, coefs)
+    return e.se ** 2
+
+
+def fieller(arms: Arms, num: dict, den: dict) -> Ratio | None:
+    """``A / B`` of the contrasts ``num`` and ``den`` by Fieller's theorem, from the linear test of
+    ``A - r B`` (paired over seeds where the arms share them); None if an arm is missing."""
+    a, b = contrast(arms, num), contrast(arms, den)
+    if a is None or b is None:
+        return None
+    keys = set(num) | set(den)
+    diff = {k: num.get(k, 0.0) - den.get(k, 0.0) for k in keys}
+    vaa, vbb = a.se ** 2, b.se ** 2
+    vab = (vaa + vbb - _variance_of(arms, diff)) / 2  # Var(A - B) = Vaa - 2 Vab + Vbb
+    n, paired = min(a.n, b.n), a.paired and b.paired
+    t = t_critical(n)
+    qa = b.value ** 2 - t * t * vbb
+    if n < 2 or qa <= 0:
+        return Ratio(None, None, None, n, paired, False)
+    qb = a.value * b.value - t * t * vab
+    qc = a.value ** 2 - t * t * vaa
+    root = math.sqrt(max(qb * qb - qa * qc, 0.0))
+    return Ratio(a.value / b.value, (qb - root) / qa, (qb + root) / qa, n, paired, True)
+
+
+def share(arms: Arms, arm: str, none: str, sync: str) -> Ratio | None:
+    """The share ``s`` of the delay gap ``G = none - sync`` that ``arm`` recovers, ``G_arm = (1 - s) G``,
+    from the linear test of ``G_arm - (1 - s) G`` (:func:`fieller`): no share where ``G`` is unresolved
+    or not positive."""
+    r = fieller(arms, {arm: 1.0, sync: -1.0}, {none: 1.0, sync: -1.0})
+    if r is None or not r.resolved:
+        return r
+    if r.value is not None and contrast(arms, {none: 1.0, sync: -1.0}).value <= 0:
+        return Ratio(None, None, None, r.n, r.paired, False)  # a delay that helps has no gap to recover
+    return dataclasses.replace(r, value=1.0 - r.value, lo=1.0 - r.hi, hi=1.0 - r.lo)
+
+
+def share_at_least(arms: Arms, arm: str, none: str, sync: str, s0: float) -> Estimate | None:
+    """The contrast ``c = G_arm - (1 - s0) G``: the share exceeds ``s0`` where ``c < 0``."""
+    return contrast(arms, {arm: 1.0, none: -(1.0 - s0), sync: -1.0 + (1.0 - s0)})
