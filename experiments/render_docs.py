@@ -798,6 +798,28 @@ def gpu_plan(doc: pathlib.Path) -> str:
     return "\n".join(lines + ["", f"_{note}_"])
 
 
+# Estimated CPU-hours per cpu_regime study (from its runs' times on 2 cores; the restored rows carry none).
+REGIME_HOURS = {"lr": 1.3, "ladder_tune": 10, "ladder": 5.4, "optimizers_tune": 0.6, "optimizers": 1.3,
+                "momentum_tune": 1.9, "momentum": 1.3, "mitigations_tune": 2.0, "mitigations": 1.8,
+                "schemes_tune": 1.7, "schemes": 1.0}
+
+
+def regime_run_counts(doc: pathlib.Path) -> str:
+    """Runs per cpu_regime study in the committed rows: all, copied from another study, run for it."""
+    rows = _regime_rows()
+    count, copied = collections.Counter(), collections.Counter()
+    for r in rows:
+        count[r["study"]] += 1
+        copied[r["study"]] += bool(r.get("reused_from"))
+    lines = ["| study at `cpu_regime` | runs committed | copied from another study | run for it | CPU-hours (estimated) |",
+             "|---|---|---|---|---|"]
+    for study in sorted(count, key=lambda k: (list(REGIME_HOURS).index(k) if k in REGIME_HOURS else 99, k)):
+        hours = REGIME_HOURS.get(study)
+        lines.append(f"| `{study}` | {count[study]} | {copied[study]} | {count[study] - copied[study]} | "
+                     f"{'-' if hours is None else hours} |")
+    return "\n".join(lines + ["", f"_Counted from {_link(REGIME_RESULTS, doc)}._"])
+
+
 def bench_small_updates(doc: pathlib.Path) -> str:
     """Where a cpu_regime update's time goes: per call vs K updates in one call, and the model's FLOP
     rate against the core's matmul rate (the latest record)."""
@@ -831,7 +853,7 @@ def bench_prepare(doc: pathlib.Path) -> str:
     return "\n".join(lines)
 
 
-RENDERERS = {f.__name__: f for f in (paper_regime, paper_optimizers, paper_summary, factors_answer, gpu_plan, bench_small_updates, bench_prepare, notebooks, glance, main_job, main_job_summary, tiny_optimizers, bench_optimizers, optimizers_study,
+RENDERERS = {f.__name__: f for f in (regime_run_counts, paper_regime, paper_optimizers, paper_summary, factors_answer, gpu_plan, bench_small_updates, bench_prepare, notebooks, glance, main_job, main_job_summary, tiny_optimizers, bench_optimizers, optimizers_study,
                                       bench_pipeline_work, bench_pipeline_processes, bench_pipeline_compile, bench_pipeline_conditionals, bench_pipeline_schedules,
                                       moe10b_dry_run, llama3_8b_dry_run, mpmd_dry_run, vocab_parallel_table, fit_table,
                                       ci)}

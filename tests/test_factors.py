@@ -113,8 +113,9 @@ def test_screen_runs_the_queue_to_the_end_and_writes_every_row(tmp_path, monkeyp
         workdir.mkdir(parents=True)
         (workdir / "metrics.jsonl").write_text(json.dumps({"step": 10, "val_loss_per_byte": val}) + "\n")
         (workdir / "config.json").write_text("{}")
-        (workdir / "status.json").write_text(json.dumps({"status": "finished", "val_loss_per_byte": val,
-                                                         "test_loss_per_byte": val + 0.01}))
+        (workdir / "status.tmp").write_text(json.dumps({"status": "finished", "val_loss_per_byte": val,
+                                                        "test_loss_per_byte": val + 0.01}))
+        (workdir / "status.tmp").replace(workdir / "status.json")  # atomically, as the trainer writes it
         ran.append(f"{study.name}/{run.run_id}")
         return 0
 
