@@ -33,8 +33,8 @@ BLOCK = re.compile(r"^<!-- render:(?P<name>[\w-]+) -->\n(?P<body>.*?)^<!-- end:(
 
 
 def documents() -> list[pathlib.Path]:
-    """The files whose tables are rendered: README.md and every page of docs/."""
-    return [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
+    """The files whose tables are rendered: README.md, every page of docs/ and experiments/README.md."""
+    return [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md")), REPO_ROOT / "experiments" / "README.md"]
 
 
 def _link(target: pathlib.Path, doc: pathlib.Path) -> str:
@@ -820,6 +820,30 @@ def regime_run_counts(doc: pathlib.Path) -> str:
     return "\n".join(lines + ["", f"_Counted from {_link(REGIME_RESULTS, doc)}._"])
 
 
+CPU_REPORT = REPO_ROOT / "experiments" / "results" / "cpu" / "report.md"
+
+
+def _report_table(report: pathlib.Path, heading: str, doc: pathlib.Path) -> str:
+    """The first table after the line ``heading`` (a line starting with it) of a committed report,
+    as the report prints it: one rounding, the report's, which its ``--check`` holds to its rows."""
+    lines = report.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(heading))
+    first = next(i for i in range(start, len(lines)) if lines[i].startswith("|"))
+    end = next((i for i in range(first, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return "\n".join(lines[first:end] + ["", f"_Copied from {_link(report, doc)} (regenerated from its rows by "
+                                          "`python -m experiments.report --check`)._"])
+
+
+def cpu_lr_gap(doc: pathlib.Path) -> str:
+    """The cpu report's delay gap and EF recovery per learning rate."""
+    return _report_table(CPU_REPORT, "### Delay gap and EF recovery per learning rate", doc)
+
+
+def cpu_mitigations(doc: pathlib.Path) -> str:
+    """The cpu report's mitigations ranked by the fraction of the gap they recover."""
+    return _report_table(CPU_REPORT, "| optimizer | rank | mitigation |", doc)
+
+
 def bench_small_updates(doc: pathlib.Path) -> str:
     """Where a cpu_regime update's time goes: per call vs K updates in one call, and the model's FLOP
     rate against the core's matmul rate (the latest record)."""
@@ -853,7 +877,7 @@ def bench_prepare(doc: pathlib.Path) -> str:
     return "\n".join(lines)
 
 
-RENDERERS = {f.__name__: f for f in (regime_run_counts, paper_regime, paper_optimizers, paper_summary, factors_answer, gpu_plan, bench_small_updates, bench_prepare, notebooks, glance, main_job, main_job_summary, tiny_optimizers, bench_optimizers, optimizers_study,
+RENDERERS = {f.__name__: f for f in (cpu_lr_gap, cpu_mitigations, regime_run_counts, paper_regime, paper_optimizers, paper_summary, factors_answer, gpu_plan, bench_small_updates, bench_prepare, notebooks, glance, main_job, main_job_summary, tiny_optimizers, bench_optimizers, optimizers_study,
                                       bench_pipeline_work, bench_pipeline_processes, bench_pipeline_compile, bench_pipeline_conditionals, bench_pipeline_schedules,
                                       moe10b_dry_run, llama3_8b_dry_run, mpmd_dry_run, vocab_parallel_table, fit_table,
                                       ci)}

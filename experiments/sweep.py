@@ -428,13 +428,14 @@ def study_names() -> list[str]:
     """The study modules in ``experiments/studies`` (every module but the shared helpers), and the
     ``STUDY_tune`` step of each study tuned per arm."""
     modules = [p.stem for p in (REPO_ROOT / "experiments" / "studies").glob("*.py")
-               if p.stem not in ("__init__", "common", "tuned")]
+               if p.stem not in ("__init__", "common", "tuned", "factors")]  # factors: experiments.screen runs it
     return sorted(modules + [f"{name}_tune" for name in TUNABLE])
 
 
 def load_study(name: str, preset: str) -> Study:
     if name not in study_names():
-        raise ValueError(f"no study {name!r}; choose one of {', '.join(study_names())}")
+        screen = " (the factor screen runs with `python -m experiments.screen`)" if name.startswith("factors") else ""
+        raise ValueError(f"no study {name!r}{screen}; choose one of {', '.join(study_names())}")
     if name.endswith("_tune") and name[: -len("_tune")] in TUNABLE:
         from experiments.studies import tuned
 

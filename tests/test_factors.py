@@ -132,3 +132,22 @@ def test_screen_runs_the_queue_to_the_end_and_writes_every_row(tmp_path, monkeyp
     ran.clear()
     screen.execute(tmp_path, ["width=128"], 2, **kw)
     assert ran == []
+
+
+def test_fieller_interval_ends_are_where_the_linear_test_turns():
+    """Each end r of the interval makes the contrast A - r B exactly t standard errors from 0, the
+    share is 1 - that ratio, and an unresolved denominator gives no ratio."""
+    rng = np.random.default_rng(1)
+    arms = {v: [(s, base + 0.01 * s + rng.normal(0, 0.01)) for s in range(3)]
+            for v, base in (("sync", 1.0), ("2bw", 1.2), ("ef", 1.06))}
+    num, den = {"ef": 1.0, "sync": -1.0}, {"2bw": 1.0, "sync": -1.0}
+    r = stats.fieller(arms, num, den)
+    assert r.resolved and r.lo < r.value < r.hi
+    t = stats.t_critical(3)
+    for end in (r.lo, r.hi):
+        c = stats.contrast(arms, {"ef": 1.0, "2bw": -end, "sync": -1.0 + end})
+        assert abs(c.value) == pytest.approx(t * c.se, rel=1e-6)
+    s = stats.share(arms, "ef", "2bw", "sync")
+    assert (s.value, s.lo, s.hi) == pytest.approx((1 - r.value, 1 - r.hi, 1 - r.lo))
+    flat = {**arms, "2bw": [(s, v + 0.001 * (-1) ** s) for s, v in arms["sync"]]}  # a gap lost in noise
+    assert not stats.share(flat, "ef", "2bw", "sync").resolved
