@@ -34,15 +34,6 @@ from experiments.study import Run, Study
 TUNE, MEASURE = "factors_tune", "factors"
 
 
-def _done_rows(out: pathlib.Path, study: Study) -> list[dict]:
-    rows = []
-    for run in sweep.expand(study):
-        workdir = out / study.name / run.run_id
-        if sweep.is_finished(workdir):
-            rows.append(sweep.collect(study, run, workdir))
-    return rows
-
-
 def tune_means(rows, cell: str, opt: str, arm: str, seeds) -> dict[float, float | None]:
     """``{lr: mean final val over the tuning seeds (None if one diverged)}`` for the learning rates
     whose runs at every tuning seed are done."""
@@ -100,7 +91,7 @@ class Screen:
                 if key not in self.rows and sweep.is_finished(status.parent):
                     self.rows[key] = None  # filled by the plan below, which knows each run's study
 
-    def _rows(self, name: str) -> list[dict]:
+    def rows_of(self, name: str) -> list[dict]:
         return [r for k, r in self.rows.items() if k.startswith(name + "/") and r is not None]
 
     def _fill(self, runs) -> None:
@@ -114,7 +105,7 @@ class Screen:
         wanted = []
         for cell in self.cells:
             while True:  # filling rows can open the next step of a plan: plan again until it is stable
-                tune_runs, measure_runs, _ = plan(cell, self._rows(TUNE), self._rows(MEASURE))
+                tune_runs, measure_runs, _ = plan(cell, self.rows_of(TUNE), self.rows_of(MEASURE))
                 before = sum(r is not None for r in self.rows.values())
                 self._fill(tune_runs + measure_runs)
                 if sum(r is not None for r in self.rows.values()) == before:
@@ -124,16 +115,13 @@ class Screen:
 
     def write_results(self) -> None:
         for name in (TUNE, MEASURE):
-            rows = sorted(self._rows(name), key=lambda r: (self.cells.index(r["variant"].split("/")[0])
+            rows = sorted(self.rows_of(name), key=lambda r: (self.cells.index(r["variant"].split("/")[0])
                                                            if r["variant"].split("/")[0] in self.cells else 99,
                                                            r["run_id"]))
             (self.out / name).mkdir(parents=True, exist_ok=True)
             tmp = self.out / name / "results.jsonl.tmp"
             tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
             os.replace(tmp, self.out / name / "results.jsonl")
-
-    def picks(self) -> dict:
-        return {cell: plan(cell, self._rows(TUNE), self._rows(MEASURE))[2] for cell in self.cells}
 
 
 def _run_one(study: Study, run: Run, out: pathlib.Path, env: dict) -> int:
@@ -210,6 +198,9 @@ def main(argv=None):
     ap.add_argument("--list", action="store_true", help="print the runs the done rows call for next, and exit")
     ap.add_argument("--restore", metavar="RESULTS", nargs="*", default=(),
                     help="results.jsonl files whose done factors rows stand for their runs")
+    ap.add_argument("--merge", metavar="RESULTS", default=None,
+                    help="write the rows done so far under --out into RESULTS (e.g. experiments/results/"
+                    "cpu_regime/results.jsonl), in place of its factors rows, and exit (runs nothing)")
     a = ap.parse_args(argv)
     cells = [c for c in factors.QUEUE if a.cells is None or re.search(a.cells, c)]
     if not cells:
@@ -218,6 +209,9 @@ def main(argv=None):
     if a.restore:
         restore(out, cells, [json.loads(line) for p in a.restore for line in pathlib.Path(p).read_text().splitlines()
                              if line.strip()])
+    if a.merge:
+        print(merge(out, cells, pathlib.Path(a.merge)))
+        return
     if a.list:
         screen = Screen(out, cells)
         screen.refresh()
@@ -229,6 +223,22 @@ def main(argv=None):
     except ValueError as e:
         ap.error(str(e))
     execute(out, cells, a.jobs)
+
+
+def merge(out: pathlib.Path, cells, results: pathlib.Path) -> str:
+    """Replace ``results``' factors rows by the done rows under ``out`` (other studies' rows kept, in
+    their order; the screen's after them); returns a line saying what was written."""
+    screen = Screen(out, cells)
+    screen.refresh()
+    screen.next_runs()
+    keep = [line for line in (results.read_text().splitlines() if results.exists() else [])
+            if line.strip() and json.loads(line).get("study") not in (TUNE, MEASURE)]
+    new = [json.dumps(r) for name in (TUNE, MEASURE) for r in sorted(screen.rows_of(name), key=lambda r: r["run_id"])]
+    tmp = results.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in keep + new))
+    os.replace(tmp, results)
+    return (f"{results}: {len(keep)} other rows kept, {len(new)} factors rows written; now run python -m "
+            f"experiments.report {results} --out {results.parent} && python -m experiments.render_docs")
 
 
 def restore(out: pathlib.Path, cells, rows) -> None:

@@ -150,7 +150,11 @@ def main(argv=None):
         raise SystemExit(f"error: no lr-study rows in {', '.join(a.results)}; run `python -m experiments.sweep lr`")
     print("{" + ", ".join(f'"{k}": {v!r}' for k, v in sorted(picks.items())) + "}")
     for study in sorted({r.get("study") for r in rows if str(r.get("study", "")).endswith("_tune")}):
-        arm_picks = complete_picks(rows, study, sweep.load_study(study, "cpu_regime").variants)
+        try:
+            variants = sweep.load_study(study, "cpu_regime").variants
+        except ValueError:
+            continue  # not a sweep study (the factor screen picks as it runs: experiments.screen)
+        arm_picks = complete_picks(rows, study, variants)
         partial = sorted(set(pick_arm_lrs(rows, study)) - set(arm_picks))
         if partial:
             print(f"{study}: grids not yet complete, no pick: {', '.join(partial)}")

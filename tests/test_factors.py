@@ -97,8 +97,12 @@ def test_t_verdict_uses_n_minus_one_degrees_of_freedom():
 
 def test_screen_runs_the_queue_to_the_end_and_writes_every_row(tmp_path, monkeypatch):
     """The scheduler end to end with a fake runner: tuning (with a grid that grows), measurement,
-    extra seeds; rows written as runs finish, and a second start runs nothing again."""
+    extra seeds; rows written as runs finish, and a second start runs nothing again, here or on
+    another machine from the merged rows."""
     import json
+
+    from asyncpp_jax import configs
+    from experiments import sweep
 
     monkeypatch.setattr(factors, "OPTIMIZERS", ("adamw",))
     monkeypatch.setattr(factors, "ARMS", ("sync", "2bw"))
@@ -112,7 +116,7 @@ def test_screen_runs_the_queue_to_the_end_and_writes_every_row(tmp_path, monkeyp
         workdir = out / study.name / run.run_id
         workdir.mkdir(parents=True)
         (workdir / "metrics.jsonl").write_text(json.dumps({"step": 10, "val_loss_per_byte": val}) + "\n")
-        (workdir / "config.json").write_text("{}")
+        (workdir / "config.json").write_text(configs.to_json(sweep.run_config(study, run)))
         (workdir / "status.tmp").write_text(json.dumps({"status": "finished", "val_loss_per_byte": val,
                                                         "test_loss_per_byte": val + 0.01}))
         (workdir / "status.tmp").replace(workdir / "status.json")  # atomically, as the trainer writes it
@@ -132,6 +136,18 @@ def test_screen_runs_the_queue_to_the_end_and_writes_every_row(tmp_path, monkeyp
     ran.clear()
     screen.execute(tmp_path, ["width=128"], 2, **kw)
     assert ran == []
+    # carried to another machine by committed rows: merged beside another study's, restored, nothing reruns
+    results = tmp_path / "committed.jsonl"
+    results.write_text(json.dumps({"study": "lr", "variant": "adamw/lr=0.001/sync", "seed": 0}) + "\n")
+    screen.merge(tmp_path, ["width=128"], results)
+    merged = [json.loads(x) for x in results.read_text().splitlines()]
+    assert merged[0]["study"] == "lr" and len(merged) == 1 + len(tune) + len(measured)
+    elsewhere = tmp_path / "elsewhere"
+    screen.restore(elsewhere, ["width=128"], merged)
+    screen.execute(elsewhere, ["width=128"], 2, **kw)
+    assert ran == []
+    again = [json.loads(x) for x in (elsewhere / "factors" / "results.jsonl").read_text().splitlines()]
+    assert again == measured
 
 
 def test_fieller_interval_ends_are_where_the_linear_test_turns():
@@ -151,3 +167,36 @@ def test_fieller_interval_ends_are_where_the_linear_test_turns():
     assert (s.value, s.lo, s.hi) == pytest.approx((1 - r.value, 1 - r.hi, 1 - r.lo))
     flat = {**arms, "2bw": [(s, v + 0.001 * (-1) ** s) for s, v in arms["sync"]]}  # a gap lost in noise
     assert not stats.share(flat, "ef", "2bw", "sync").resolved
+
+
+def test_the_screens_section_gives_gaps_ratio_shares_and_the_width_trend(tmp_path):
+    """Synthetic measured rows of two widths: AdamW's gap doubles per doubling of width, Muon's stays,
+    so the ratio moves toward the paper's and the conclusion names width."""
+    import json
+    from experiments import render_docs, report as report_lib, report_factors
+
+    gaps = {("width=128", "adamw"): 0.06, ("width=128", "muon"): 0.02,
+            ("width=512", "adamw"): 0.24, ("width=512", "muon"): 0.02}
+    rows = []
+    for (cell, opt), g in gaps.items():
+        for seed, noise in enumerate((0.0, 0.002, -0.002)):
+            for arm, extra in (("sync", 0.0), ("2bw", g + noise), ("ef", 0.2 * g + noise / 2)):
+                val = 1.5 + extra + 0.01 * seed
+                rows.append({"study": "factors", "run_id": f"{cell}-{opt}-{arm}-{seed}",
+                             "variant": factors.variant(cell, opt, arm, 0.001), "seed": seed, "point": {},
+                             "overrides": {"optimizer.lr": 0.001}, "final_val": val, "test_val": val + 0.05,
+                             "val_curve": [[3200, val]], "train_curve": [], "config": {}, "status": "finished"})
+    e = report_factors.cell_estimates(rows, "width=512")
+    assert e["opts"]["adamw"]["gap"].value == pytest.approx(0.24) and e["ratio"].value == pytest.approx(12.0)
+    assert e["opts"]["adamw"]["share"].value == pytest.approx(0.8)
+    slope = report_factors.gap_slope(rows, report_factors.AXES["width (d_model)"], "adamw")
+    assert slope.value == pytest.approx((0.24 - 0.06) / 2)  # per doubling, over two doublings
+    change, first, last = report_factors.ratio_change(rows, report_factors.AXES["width (d_model)"])
+    assert change.value == pytest.approx((12.0 - 3.0) / 2) and (first, last) == ("width=128", "width=512")
+    said = " ".join(report_factors.conclusion(rows))
+    assert "these factors move the ratio toward the paper's" in said and "width (d_model)" in said
+    path = tmp_path / "results.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = report_lib.report([path], tmp_path / "rep").read_text()
+    assert "## The factor screen: what makes the gap large?" in text and "| width=512 | G_AdamW / G_Muon |" in text
+    assert render_docs.RENDERERS["factors_answer"] and render_docs.RENDERERS["gpu_plan"]
