@@ -716,8 +716,14 @@ def paper_summary(doc: pathlib.Path) -> str:
         lo, hi = (float(x.strip("%")) / 100 for x in paper.ef_share(opt).split("-")) if "-" in paper.ef_share(opt) \
             else (float(paper.ef_share(opt).strip("%")) / 100,) * 2
         where = "inside" if f.lo <= lo and hi <= f.hi else "outside" if hi < f.lo or lo > f.hi else "partly inside"
-        shares.append(f"EF recovers {f.text(pct=True)} of {name}'s gap (the paper's {paper.ef_share(opt)} is {where} "
-                      "that interval)")
+        text = (f"EF recovers {f.text(pct=True)} of {name}'s gap (the paper's {paper.ef_share(opt)} is {where} "
+                "that interval)")
+        if f.value > 1:  # a share above 100%: the EF arm ended at or below sync
+            g_ef = stats.gap(arms, f"{opt}/ef", f"{opt}/sync")
+            level = _t_word(g_ef, "above it", "below it", "level with it within t standard errors")
+            text += (f"; above 100% because {name}'s EF arm ends {g_ef.value:+.4f} ± {g_ef.se:.4f} from its sync arm, "
+                     f"{level}")
+        shares.append(text)
     out.append("; ".join(shares) + ".")
     picks = tuning.pick_arm_lrs(rows, "ladder_tune")
     measured = [r for r in rows if r["study"] == "ladder"]
