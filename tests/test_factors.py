@@ -200,3 +200,37 @@ def test_the_screens_section_gives_gaps_ratio_shares_and_the_width_trend(tmp_pat
     text = report_lib.report([path], tmp_path / "rep").read_text()
     assert "## The factor screen: what makes the gap large?" in text and "| width=512 | G_AdamW / G_Muon |" in text
     assert render_docs.RENDERERS["factors_answer"] and render_docs.RENDERERS["gpu_plan"]
+
+
+def test_no_import_circle_in_experiments():
+    """Every import between the modules of experiments/ (lazy ones inside functions too) forms no
+    cycle: a study module never imports the sweep that loads it, nor the report that reads it."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    modules = {".".join(p.relative_to(root).with_suffix("").parts): p
+               for p in sorted((root / "experiments").rglob("*.py")) if p.stem != "__init__"}
+    graph = {}
+    for name, path in modules.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("experiments"):
+                deps |= {f"{node.module}.{a.name}" for a in node.names} | {node.module}
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+        graph[name] = sorted(d for d in deps if d in modules and d != name)
+    state = {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        for dep in graph[node]:
+            assert state.get(dep) != "open", f"import circle: {' -> '.join(stack + [node, dep])}"
+            if dep not in state:
+                visit(dep, stack + [node])
+        state[node] = "done"
+
+    for name in graph:
+        if name not in state:
+            visit(name, [])
+    assert "experiments.sweep" in graph["experiments.screen"] and graph["experiments.study"] == []
