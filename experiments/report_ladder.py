@@ -6,7 +6,7 @@ Every arm is tuned on the same grid (the paper's protocol), so each delay gap is
 - at the sync-tuned learning rate: ``G_s = L(2bw at sync's pick) - L(sync at its pick)``;
 
 and error feedback's share the same two ways, ``f = 1 - (L_ef - L_sync) / (L_2bw - L_sync)``.  The
-picks come from the ``ladder_tune`` rows (one seed; :func:`experiments.tuning.pick_arm_lrs`); the
+picks come from the ``ladder_tune`` rows (one seed; :func:`experiments.picks.pick_arm_lrs`); the
 ``ladder`` rows measure them at three seeds.  The trend over the ladder is the least-squares slope
 of the gap against ``log2(updates)``, a linear contrast of the arms' means (paired over seeds where
 they share them), tested by a one-sided t test at n - 1 degrees of freedom, beside the change per
@@ -22,8 +22,8 @@ import re
 
 import numpy as np
 
-from experiments import paper, stats, tuning
-from experiments.report_format import claim, md_table, plot_xy, se_kind
+from experiments import paper, picks, stats
+from experiments.report_format import SHARE_NOTE, claim, md_table, plot_xy, se_kind, share_text  # noqa: F401
 from experiments.report_format import est as _est_with_se
 from experiments.studies.ladder_tune import EXTRA_RUNGS, RUNGS
 
@@ -42,20 +42,6 @@ def _names(rows) -> dict[tuple[int, str, str, float], str]:
     return out
 
 
-SHARE_NOTE = ("EF's share s: G_EF = (1 - s) G with G = 2bw - sync and G_EF = 2bw+EF - sync, given as the point "
-              "1 - G_EF / G and its 90% interval [lo, hi] from the linear test of G_EF - (1 - s) G (Fieller; "
-              "each end a one-sided 5% t test at n - 1 degrees of freedom); none where G itself is not "
-              "resolved from 0 by that test, or from one seed.")
-
-
-def share_text(r: stats.Ratio | None) -> str:
-    if r is None:
-        return "-"
-    if r.n < 2:
-        return "- (one seed)"
-    return r.text(pct=True)
-
-
 def est(e: stats.Estimate | None, pct: bool = False) -> str:
     """An estimate with its standard error, or alone from one seed (which has none, not a zero one)."""
     if e is not None and e.n < 2:
@@ -66,17 +52,17 @@ def est(e: stats.Estimate | None, pct: bool = False) -> str:
 def grid_table(rows, study: str = "ladder_tune") -> list[str]:
     """Final val per learning rate for each setting and arm of a tuning study (``ladder_tune``,
     ``STUDY_tune``), picks in bold."""
-    means = tuning.arm_means(rows, study)
-    picks = tuning.pick_arm_lrs(rows, study)
+    means = picks.arm_means(rows, study)
+    chosen = picks.pick_arm_lrs(rows, study)
     body = []
     for (prefix, arm), by_lr in sorted(means.items(), key=lambda kv: (_rung_key(kv[0][0]), ARMS.index(kv[0][1])
                                                                       if kv[0][1] in ARMS else 9)):
         cells = []
         for lr, m in sorted(by_lr.items()):
             text = "diverged" if m is None else f"{m:.3f}"
-            cells.append(f"**{lr:g}: {text}**" if picks.get(prefix, {}).get(arm) == lr else f"{lr:g}: {text}")
+            cells.append(f"**{lr:g}: {text}**" if chosen.get(prefix, {}).get(arm) == lr else f"{lr:g}: {text}")
         body.append((prefix, arm, ", ".join(cells)))
-    edges = tuning.on_grid_edge(rows, study)
+    edges = picks.on_grid_edge(rows, study)
     lines = ["### Each arm's learning-rate grid", "",
              "Final validation loss (nats/byte, mean over the tuning seeds) at each learning rate; the pick "
              "(lowest, no seed diverged) in bold.", ""]
