@@ -850,6 +850,50 @@ def cpu_mitigations(doc: pathlib.Path) -> str:
     return _report_table(CPU_REPORT, "| optimizer | rank | mitigation |", doc)
 
 
+# The screen's plan per optimizer and cell, for the cost estimate: each arm's grid grows by about
+# one point, and half the cells' gaps need the two extra seeds.
+PLAN_GROWTH, PLAN_MORE_SEED_SHARE = 1, 0.5
+
+
+def factors_pilot(doc: pathlib.Path) -> str:
+    """The factor screen's pilot (320 updates at widths 128 and 512, one core) and the cost it implies."""
+    import re as re_lib
+
+    from experiments import protocol
+    from experiments.studies import factors
+
+    path = BENCH_LINK / "factors_pilot.jsonl"
+    if not path.is_file():
+        return "_No pilot recorded yet (`experiments/results/bench/factors_pilot.jsonl`)._"
+    latest = {}
+    for rec in records.load("factors_pilot"):
+        m = re_lib.search(r"--config\.model\.d_model=(\d+)", rec["command"])
+        if m:
+            latest[int(m.group(1))] = rec
+    lines = ["| width | s per update (median) | pilot's wall time (320 updates, 2 evaluations, startup) | "
+             "minutes per 3,200-update run, training only | cell | planned runs | job-hours |", "|---|---|---|---|---|---|---|"]
+    total = 0.0
+    for d, rec in sorted(latest.items()):
+        f = rec["figures"]
+        minutes = f["s_per_update"] * 3200 / 60
+        cell = f"width={d}"
+        seeds = len(factors.CELLS[cell][1]) if cell in factors.CELLS else len(protocol.TUNE_SEEDS)
+        per_opt = (len(factors.ARMS) * (3 + PLAN_GROWTH) * seeds + len(factors.ARMS) * len(protocol.MEASURE_SEEDS)
+                   + PLAN_MORE_SEED_SHARE * len(factors.ARMS) * len(protocol.MORE_SEEDS))
+        runs = per_opt * len(factors.OPTIMIZERS)
+        hours = runs * (minutes + f["wall_s"] / 60 - f["s_per_update"] * 320 / 60) / 60
+        total += hours
+        lines.append(f"| {d} | {f['s_per_update']:.3f} | {f['wall_s']:.0f} s | {minutes:.1f} | `{cell}` | {runs:.0f} | "
+                     f"{hours:.1f} |")
+    note = (f"Planned runs per cell: {len(factors.OPTIMIZERS)} optimizers x {len(factors.ARMS)} arms, each tuned on "
+            f"3 + {PLAN_GROWTH} learning rates at the cell's tuning seeds, measured at {len(protocol.MEASURE_SEEDS)} "
+            f"seeds, and at {len(protocol.MORE_SEEDS)} more for {PLAN_MORE_SEED_SHARE:.0%} of them; a run's time is "
+            f"its training plus the pilot's overhead (startup and evaluations). These two cells: {total:.0f} "
+            f"job-hours, {total / 2:.0f} hours of wall time with `--jobs 2` at the pilot's speed; the pilot ran while "
+            f"other jobs shared the cores, so on free cores it takes less. Hardware: {_hw(list(latest.values()))}. " + _provenance(list(latest.values()), [path], doc))
+    return "\n".join(lines + ["", f"_{note}_"])
+
+
 def bench_small_updates(doc: pathlib.Path) -> str:
     """Where a cpu_regime update's time goes: per call vs K updates in one call, and the model's FLOP
     rate against the core's matmul rate (the latest record)."""
@@ -883,7 +927,7 @@ def bench_prepare(doc: pathlib.Path) -> str:
     return "\n".join(lines)
 
 
-RENDERERS = {f.__name__: f for f in (cpu_lr_gap, cpu_mitigations, regime_run_counts, paper_regime, paper_optimizers, paper_summary, factors_answer, gpu_plan, bench_small_updates, bench_prepare, notebooks, glance, main_job, main_job_summary, tiny_optimizers, bench_optimizers, optimizers_study,
+RENDERERS = {f.__name__: f for f in (factors_pilot, cpu_lr_gap, cpu_mitigations, regime_run_counts, paper_regime, paper_optimizers, paper_summary, factors_answer, gpu_plan, bench_small_updates, bench_prepare, notebooks, glance, main_job, main_job_summary, tiny_optimizers, bench_optimizers, optimizers_study,
                                       bench_pipeline_work, bench_pipeline_processes, bench_pipeline_compile, bench_pipeline_conditionals, bench_pipeline_schedules,
                                       moe10b_dry_run, llama3_8b_dry_run, mpmd_dry_run, vocab_parallel_table, fit_table,
                                       ci)}
