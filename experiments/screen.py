@@ -50,30 +50,56 @@ def tune_means(rows, cell: str, opt: str, arm: str, seeds) -> dict[float, float 
     return out
 
 
+# The arms whose runs go first: the gap 2bw - sync of both optimizers (their ratio is the screen's
+# question) before error feedback's arm.
+HEADLINE_ARMS = ("sync", "2bw")
+
+
 def plan(cell: str, tune_rows, measure_rows) -> tuple[list, list, dict]:
     """``(tuning runs, measurement runs, picks)`` of ``cell`` that the rows done so far call for,
-    as ``[(study, run)]`` in the order to run them, and ``{(opt, arm): (grid, pick)}``."""
+    as ``[(study, run)]``, and ``{(opt, arm): (grid, pick)}``.  An arm is measured at
+    :data:`protocol.MEASURE_SEEDS` once its own pick is made; every picked arm of an optimizer also
+    at :data:`protocol.MORE_SEEDS` once its gap ``2bw - sync`` at those seeds is under
+    :data:`protocol.RESOLVE_T` standard errors.  Runs come in the order to run them: the sync and
+    2bw arms of every optimizer (tuned, then measured) before the EF arms, extra seeds last."""
     _, seeds, k0 = factors.CELLS[cell]
-    tune_runs, measure_runs, picks = [], [], {}
+    tune, measure, more, picks = [], [], [], {}
+    arms_measured = stats.arms_of([r for r in measure_rows if r["seed"] in protocol.MEASURE_SEEDS])
     for opt in factors.OPTIMIZERS:
         for arm in factors.ARMS:
             grid, pick = protocol.tune_state(factors.centre(cell, opt), k0[(opt, arm)],
                                              tune_means(tune_rows, cell, opt, arm, seeds))
             picks[(opt, arm)] = (grid, pick)
             study = factors.study_of(TUNE, cell, [(opt, arm, v) for v in grid], seeds)
-            tune_runs += [(study, r) for r in sweep.expand(study)]
-        if any(picks[(opt, arm)][1] is None for arm in factors.ARMS):
-            continue
-        entries = [(opt, arm, picks[(opt, arm)][1]) for arm in factors.ARMS]
-        study = factors.study_of(MEASURE, cell, entries, protocol.MEASURE_SEEDS)
-        measure_runs += [(study, r) for r in sweep.expand(study)]
-        arms = stats.arms_of([r for r in measure_rows if r["seed"] in protocol.MEASURE_SEEDS])
-        names = {arm: factors.variant(cell, opt, arm, picks[(opt, arm)][1]) for arm in factors.ARMS}
-        if all(len(arms.get(n, [])) == len(protocol.MEASURE_SEEDS) for n in names.values()) and \
-                protocol.needs_more_seeds(stats.gap(arms, names["2bw"], names["sync"])):
+            tune += [(arm not in HEADLINE_ARMS, study, r) for r in sweep.expand(study)]
+            if pick is not None:
+                study = factors.study_of(MEASURE, cell, [(opt, arm, pick)], protocol.MEASURE_SEEDS)
+                measure += [(arm not in HEADLINE_ARMS, study, r) for r in sweep.expand(study)]
+        names = {arm: factors.variant(cell, opt, arm, picks[(opt, arm)][1]) for arm in HEADLINE_ARMS
+                 if picks[(opt, arm)][1] is not None}
+        if len(names) == len(HEADLINE_ARMS) and \
+                all(len(arms_measured.get(n, [])) == len(protocol.MEASURE_SEEDS) for n in names.values()) and \
+                protocol.needs_more_seeds(stats.gap(arms_measured, names["2bw"], names["sync"])):
+            entries = [(opt, arm, picks[(opt, arm)][1]) for arm in factors.ARMS if picks[(opt, arm)][1] is not None]
             study = factors.study_of(MEASURE, cell, entries, protocol.MORE_SEEDS)
-            measure_runs += [(study, r) for r in sweep.expand(study)]
+            more += [(study, r) for r in sweep.expand(study)]
+
+    def first(runs, late: bool):
+        return [(s, r) for is_late, s, r in runs if is_late == late]
+
+    tune_runs = first(tune, False) + first(tune, True)
+    measure_runs = first(measure, False) + first(measure, True) + more
     return tune_runs, measure_runs, picks
+
+
+def ordered(tune_runs, measure_runs) -> list:
+    """One cell's runs in the order to run them: headline arms' tuning, their measurement, then the
+    EF arms' tuning and measurement, extra seeds last."""
+    head = [x for x in tune_runs if x[1].variant.rsplit("/", 1)[-1] in HEADLINE_ARMS]
+    head_m = [x for x in measure_runs if x[1].variant.rsplit("/", 1)[-1] in HEADLINE_ARMS
+              and x[1].seed in protocol.MEASURE_SEEDS]
+    rest = [x for x in tune_runs + measure_runs if x not in head and x not in head_m]
+    return head + head_m + rest
 
 
 class Screen:
@@ -110,7 +136,7 @@ class Screen:
                 self._fill(tune_runs + measure_runs)
                 if sum(r is not None for r in self.rows.values()) == before:
                     break
-            wanted += [(s, r) for s, r in tune_runs + measure_runs if f"{s.name}/{r.run_id}" not in self.rows]
+            wanted += [(s, r) for s, r in ordered(tune_runs, measure_runs) if f"{s.name}/{r.run_id}" not in self.rows]
         return wanted
 
     def write_results(self) -> None:

@@ -234,3 +234,17 @@ def test_no_import_circle_in_experiments():
         if name not in state:
             visit(name, [])
     assert "experiments.sweep" in graph["experiments.screen"] and graph["experiments.study"] == []
+
+
+def test_the_headline_arms_run_first_and_are_measured_before_efs_arm_is_tuned():
+    cell = "width=128"
+    first = screen.ordered(*screen.plan(cell, [], [])[:2])
+    arms = [r.variant.rsplit("/", 1)[-1] for _, r in first]
+    assert arms.index("ef") == len([a for a in arms if a != "ef"])  # every sync and 2bw run before any EF run
+    rows, _ = _tuned_rows(cell, lambda opt, arm, lr: 2.0 + np.log(lr / 0.001) ** 2)
+    headline = [r for r in rows if not r["variant"].endswith("/ef")]
+    order = screen.ordered(*screen.plan(cell, headline, [])[:2])
+    kinds = [(s.name, r.variant.rsplit("/", 1)[-1]) for s, r in order]
+    measured = [i for i, k in enumerate(kinds) if k[0] == "factors"]
+    ef_tuning = [i for i, k in enumerate(kinds) if k == ("factors_tune", "ef")]
+    assert measured and ef_tuning and max(measured) < min(ef_tuning)

@@ -113,11 +113,11 @@ CELLS = {
                 {("adamw", "sync"): -1, ("adamw", "2bw"): -3, ("adamw", "ef"): -3,
                  ("muon", "sync"): -2, ("muon", "2bw"): -3, ("muon", "ef"): -3}),
 }
-# The order the screen runs the cells in: the width axis first (the hypothesis), its far end before
-# its middle (128 and 512 alone give the trend over a 4x width; their cost: the pilot's records,
-# experiments/results/bench/factors_pilot.jsonl, rendered in docs/studies.md), then the ladder under
-# this protocol, tokens per update, vocabulary.
-QUEUE = ("width=128", "width=512", "width=256", "updates=800", "updates=200", "warmup=20", "seqs=8",
+# The order the screen runs the cells in: the width axis first (the hypothesis), in order of cost,
+# so that the first doubling (128 -> 256, a quarter of width 512's cost: the pilot's records,
+# experiments/results/bench/factors_pilot.jsonl, rendered in docs/studies.md) answers first; then
+# the ladder under this protocol, tokens per update, vocabulary.
+QUEUE = ("width=128", "width=256", "width=512", "updates=800", "updates=200", "warmup=20", "seqs=8",
          "vocab=bpe4096", "seqs=32")
 
 
