@@ -338,8 +338,10 @@ def _glance_delay(adamw: tuple, muon: tuple, doc: pathlib.Path) -> str:
         return (f"| Does the one-step delay hurt AdamW more than Muon? (`optimizers` study) | yes: delay gap {few} | "
                 f"{_link(REPO_ROOT / 'docs' / 'studies.md', doc)} |")
     a, m = gaps["adamw"], gaps["muon"]
+    diff = stats.contrast(arms, {"adamw/2bw": 1.0, "adamw/sync": -1.0, "muon/2bw": -1.0, "muon/sync": 1.0})
+    answer = _t_word(diff, "yes", "no", "not resolved (one-sided t test)")
     return (f"| Does the one-step delay hurt AdamW more than Muon? (`optimizers` study, each arm at its tuned "
-            f"learning rate) | yes: delay gap AdamW {a.value:+.3f} ± {a.se:.3f}, Muon {m.value:+.3f} ± {m.se:.3f} "
+            f"learning rate) | {answer}: delay gap AdamW {a.value:+.3f} ± {a.se:.3f}, Muon {m.value:+.3f} ± {m.se:.3f} "
             f"nats/byte at 3,200 small updates (`cpu_regime`, {min(a.n, m.n)} seeds); {few} | "
             f"{_link(REPO_ROOT / 'docs' / 'studies.md', doc)} |")
 
