@@ -17,8 +17,9 @@ from __future__ import annotations
 import collections
 import math
 
-from experiments import paper, stats
-from experiments.report_format import md_table, se_kind
+from experiments import paper, protocol, stats
+from experiments.report_format import SHARE_NOTE, md_table, se_kind
+from experiments.studies import factors
 
 TUNE, MEASURE = "factors_tune", "factors"
 # Axes: name -> [(cell, factor value)], the factor's value in the unit it doubles in.
@@ -188,7 +189,6 @@ def conclusion(rows) -> list[str]:
 
 
 def progress(tune_rows, rows) -> str:
-    from experiments.studies import factors  # pylint: disable=import-outside-toplevel
 
     done = sorted({r["variant"].split("/")[0] for r in rows}, key=factors.QUEUE.index)
     tuned = sorted({r["variant"].split("/")[0] for r in tune_rows}, key=factors.QUEUE.index)
@@ -199,17 +199,40 @@ def progress(tune_rows, rows) -> str:
             f"queue runs in this order, width first): {', '.join(cut) or 'none'}.")
 
 
+def grid_table(tune_rows) -> list[str]:
+    """Each arm's grid so far: mean final val over the cell's tuning seeds per learning rate (done
+    points only), the pick in bold once the grid has bracketed it (:func:`experiments.protocol.tune_state`)."""
+
+    body = []
+    for cell in factors.QUEUE:
+        for opt in factors.OPTIMIZERS:
+            for arm in factors.ARMS:
+                means = factors.tune_means(tune_rows, cell, opt, arm, factors.CELLS[cell][1])
+                if not means:
+                    continue
+                grid, pick = factors.tuning_state(cell, opt, arm, tune_rows)
+                cells = [(f"**{lr:g}: {m:.3f}**" if lr == pick else f"{lr:g}: {m:.3f}") if m is not None
+                         else f"{lr:g}: diverged" for lr, m in sorted(means.items())]
+                state = ("pending: " + ", ".join(f"{lr:g}" for lr in grid if lr not in means) if pick is None
+                         else "on the grid's edge (a bound)" if protocol.on_edge(grid, pick) else "bracketed")
+                body.append((cell, opt, arm, ", ".join(cells), state))
+    if not body:
+        return []
+    return ["### Each arm's learning-rate grid", "",
+            "Mean final validation loss (nats/byte) over the cell's tuning seeds at each learning rate run at "
+            "every one of them; the pick in bold once the grid brackets it (a grid grows past an edge that "
+            "holds the best point).", ""] + md_table(["cell", "optimizer", "arm", "lr: final val", "pick"], body) + [""]
+
+
 def analyse(tune_rows, rows, claims) -> list[str]:
-    from experiments import report_ladder  # pylint: disable=import-outside-toplevel
-    from experiments.studies import factors  # pylint: disable=import-outside-toplevel
 
     lines = ["## The factor screen: what makes the gap large?", "", progress(tune_rows, rows), ""]
     if tune_rows:
-        lines += report_ladder.grid_table(tune_rows, TUNE)
+        lines += grid_table(tune_rows)
     lines += ["### The gap per cell", "",
               "Each arm at its own pick from the tuning seeds, measured on other seeds. Gap = 2bw - sync in "
               "nats/byte on the 256 validation windows and on the test split (512 other windows, never used to "
-              "pick); " + report_ladder.SHARE_NOTE + f" {RATIO_LABEL}: the point and its 90% Fieller interval "
+              "pick); " + SHARE_NOTE + f" {RATIO_LABEL}: the point and its 90% Fieller interval "
               "(none where Muon's gap is unresolved).", ""]
     lines += cell_table(rows, factors.QUEUE)
     table, _ = axis_table(rows)

@@ -34,22 +34,6 @@ from experiments.study import Run, Study
 TUNE, MEASURE = "factors_tune", "factors"
 
 
-def tune_means(rows, cell: str, opt: str, arm: str, seeds) -> dict[float, float | None]:
-    """``{lr: mean final val over the tuning seeds (None if one diverged)}`` for the learning rates
-    whose runs at every tuning seed are done."""
-    by_lr: dict = {}
-    for r in rows:
-        parsed = r["variant"].split("/")
-        if parsed[0] == cell and parsed[1] == opt and parsed[3] == arm and r["seed"] in seeds:
-            by_lr.setdefault(float(r["overrides"]["optimizer.lr"]), {})[r["seed"]] = r.get("final_val")
-    out = {}
-    for lr_value, vals in by_lr.items():
-        if set(vals) >= set(seeds):
-            finite = [v for v in vals.values() if v is not None]
-            out[lr_value] = sum(finite) / len(finite) if len(finite) == len(vals) else None
-    return out
-
-
 # The arms whose runs go first: the gap 2bw - sync of both optimizers (their ratio is the screen's
 # question) before error feedback's arm.
 HEADLINE_ARMS = ("sync", "2bw")
@@ -62,13 +46,12 @@ def plan(cell: str, tune_rows, measure_rows) -> tuple[list, list, dict]:
     at :data:`protocol.MORE_SEEDS` once its gap ``2bw - sync`` at those seeds is under
     :data:`protocol.RESOLVE_T` standard errors.  Runs come in the order to run them: the sync and
     2bw arms of every optimizer (tuned, then measured) before the EF arms, extra seeds last."""
-    _, seeds, k0 = factors.CELLS[cell]
+    seeds = factors.CELLS[cell][1]
     tune, measure, more, picks = [], [], [], {}
     arms_measured = stats.arms_of([r for r in measure_rows if r["seed"] in protocol.MEASURE_SEEDS])
     for opt in factors.OPTIMIZERS:
         for arm in factors.ARMS:
-            grid, pick = protocol.tune_state(factors.centre(cell, opt), k0[(opt, arm)],
-                                             tune_means(tune_rows, cell, opt, arm, seeds))
+            grid, pick = factors.tuning_state(cell, opt, arm, tune_rows)
             picks[(opt, arm)] = (grid, pick)
             study = factors.study_of(TUNE, cell, [(opt, arm, v) for v in grid], seeds)
             tune += [(arm not in HEADLINE_ARMS, study, r) for r in sweep.expand(study)]

@@ -142,6 +142,28 @@ def study_of(name: str, cell: str, entries, seeds) -> Study:
                  seeds=tuple(seeds))
 
 
+def tune_means(rows, cell: str, opt: str, arm: str, seeds) -> dict[float, float | None]:
+    """``{lr: mean final val over the tuning seeds (None if one diverged)}`` for the learning rates
+    whose runs at every tuning seed are done."""
+    by_lr: dict = {}
+    for r in rows:
+        parsed = r["variant"].split("/")
+        if parsed[0] == cell and parsed[1] == opt and parsed[3] == arm and r["seed"] in seeds:
+            by_lr.setdefault(float(r["overrides"]["optimizer.lr"]), {})[r["seed"]] = r.get("final_val")
+    out = {}
+    for lr_value, vals in by_lr.items():
+        if set(vals) >= set(seeds):
+            finite = [v for v in vals.values() if v is not None]
+            out[lr_value] = sum(finite) / len(finite) if len(finite) == len(vals) else None
+    return out
+
+
+def tuning_state(cell: str, opt: str, arm: str, tune_rows) -> tuple[list[float], float | None]:
+    """``(grid, pick)`` of an arm from the tuning rows so far (:func:`experiments.protocol.tune_state`)."""
+    _, seeds, k0 = CELLS[cell]
+    return protocol.tune_state(centre(cell, opt), k0[(opt, arm)], tune_means(tune_rows, cell, opt, arm, seeds))
+
+
 def study(preset: str) -> Study:
     raise ValueError("the factors screen picks each arm's learning rate from its own tuning runs as they "
                      "finish; run it with `python -m experiments.screen` (it resumes where it stopped)")
