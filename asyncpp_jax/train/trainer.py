@@ -41,7 +41,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from asyncpp_jax import configs
-from asyncpp_jax.data import CorpusError, load_corpus, make_eval_batches, make_train_iterator, prepare_corpus_for
+from asyncpp_jax.data import (CorpusError, PackedWindows, load_corpus, make_eval_batches, make_train_iterator,
+                               prepare_corpus_for)
 from asyncpp_jax.models import count_params, dense
 from asyncpp_jax.models.flops import flops_per_token
 from asyncpp_jax.optim import describe_routing
@@ -240,8 +241,8 @@ class Trainer:
         if not c.train.test_batches:
             return []
         size = c.train.global_batch_size // c.train.microbatches
-        windows = self.corpus.num_tokens("val") // c.data.seq_len
-        if (n_val + c.train.test_batches) * size > windows:
+        windows = len(PackedWindows(self.corpus.tokens("val"), c.data.seq_len))
+        if n_val + c.train.test_batches > windows // size:  # the test set's first batch would be a val one
             raise CorpusError(
                 f"The val split of {self.corpus.path} holds {windows} windows of config.data.seq_len="
                 f"{c.data.seq_len}: too few for config.train.eval_batches={c.train.eval_batches} and "
