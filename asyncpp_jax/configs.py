@@ -519,6 +519,10 @@ def _train_defaults() -> ml_collections.ConfigDict:
             auto_remat=False,
             eval_every=100,
             eval_batches=8,
+            # batches (of the eval batch size) of a test set evaluated once, at the end of a finished
+            # run: the val split's last windows, disjoint from the eval_batches first ones that the
+            # run reports along the way and that tuning picks by (0: no test set)
+            test_batches=0,
             log_every=10,
             checkpoint_every=200,
             keep_checkpoints=3,
@@ -558,6 +562,7 @@ def _check_train(c) -> list[str]:
               "checkpoint_every", "keep_checkpoints"):
         if not (_is_int(t[f]) and t[f] > 0):
             errs.append(f"config.train.{f}={t[f]!r} must be a positive integer.")
+    _number(errs, "train.test_batches", t.test_batches, ge=0, integer=True, why=" (0: no test set)")
     _number(errs, "train.peak_tflops_per_device", t.peak_tflops_per_device, ge=0, why=" (0: MFU not reported)")
     _flag(errs, "train.async_checkpoint", t.async_checkpoint)
     _flag(errs, "train.progress_bar", t.progress_bar)

@@ -34,8 +34,8 @@ BLOCK = re.compile(r"^<!-- render:(?P<name>[\w-]+) -->\n(?P<body>.*?)^<!-- end:(
 
 
 def documents() -> list[pathlib.Path]:
-    """The files whose tables are rendered: README.md and every page of docs/."""
-    return [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
+    """The files whose tables are rendered: README.md, every page of docs/ and experiments/README.md."""
+    return [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md")), REPO_ROOT / "experiments" / "README.md"]
 
 
 def _link(target: pathlib.Path, doc: pathlib.Path) -> str:
@@ -369,8 +369,10 @@ def _glance_delay(adamw: tuple, muon: tuple, doc: pathlib.Path) -> str:
         return (f"| Does the one-step delay hurt AdamW more than Muon? (`optimizers` study) | yes: delay gap {few} | "
                 f"{_link(REPO_ROOT / 'docs' / 'studies.md', doc)} |")
     a, m = gaps["adamw"], gaps["muon"]
+    diff = stats.contrast(arms, {"adamw/2bw": 1.0, "adamw/sync": -1.0, "muon/2bw": -1.0, "muon/sync": 1.0})
+    answer = _t_word(diff, "yes", "no", "not resolved (one-sided t test)")
     return (f"| Does the one-step delay hurt AdamW more than Muon? (`optimizers` study, each arm at its tuned "
-            f"learning rate) | yes: delay gap AdamW {a.value:+.3f} ± {a.se:.3f}, Muon {m.value:+.3f} ± {m.se:.3f} "
+            f"learning rate) | {answer}: delay gap AdamW {a.value:+.3f} ± {a.se:.3f}, Muon {m.value:+.3f} ± {m.se:.3f} "
             f"nats/byte at 3,200 small updates (`cpu_regime`, {min(a.n, m.n)} seeds); {few} | "
             f"{_link(REPO_ROOT / 'docs' / 'studies.md', doc)} |")
 
@@ -631,7 +633,7 @@ def paper_regime(doc: pathlib.Path) -> str:
         if e is None:
             return "-"
         if pct:
-            return f"{e.value:.0%}" + (f" ± {e.se:.0%}" if e.n > 1 else "")
+            return report_ladder.share_text(e)
         return f"{e.value:+.3f}" + (f" ± {e.se:.3f}" if e.n > 1 else "")
 
     head = ["updates x batch"] + [f"{paper_name} gap" for paper_name in ("AdamW", "Muon", "SOAP")] + \
@@ -653,7 +655,8 @@ def paper_regime(doc: pathlib.Path) -> str:
         spread = "Three seeds where a cell shows ± (paired standard error), the tuning run's one seed where not"
     done = {study: sum(1 for r in rows if r["study"] == study) for study in ("lr", "ladder_tune", "ladder")}
     note = (f"Gap = 2bw minus sync in nats/byte (the paper's in nats/token), best arm against best arm, each arm at "
-            f"its own learning rate from one grid; EF share = the fraction of the gap 2bw + EF recovers. "
+            f"its own learning rate from one grid; EF share = the fraction s of the gap 2bw + EF recovers, the point "
+            f"and its 90% interval from the linear test of G_EF - (1 - s) G, none where the gap is unresolved. "
             f"{spread}; "
             f"seeds {seeds}. Runs committed: {done['lr']} of the `lr` study, {done['ladder_tune']} of "
             f"`ladder_tune`'s {len(ladder_tune.variants())}, {done['ladder']} of `ladder`'s; a `-` is a rung not yet run.")
@@ -663,7 +666,7 @@ def paper_regime(doc: pathlib.Path) -> str:
 def paper_optimizers(doc: pathlib.Path) -> str:
     """Table 1 and 2 beside the ``optimizers`` study at ``cpu_regime`` (3,200 updates, three seeds):
     each optimizer's gap both ways and EF's share, with paired standard errors."""
-    from experiments import paper, stats, sweep
+    from experiments import paper, report_ladder, stats, sweep
     from experiments.studies import tuned
 
     rows = [json.loads(line) for line in REGIME_RESULTS.read_text().splitlines() if line.strip()] \
@@ -671,6 +674,9 @@ def paper_optimizers(doc: pathlib.Path) -> str:
     arms = stats.arms_of([r for r in rows if r["study"] == "optimizers"])
     if not arms:
         return "_The `optimizers` study at `cpu_regime` has no committed rows yet._"
+
+    def share(r):
+        return "-" if r is None else report_ladder.share_text(r) + f" ({r.n})"
 
     def est(e, pct=False):
         if e is None:
@@ -687,18 +693,239 @@ def paper_optimizers(doc: pathlib.Path) -> str:
         at_sync = f"{opt}/2bw{tuned.AT_SYNC}" if f"{opt}/2bw{tuned.AT_SYNC}" in arms else f"{opt}/2bw"
         lines.append(f"| {name} | {sum(sync) / len(sync):.3f} | {est(stats.gap(arms, f'{opt}/2bw', f'{opt}/sync'))} | "
                      f"{est(stats.gap(arms, at_sync, f'{opt}/sync'))} | {paper.gap(opt)} | "
-                     f"{est(stats.recovered(arms, f'{opt}/ef', f'{opt}/2bw', f'{opt}/sync'), pct=True)} | "
+                     f"{share(stats.share(arms, f'{opt}/ef', f'{opt}/2bw', f'{opt}/sync'))} | "
                      f"{paper.ef_share(opt)} |")
-    q = stats.ratio(arms, {"adamw/2bw": 1.0, "adamw/sync": -1.0}, {"muon/2bw": 1.0, "muon/sync": -1.0})
-    ratio = "-" if q is None else f"{q.value:.1f}" + ("" if q.n < 2 else f" ± {q.se:.1f}")
+    q = stats.fieller(arms, {"adamw/2bw": 1.0, "adamw/sync": -1.0}, {"muon/2bw": 1.0, "muon/sync": -1.0})
+    ratio = "-" if q is None else q.text() + " (90% Fieller interval)"
     seeds = sorted({s for runs in arms.values() for s, _ in runs})
     note = (f"3,200 updates of 2 x 128 bytes; each arm at its own learning rate from one grid (`optimizers_tune`), "
             f"and each delayed arm again at its synchronous arm's (\"at sync's lr\"); mean over seeds {seeds} ± paired "
-            f"standard error (seeds in brackets). AdamW's gap over Muon's: {ratio} (the paper: "
+            f"standard error (seeds in brackets); EF share: the point and its 90% interval from the linear test of "
+            f"G_EF - (1 - s) G, none where G is unresolved. AdamW's gap over Muon's: {ratio} (the paper: "
             f"{paper.gap_ratio():.0f}). Gaps in nats/byte (the paper's in nats/token of its tokenizer: compare "
             f"ratios and shares, not sizes). {sum(len(v) for v in arms.values())} runs committed of "
             f"`optimizers`' {len(sweep.expand(sweep.load_study('optimizers', 'cpu_regime')))}.")
     return "\n".join(lines + ["", f"_{note} Rows: {_link(REGIME_RESULTS, doc)}._"])
+
+
+def _regime_rows() -> list[dict]:
+    return [json.loads(line) for line in REGIME_RESULTS.read_text().splitlines() if line.strip()] \
+        if REGIME_RESULTS.is_file() else []
+
+
+def _t_word(e, up: str, down: str, none: str) -> str:
+    from experiments import stats
+
+    t = stats.t_critical(e.n)
+    return up if e.value - t * e.se > 0 else down if e.value + t * e.se < 0 else none
+
+
+def paper_summary(doc: pathlib.Path) -> str:
+    """The sentences under the two tables above, each from the cpu_regime rows: the AdamW/Muon ratio
+    and a ratio of 10 tested, EF's shares against the paper's, the ladder per interval and doubling
+    the tokens, each judged by the one-sided t test at n - 1 degrees of freedom."""
+    from experiments import paper, report_ladder, stats, tuning
+
+    rows = _regime_rows()
+    arms = stats.arms_of([r for r in rows if r["study"] == "optimizers"])
+    if not arms:
+        return "_No `cpu_regime` rows are committed yet._"
+    ga, gm = ({"adamw/2bw": 1.0, "adamw/sync": -1.0}, {"muon/2bw": 1.0, "muon/sync": -1.0})
+    q = stats.fieller(arms, ga, gm)
+    ten = stats.contrast(arms, {**ga, "muon/2bw": -10.0, "muon/sync": 10.0})
+    out = [f"AdamW's gap is {q.text()} times Muon's (90% Fieller interval, three seeds), against the paper's "
+           f"~{paper.gap_ratio():.0f}; a ratio of 10 is "
+           + _t_word(ten, "not rejected (it is exceeded)", "rejected", "not rejected")
+           + f" (G_AdamW - 10 G_Muon = {ten.value:+.3f} ± {ten.se:.3f}, one-sided t test at 2 degrees of freedom). "
+           "Gaps here are in nats/byte and the paper's in nats/token of its tokenizer, so only ratios and shares "
+           "compare across the two, not sizes."]
+    shares = []
+    for opt, name in (("adamw", "AdamW"), ("muon", "Muon"), ("soap", "SOAP")):
+        f = stats.share(arms, f"{opt}/ef", f"{opt}/2bw", f"{opt}/sync")
+        if f is None:
+            continue
+        if not f.resolved:
+            shares.append(f"{name}'s gap is not resolved from 0, so EF's share of it is not given")
+            continue
+        lo, hi = (float(x.strip("%")) / 100 for x in paper.ef_share(opt).split("-")) if "-" in paper.ef_share(opt) \
+            else (float(paper.ef_share(opt).strip("%")) / 100,) * 2
+        where = "inside" if f.lo <= lo and hi <= f.hi else "outside" if hi < f.lo or lo > f.hi else "partly inside"
+        text = (f"EF recovers {f.text(pct=True)} of {name}'s gap (the paper's {paper.ef_share(opt)} is {where} "
+                "that interval)")
+        if f.value > 1:  # a share above 100%: the EF arm ended at or below sync
+            g_ef = stats.gap(arms, f"{opt}/ef", f"{opt}/sync")
+            level = _t_word(g_ef, "above it", "below it", "level with it within t standard errors")
+            text += (f"; above 100% because {name}'s EF arm ends {g_ef.value:+.4f} ± {g_ef.se:.4f} from its sync arm, "
+                     f"{level}")
+        shares.append(text)
+    out.append("; ".join(shares) + ".")
+    picks = tuning.pick_arm_lrs(rows, "ladder_tune")
+    measured = [r for r in rows if r["study"] == "ladder"]
+    found = report_ladder.gaps(measured, picks)
+    steps = []
+    for opt, name in (("adamw", "AdamW"), ("muon", "Muon"), ("soap", "SOAP")):
+        iv = report_ladder.intervals(measured, found, opt)
+        bend = report_ladder.lack_of_fit(measured, found, opt)
+        if iv:
+            steps.append(f"{name}'s gap changes by " + " then ".join(f"{e.value:+.3f} ± {e.se:.3f} ({lo:,} -> {hi:,})" for lo, hi, e in iv)
+                         + ("" if bend is None else f", so its line " + _t_word(bend, "bends (lack of fit", "bends (lack of fit",
+                                                                               "fits (lack of fit") + f" {bend.value:+.3f} ± {bend.se:.3f})"))
+    if steps:
+        out.append("Per doubling of the updates on the same tokens, " + "; ".join(steps) + ".")
+    more = []
+    for opt, name in (("adamw", "AdamW"), ("muon", "Muon"), ("soap", "SOAP")):
+        a, b = found.get((6400, opt)), found.get((3200, opt))
+        if a and b and a["gap_best"] and b["gap_best"]:
+            (s1, d1, _), (s0, d0, _) = a["terms"]["best"], b["terms"]["best"]
+            c = stats.contrast(stats.arms_of(measured), {d1: 1.0, s1: -1.0, d0: -1.0, s0: 1.0})
+            more.append(f"{name}'s by {c.value:+.3f} ± {c.se:.3f} (" + _t_word(c, "grows", "shrinks", "no change beyond t SE") + ")")
+    if more:
+        out.append("Doubling the tokens at the same batch (3,200 -> 6,400 updates) changes " + ", ".join(more) + ".")
+    out.append("These rows follow the earlier protocol: each arm was tuned on seed 0, which is also one of the "
+               "three measured seeds, and on the same validation windows it is reported on. The factor screen "
+               "below follows the new one (tuning seeds never measured, a test split).")
+    return "\n\n".join(out) + f"\n\n_Generated from {_link(REGIME_RESULTS, doc)}._"
+
+
+def factors_answer(doc: pathlib.Path) -> str:
+    """"What makes the gap large?": the factor screen's cells and the conclusion, from its rows."""
+    from experiments import report_factors
+
+    rows = _regime_rows()
+    tune = [r for r in rows if r["study"] == report_factors.TUNE]
+    measured = [r for r in rows if r["study"] == report_factors.MEASURE]
+    from experiments.studies import factors
+
+    lines = [report_factors.progress(tune, measured), ""]
+    lines += report_factors.cell_table(measured, factors.QUEUE)
+    table, _ = report_factors.axis_table(measured)
+    lines += table + report_factors.conclusion(measured)
+    return "\n".join(lines) + f"\n\n_Generated from {_link(REGIME_RESULTS, doc)}._"
+
+
+# The GPU cells that would settle the size axis: the dense135m and dense360m bodies at the gpu
+# preset's byte vocabulary and tokens, AdamW and Muon, sync / 2bw / 2bw + EF.
+GPU_TUNE_POINTS, GPU_TUNE_SEEDS, GPU_MEASURE_SEEDS, GPU_MFU = 3, 1, 3, 0.4
+
+
+def gpu_plan(doc: pathlib.Path) -> str:
+    """The GPU runs that would settle the size axis and their cost from the FLOP counter."""
+    from asyncpp_jax import configs
+    from asyncpp_jax.models import dense
+    from asyncpp_jax.models.flops import flops_per_token
+    from experiments.studies import common
+
+    g = common.GPU
+    tokens = g["train.steps"] * g["train.global_batch_size"] * g["data.seq_len"]
+    runs_per_cell = 2 * 3 * (GPU_TUNE_POINTS * GPU_TUNE_SEEDS + GPU_MEASURE_SEEDS)
+    lines = ["| body | parameters | model FLOPs per run | H100-hours per run | runs | H100-hours |", "|---|---|---|---|---|---|"]
+    total = 0.0
+    for config in ("configs/dense135m.py", "configs/dense360m.py"):
+        c = configs.load_file(config)
+        c.model.vocab_size = g["model.vocab_size"]
+        n = dense.count_params(dense.abstract_params(c.model))
+        flops = flops_per_token(c.model, g["data.seq_len"]) * tokens
+        hours = flops / (GPU_MFU * g["train.peak_tflops_per_device"] * 1e12) / 3600
+        total += hours * runs_per_cell
+        lines.append(f"| `{config}` (byte vocabulary) | {n / 1e6:.1f}M | {flops:.2e} | {hours:.1f} | {runs_per_cell} | "
+                     f"{hours * runs_per_cell:.0f} |")
+    note = (f"Each cell: AdamW and Muon x sync, 2bw, 2bw + EF; each arm tuned on {GPU_TUNE_POINTS} learning rates at "
+            f"{GPU_TUNE_SEEDS} tuning seed, measured at {GPU_MEASURE_SEEDS} other seeds; the `gpu` preset's "
+            f"{tokens / 1e9:.2f}B byte tokens per run (5,000 updates of 128 x 2,048); FLOPs from "
+            f"`asyncpp_jax.models.flops` (6N + attention), hours at {GPU_MFU:.0%} MFU of "
+            f"{g['train.peak_tflops_per_device']:g} bf16 TFLOP/s. Both bodies: {total:.0f} H100-hours. With the "
+            "CPU screen's cells (0.76M-11.7M parameters) they give the AdamW/Muon ratio from 0.76M to 315M parameters.")
+    return "\n".join(lines + ["", f"_{note}_"])
+
+
+# Estimated CPU-hours per cpu_regime study (from its runs' times on 2 cores; the restored rows carry none).
+REGIME_HOURS = {"lr": 1.3, "ladder_tune": 10, "ladder": 5.4, "optimizers_tune": 0.6, "optimizers": 1.3,
+                "momentum_tune": 1.9, "momentum": 1.3, "mitigations_tune": 2.0, "mitigations": 1.8,
+                "schemes_tune": 1.7, "schemes": 1.0}
+
+
+def regime_run_counts(doc: pathlib.Path) -> str:
+    """Runs per cpu_regime study in the committed rows: all, copied from another study, run for it."""
+    rows = _regime_rows()
+    count, copied = collections.Counter(), collections.Counter()
+    for r in rows:
+        count[r["study"]] += 1
+        copied[r["study"]] += bool(r.get("reused_from"))
+    lines = ["| study at `cpu_regime` | runs committed | copied from another study | run for it | CPU-hours (estimated) |",
+             "|---|---|---|---|---|"]
+    for study in sorted(count, key=lambda k: (list(REGIME_HOURS).index(k) if k in REGIME_HOURS else 99, k)):
+        hours = REGIME_HOURS.get(study)
+        lines.append(f"| `{study}` | {count[study]} | {copied[study]} | {count[study] - copied[study]} | "
+                     f"{'-' if hours is None else hours} |")
+    return "\n".join(lines + ["", f"_Counted from {_link(REGIME_RESULTS, doc)}._"])
+
+
+CPU_REPORT = REPO_ROOT / "experiments" / "results" / "cpu" / "report.md"
+
+
+def _report_table(report: pathlib.Path, heading: str, doc: pathlib.Path) -> str:
+    """The first table after the line ``heading`` (a line starting with it) of a committed report,
+    as the report prints it: one rounding, the report's, which its ``--check`` holds to its rows."""
+    lines = report.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(heading))
+    first = next(i for i in range(start, len(lines)) if lines[i].startswith("|"))
+    end = next((i for i in range(first, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return "\n".join(lines[first:end] + ["", f"_Copied from {_link(report, doc)} (regenerated from its rows by "
+                                          "`python -m experiments.report --check`)._"])
+
+
+def cpu_lr_gap(doc: pathlib.Path) -> str:
+    """The cpu report's delay gap and EF recovery per learning rate."""
+    return _report_table(CPU_REPORT, "### Delay gap and EF recovery per learning rate", doc)
+
+
+def cpu_mitigations(doc: pathlib.Path) -> str:
+    """The cpu report's mitigations ranked by the fraction of the gap they recover."""
+    return _report_table(CPU_REPORT, "| optimizer | rank | mitigation |", doc)
+
+
+# The screen's plan per optimizer and cell, for the cost estimate: each arm's grid grows by about
+# one point, and half the cells' gaps need the two extra seeds.
+PLAN_GROWTH, PLAN_MORE_SEED_SHARE = 1, 0.5
+
+
+def factors_pilot(doc: pathlib.Path) -> str:
+    """The factor screen's pilot (320 updates at widths 128 and 512, one core) and the cost it implies."""
+    import re as re_lib
+
+    from experiments import protocol
+    from experiments.studies import factors
+
+    path = BENCH_LINK / "factors_pilot.jsonl"
+    if not path.is_file():
+        return "_No pilot recorded yet (`experiments/results/bench/factors_pilot.jsonl`)._"
+    latest = {}
+    for rec in records.load("factors_pilot"):
+        m = re_lib.search(r"--config\.model\.d_model=(\d+)", rec["command"])
+        if m:
+            latest[int(m.group(1))] = rec
+    lines = ["| width | s per update (median) | pilot's wall time (320 updates, 2 evaluations, startup) | "
+             "minutes per 3,200-update run, training only | cell | planned runs | job-hours |", "|---|---|---|---|---|---|---|"]
+    total = 0.0
+    for d, rec in sorted(latest.items()):
+        f = rec["figures"]
+        minutes = f["s_per_update"] * 3200 / 60
+        cell = f"width={d}"
+        seeds = len(factors.CELLS[cell][1]) if cell in factors.CELLS else len(protocol.TUNE_SEEDS)
+        per_opt = (len(factors.ARMS) * (3 + PLAN_GROWTH) * seeds + len(factors.ARMS) * len(protocol.MEASURE_SEEDS)
+                   + PLAN_MORE_SEED_SHARE * len(factors.ARMS) * len(protocol.MORE_SEEDS))
+        runs = per_opt * len(factors.OPTIMIZERS)
+        hours = runs * (minutes + f["wall_s"] / 60 - f["s_per_update"] * 320 / 60) / 60
+        total += hours
+        lines.append(f"| {d} | {f['s_per_update']:.3f} | {f['wall_s']:.0f} s | {minutes:.1f} | `{cell}` | {runs:.0f} | "
+                     f"{hours:.1f} |")
+    note = (f"Planned runs per cell: {len(factors.OPTIMIZERS)} optimizers x {len(factors.ARMS)} arms, each tuned on "
+            f"3 + {PLAN_GROWTH} learning rates at the cell's tuning seeds, measured at {len(protocol.MEASURE_SEEDS)} "
+            f"seeds, and at {len(protocol.MORE_SEEDS)} more for {PLAN_MORE_SEED_SHARE:.0%} of them; a run's time is "
+            f"its training plus the pilot's overhead (startup and evaluations). These two cells: {total:.0f} "
+            f"job-hours, {total / 2:.0f} hours of wall time with `--jobs 2` at the pilot's speed; the pilot ran while "
+            f"other jobs shared the cores, so on free cores it takes less. Hardware: {_hw(list(latest.values()))}. " + _provenance(list(latest.values()), [path], doc))
+    return "\n".join(lines + ["", f"_{note}_"])
 
 
 def bench_small_updates(doc: pathlib.Path) -> str:
@@ -805,7 +1032,7 @@ def accelerator_status(doc: pathlib.Path) -> str:
             f"updates; [docs/accelerators.md](docs/accelerators.md)); everything else on CPU only. " + tail)
 
 
-RENDERERS = {f.__name__: f for f in (paper_regime, paper_optimizers, bench_small_updates, bench_prepare, notebooks, glance, main_job, main_job_summary, tiny_optimizers, bench_optimizers, optimizers_study,
+RENDERERS = {f.__name__: f for f in (factors_pilot, cpu_lr_gap, cpu_mitigations, regime_run_counts, paper_regime, paper_optimizers, paper_summary, factors_answer, gpu_plan, bench_small_updates, bench_prepare, notebooks, glance, main_job, main_job_summary, tiny_optimizers, bench_optimizers, optimizers_study,
                                       bench_pipeline_work, bench_pipeline_processes, bench_pipeline_compile, bench_pipeline_conditionals, bench_pipeline_schedules,
                                       moe10b_dry_run, llama3_8b_dry_run, mpmd_dry_run, vocab_parallel_table, fit_table,
                                       ci, accelerator_checks, accelerator_status)}

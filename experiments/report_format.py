@@ -15,6 +15,20 @@ def est(e: stats.Estimate | None, pct: bool = False) -> str:
     return e.pct() if pct else str(e)
 
 
+SHARE_NOTE = ("EF's share s: G_EF = (1 - s) G with G = 2bw - sync and G_EF = 2bw+EF - sync, given as the point "
+              "1 - G_EF / G and its 90% interval [lo, hi] from the linear test of G_EF - (1 - s) G (Fieller; "
+              "each end a one-sided 5% t test at n - 1 degrees of freedom); none where G itself is not "
+              "resolved from 0 by that test, or from one seed.")
+
+
+def share_text(r: stats.Ratio | None) -> str:
+    if r is None:
+        return "-"
+    if r.n < 2:
+        return "- (one seed)"
+    return r.text(pct=True)
+
+
 def claim(claims: dict, name: str, verdict: str, test: str, measured: str, paper: str) -> None:
     """One row of the claims table: ``paper`` is the paper's own figure for it (experiments.paper)."""
     assert verdict in stats.VERDICTS, verdict

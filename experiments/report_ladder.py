@@ -6,10 +6,11 @@ Every arm is tuned on the same grid (the paper's protocol), so each delay gap is
 - at the sync-tuned learning rate: ``G_s = L(2bw at sync's pick) - L(sync at its pick)``;
 
 and error feedback's share the same two ways, ``f = 1 - (L_ef - L_sync) / (L_2bw - L_sync)``.  The
-picks come from the ``ladder_tune`` rows (one seed; :func:`experiments.tuning.pick_arm_lrs`); the
+picks come from the ``ladder_tune`` rows (one seed; :func:`experiments.picks.pick_arm_lrs`); the
 ``ladder`` rows measure them at three seeds.  The trend over the ladder is the least-squares slope
 of the gap against ``log2(updates)``, a linear contrast of the arms' means (paired over seeds where
-they share them), tested against two standard errors; the paper's figure stands beside each row.
+they share them), tested by a one-sided t test at n - 1 degrees of freedom, beside the change per
+interval between neighbouring rungs and the line's lack of fit; the paper's figure stands beside each row.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ import math
 import pathlib
 import re
 
-from experiments import paper, stats, tuning
-from experiments.report_format import claim, md_table, plot_xy, se_kind
+import numpy as np
+
+from experiments import paper, picks, stats
+from experiments.report_format import SHARE_NOTE, claim, md_table, plot_xy, se_kind, share_text  # noqa: F401
 from experiments.report_format import est as _est_with_se
 from experiments.studies.ladder_tune import EXTRA_RUNGS, RUNGS
 
@@ -49,17 +52,17 @@ def est(e: stats.Estimate | None, pct: bool = False) -> str:
 def grid_table(rows, study: str = "ladder_tune") -> list[str]:
     """Final val per learning rate for each setting and arm of a tuning study (``ladder_tune``,
     ``STUDY_tune``), picks in bold."""
-    means = tuning.arm_means(rows, study)
-    picks = tuning.pick_arm_lrs(rows, study)
+    means = picks.arm_means(rows, study)
+    chosen = picks.pick_arm_lrs(rows, study)
     body = []
     for (prefix, arm), by_lr in sorted(means.items(), key=lambda kv: (_rung_key(kv[0][0]), ARMS.index(kv[0][1])
                                                                       if kv[0][1] in ARMS else 9)):
         cells = []
         for lr, m in sorted(by_lr.items()):
             text = "diverged" if m is None else f"{m:.3f}"
-            cells.append(f"**{lr:g}: {text}**" if picks.get(prefix, {}).get(arm) == lr else f"{lr:g}: {text}")
+            cells.append(f"**{lr:g}: {text}**" if chosen.get(prefix, {}).get(arm) == lr else f"{lr:g}: {text}")
         body.append((prefix, arm, ", ".join(cells)))
-    edges = tuning.on_grid_edge(rows, study)
+    edges = picks.on_grid_edge(rows, study)
     lines = ["### Each arm's learning-rate grid", "",
              "Final validation loss (nats/byte, mean over the tuning seeds) at each learning rate; the pick "
              "(lowest, no seed diverged) in bold.", ""]
@@ -113,7 +116,7 @@ def gaps(rows, picks: dict) -> dict[tuple[int, str], dict]:
         for way, (s, d, e) in res["terms"].items():
             res[f"gap_{way}"] = stats.gap(arms, d, s) if d else None
             res[f"ef_gap_{way}"] = stats.gap(arms, e, s) if e else None
-            res[f"ef_share_{way}"] = stats.recovered(arms, e, d, s) if d and e else None
+            res[f"ef_share_{way}"] = stats.share(arms, e, d, s) if d and e else None
         out[(updates, opt)] = res
     return out
 
@@ -145,8 +148,8 @@ def analyse(rows, picks: dict, out: pathlib.Path, claims: dict) -> list[str]:
     lines = ["### The delay gap along the ladder", "",
              f"Same model, same 819,200 tokens, the number of updates stepped by the batch; seeds {seeds}. "
              "Gap both ways: best arm against best arm (each at its own pick), and the delayed arms at the "
-             "synchronous arm's pick. EF's share = 1 - (EF - sync) / (2bw - sync), delta method. The paper's "
-             "figures (360M, ~10^4 updates) beside ours.", ""]
+             "synchronous arm's pick. " + SHARE_NOTE + " The paper's figures (360M, ~10^4 updates) beside "
+             "ours.", ""]
     body, gap_series, share_series = [], collections.defaultdict(list), collections.defaultdict(list)
     for (updates, opt), r in sorted(found.items()):
         lrs = r["lrs"]
@@ -154,15 +157,16 @@ def analyse(rows, picks: dict, out: pathlib.Path, claims: dict) -> list[str]:
         tokens = f"{updates * batch * 128:,}" if batch else "-"
         body.append((updates, tokens, opt, f"{lrs.get('sync', '-')} / {lrs.get('2bw', '-')} / {lrs.get('ef', '-')}",
                      f"{r['sync'].value:.3f}", est(r["gap_best"]), est(r["gap_at_sync"]),
-                     paper.gap(opt), est(r["ef_share_best"], pct=True),
-                     est(r["ef_share_at_sync"], pct=True), paper.ef_share(opt),
+                     paper.gap(opt), share_text(r["ef_share_best"]),
+                     share_text(r["ef_share_at_sync"]), paper.ef_share(opt),
                      se_kind(r["gap_best"])))
         if updates not in RUNGS:
             continue  # the plots follow the same-token rungs
         if r["gap_best"] is not None:
             gap_series[opt].append((updates, r["gap_best"].value, r["gap_best"].se))
-        if r["ef_share_best"] is not None:
-            share_series[opt].append((updates, r["ef_share_best"].value, r["ef_share_best"].se))
+        sh = r["ef_share_best"]
+        if sh is not None and sh.resolved:  # the bar: half the 90% Fieller interval
+            share_series[opt].append((updates, sh.value, (sh.hi - sh.lo) / 2))
     lines += md_table(["updates", "tokens", "optimizer", "lr sync / 2bw / ef", "sync val", "gap, best vs best",
                              "gap at sync's lr", "paper's gap", "EF share, best", "EF share at sync's lr",
                              "paper's EF share", "standard errors"], body) + [""]
@@ -216,27 +220,81 @@ def _more_tokens(rows, found) -> list[str]:
         md_table(["optimizer", "updates", "batch", "gap before", "gap after", "change", "standard errors"], body) + [""]
 
 
+def _rung_terms(found, opt, way="best"):
+    rungs = sorted(u for (u, o), r in found.items() if o == opt and u in RUNGS and r[f"gap_{way}"] is not None)
+    return rungs, [found[(u, opt)]["terms"][way][:2] for u in rungs]
+
+
+def _gap_contrast(weights, terms) -> dict:
+    coefs: dict = collections.defaultdict(float)
+    for w, (s, d) in zip(weights, terms):
+        coefs[d] += w
+        coefs[s] -= w
+    return dict(coefs)
+
+
+def intervals(rows, found: dict, opt: str, way: str = "best") -> list[tuple[int, int, stats.Estimate]]:
+    """The gap's change per doubling of the updates between each pair of neighbouring rungs:
+    ``(G_{i+1} - G_i) / log2(u_{i+1} / u_i)``, a contrast of four arms."""
+    rungs, terms = _rung_terms(found, opt, way)
+    arms = stats.arms_of(rows)
+    out = []
+    for i in range(len(rungs) - 1):
+        step = math.log2(rungs[i + 1] / rungs[i])
+        out.append((rungs[i], rungs[i + 1], stats.contrast(arms, _gap_contrast([-1 / step, 1 / step], terms[i:i + 2]))))
+    return out
+
+
+def lack_of_fit(rows, found: dict, opt: str, way: str = "best") -> stats.Estimate | None:
+    """The straight line's lack of fit over three or more rungs: the contrast of the gaps along the
+    second orthogonal polynomial in ``log2(updates)`` (its residual direction at three rungs), scaled
+    so that it is the difference between the two halves' slopes per doubling at equal spacing."""
+    rungs, terms = _rung_terms(found, opt, way)
+    if len(rungs) < 3:
+        return None
+    x = np.array([math.log2(u) for u in rungs])
+    basis = np.vander(x - x.mean(), 3, increasing=True)
+    q, _ = np.linalg.qr(basis)
+    w = q[:, 2]
+    # at three equally spaced rungs (spacing h doublings) w ~ (1, -2, 1): (G1 - 2 G2 + G3) / h is the
+    # second interval's change per doubling minus the first's
+    h = (x[-1] - x[0]) / (len(x) - 1)
+    w = w / (w[0] * h) if len(x) == 3 else w
+    return stats.contrast(stats.arms_of(rows), _gap_contrast(list(w), terms))
+
+
 def _trend(rows, found, claims) -> list[str]:
-    body = []
+    body, steps = [], []
     for opt in sorted({o for _, o in found}):
         s = slope(rows, found, opt)
         if s is None:
             continue
         rungs = sorted(u for (u, o) in found if o == opt and u in RUNGS)
-        verdict = ("shrinks" if s.n >= 2 and s.value + 2 * s.se < 0 else
-                   "grows" if s.n >= 2 and s.value - 2 * s.se > 0 else
-                   "unknown (one seed)" if s.n < 2 else "no trend within 2 SE")
-        body.append((opt, ", ".join(map(str, rungs)), est(s), se_kind(s), verdict))
+        t = stats.t_critical(s.n)
+        verdict = ("shrinks" if s.n >= 2 and s.value + t * s.se < 0 else
+                   "grows" if s.n >= 2 and s.value - t * s.se > 0 else
+                   "unknown (one seed)" if s.n < 2 else "no trend within t SE")
+        bend = lack_of_fit(rows, found, opt)
+        body.append((opt, ", ".join(map(str, rungs)), est(s), est(bend), se_kind(s), verdict))
+        for lo, hi, e in intervals(rows, found, opt):
+            steps.append((opt, f"{lo} -> {hi}", est(e), se_kind(e)))
         key = f"More, smaller updates on the same tokens shrink the delay gap ({opt})"
         if key in claims and s.n < 2:
             continue  # the ladder's seeds judge it, not the tuning seed
         claim(claims, key,
                        stats.verdict(stats.Estimate(-s.value, s.se, s.paired, s.n)),
                        "least-squares slope b of the gap (best vs best) against log2(updates) over the ladder's "
-                       "rungs: reproduced if b + 2 SE < 0, not reproduced if b - 2 SE > 0",
-                       f"rungs {', '.join(map(str, rungs))}: b = {est(s)} per doubling ({se_kind(s)})",
+                       "rungs: reproduced if b + t SE < 0, not reproduced if b - t SE > 0",
+                       f"rungs {', '.join(map(str, rungs))}: b = {est(s)} per doubling ({se_kind(s)}); per "
+                       "interval " + ", ".join(f"{lo}->{hi}: {est(e)}" for lo, hi, e in intervals(rows, found, opt)),
                        "a smaller batch shrinks the gap (reported, no figure)")
     if not body:
         return []
-    return ["Trend: the least-squares slope of the gap (best vs best) per doubling of the updates.", ""] + \
-        md_table(["optimizer", "rungs (updates)", "slope per doubling", "standard error", "trend"], body) + [""]
+    return ["Trend: the gap's change per doubling of the updates, per interval between neighbouring rungs, "
+            "and the least-squares slope over every rung with its lack of fit (the second orthogonal "
+            "polynomial's contrast, scaled as the second interval's slope minus the first's: a bent curve "
+            "shows there, and the slope alone then hides it). At 200 / 800 / 3,200 updates the slope's weights "
+            "are (-1/4, 0, +1/4): it uses the end rungs only, so the per-interval changes say more.", ""] + \
+        md_table(["optimizer", "interval (updates)", "change per doubling", "standard error"], steps) + [""] + \
+        md_table(["optimizer", "rungs (updates)", "slope per doubling", "lack of fit", "standard error", "trend"],
+                 body) + [""]

@@ -1,5 +1,5 @@
 """Estimates over seeds for the study report: linear contrasts of arms, ratios of contrasts, and the
-three-way verdict a claim gets from one of them.
+three-way verdict a claim gets from one of them (a one-sided t test at ``n - 1`` degrees of freedom).
 
 Pairing.  A run's seed fixes both its initial parameters (``jax.random.key(config.seed)`` in
 ``Trainer.restore_or_init``) and its data order (the grain shuffle seeded from ``config.seed`` in
@@ -154,15 +154,93 @@ REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE = "reproduced", "not reproduced", "inco
 VERDICTS = (REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE)
 
 
+ALPHA = 0.05  # one-sided level of every test
+
+
+def t_critical(n: int, alpha: float = ALPHA) -> float:
+    """The one-sided ``1 - alpha`` point of Student's t at ``n - 1`` degrees of freedom: ``(mean - m0) / SE``
+    of ``n`` paired seeds follows it under the null (2.92 at n = 3, 2.13 at n = 5).  For independent
+    arms ``n`` is the fewest runs of any arm, a conservative count of the degrees of freedom."""
+    from scipy import stats as scipy_stats  # pylint: disable=import-outside-toplevel
+
+    return float(scipy_stats.t.ppf(1.0 - alpha, max(n - 1, 1)))
+
+
 def verdict(est: Estimate, above: float = 0.0, at_least: bool = False) -> str:
-    """The claim "the quantity exceeds ``above``" judged with two standard errors: reproduced if
-    ``value - 2 SE > above`` (``>=`` when ``at_least``), not reproduced if ``value + 2 SE < above``,
-    else inconclusive; inconclusive too with fewer than two seeds (no standard error)."""
+    """The claim "the quantity exceeds ``above``" by a one-sided t test at level :data:`ALPHA` with
+    ``n - 1`` degrees of freedom (:func:`t_critical`): reproduced if ``value - t SE > above``
+    (``>=`` when ``at_least``), not reproduced if ``value + t SE < above``, else inconclusive;
+    inconclusive too with fewer than two seeds (no standard error)."""
     if est.n < 2:
         return INCONCLUSIVE
-    lo, hi = est.value - 2 * est.se, est.value + 2 * est.se
+    t = t_critical(est.n)
+    lo, hi = est.value - t * est.se, est.value + t * est.se
     if lo > above or (at_least and lo >= above):
         return REPRODUCED
     if hi < above:
         return NOT_REPRODUCED
     return INCONCLUSIVE
+
+
+@dataclasses.dataclass(frozen=True)
+class Ratio:
+    """A ratio ``q = A / B`` of two contrasts with its Fieller interval: the values ``r`` for which the
+    linear contrast ``A - r B`` is not rejected by a two-sided t test at level ``2 ALPHA`` (so each
+    end is a one-sided 5% test).  ``resolved`` is False where ``B`` itself is not resolved from 0 by
+    that test: then the interval is unbounded and no ratio is given."""
+
+    value: float | None
+    lo: float | None
+    hi: float | None
+    n: int
+    paired: bool
+    resolved: bool
+
+    def text(self, pct: bool = False) -> str:
+        if not self.resolved:
+            return "- (gap unresolved)"
+        f = (lambda x: f"{x:.0%}") if pct else (lambda x: f"{x:.2f}")
+        return f"{f(self.value)} [{f(self.lo)}, {f(self.hi)}]"
+
+
+def _variance_of(arms: Arms, coefs: dict) -> float:
+    e = contrast(arms, coefs)
+    return e.se ** 2
+
+
+def fieller(arms: Arms, num: dict, den: dict) -> Ratio | None:
+    """``A / B`` of the contrasts ``num`` and ``den`` by Fieller's theorem, from the linear test of
+    ``A - r B`` (paired over seeds where the arms share them); None if an arm is missing."""
+    a, b = contrast(arms, num), contrast(arms, den)
+    if a is None or b is None:
+        return None
+    keys = set(num) | set(den)
+    diff = {k: num.get(k, 0.0) - den.get(k, 0.0) for k in keys}
+    vaa, vbb = a.se ** 2, b.se ** 2
+    vab = (vaa + vbb - _variance_of(arms, diff)) / 2  # Var(A - B) = Vaa - 2 Vab + Vbb
+    n, paired = min(a.n, b.n), a.paired and b.paired
+    t = t_critical(n)
+    qa = b.value ** 2 - t * t * vbb
+    if n < 2 or qa <= 0:
+        return Ratio(None, None, None, n, paired, False)
+    qb = a.value * b.value - t * t * vab
+    qc = a.value ** 2 - t * t * vaa
+    root = math.sqrt(max(qb * qb - qa * qc, 0.0))
+    return Ratio(a.value / b.value, (qb - root) / qa, (qb + root) / qa, n, paired, True)
+
+
+def share(arms: Arms, arm: str, none: str, sync: str) -> Ratio | None:
+    """The share ``s`` of the delay gap ``G = none - sync`` that ``arm`` recovers, ``G_arm = (1 - s) G``,
+    from the linear test of ``G_arm - (1 - s) G`` (:func:`fieller`): no share where ``G`` is unresolved
+    or not positive."""
+    r = fieller(arms, {arm: 1.0, sync: -1.0}, {none: 1.0, sync: -1.0})
+    if r is None or not r.resolved:
+        return r
+    if r.value is not None and contrast(arms, {none: 1.0, sync: -1.0}).value <= 0:
+        return Ratio(None, None, None, r.n, r.paired, False)  # a delay that helps has no gap to recover
+    return dataclasses.replace(r, value=1.0 - r.value, lo=1.0 - r.hi, hi=1.0 - r.lo)
+
+
+def share_at_least(arms: Arms, arm: str, none: str, sync: str, s0: float) -> Estimate | None:
+    """The contrast ``c = G_arm - (1 - s0) G``: the share exceeds ``s0`` where ``c < 0``."""
+    return contrast(arms, {arm: 1.0, none: -(1.0 - s0), sync: -1.0 + (1.0 - s0)})

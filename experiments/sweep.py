@@ -33,7 +33,7 @@ deleted) and the run is done again, so a results file never mixes old settings u
 
 Results: ``OUT/STUDY/results.jsonl``, one line per run: study, run id, variant, grid point, seed,
 overrides, status (``finished`` or ``diverged``), final and best validation loss (nats/byte; none
-for a diverged run), the validation and training loss curves, wall time (none for a skipped or
+for a diverged run), the test-split loss (``test_val``, nats/byte: runs with ``train.test_batches``), the validation and training loss curves, wall time (none for a skipped or
 reused run), the run's saved config, and ``reused_from`` (the source run's ``STUDY/RUN_ID``, or none).
 """
 
@@ -44,7 +44,6 @@ import concurrent.futures
 import dataclasses
 import importlib
 import glob
-import itertools
 import json
 import os
 import pathlib
@@ -56,49 +55,9 @@ import sys
 import time
 
 from experiments.studies.common import PRESETS
+from experiments.study import Run, Study, expand  # noqa: F401  (sweep.Study, sweep.expand: the names users call)
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-@dataclasses.dataclass(frozen=True)
-class Study:
-    name: str
-    config: str  # config file, relative to the repository root
-    variants: dict  # variant name -> {dotted config key: value}
-    grid: dict = dataclasses.field(default_factory=dict)  # dotted key -> list of values (cartesian)
-    seeds: tuple = (0,)
-    base: dict = dataclasses.field(default_factory=dict)  # overrides for every run
-    note: str = ""  # expected compute, what the preset is for
-
-
-@dataclasses.dataclass(frozen=True)
-class Run:
-    study: str
-    variant: str
-    point: tuple  # ((key, value), ...) of the grid
-    seed: int
-    overrides: dict
-
-    @property
-    def run_id(self) -> str:
-        parts = [self.variant] + [f"{k.split('.')[-1]}={v}" for k, v in self.point] + [f"seed={self.seed}"]
-        return "__".join(p.replace("/", "-") for p in parts)
-
-
-def expand(study: Study) -> list[Run]:
-    """Variants x grid points x seeds, in that nesting order; later overrides win (base < variant < grid)."""
-    keys = list(study.grid)
-    points = [tuple(zip(keys, values)) for values in itertools.product(*(study.grid[k] for k in keys))] or [()]
-    runs = []
-    for variant, overrides in study.variants.items():
-        for point in points:
-            for seed in study.seeds:
-                merged = {**study.base, **overrides, **dict(point), "seed": seed}
-                runs.append(Run(study.name, variant, point, seed, merged))
-    ids = [r.run_id for r in runs]
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"study {study.name!r} expands to duplicate run ids; give variants distinct names")
-    return runs
 
 
 def _flag(key: str, value) -> str:
@@ -289,6 +248,7 @@ def collect(study: Study, run: Run, workdir: pathlib.Path, seconds: float | None
     return {
         "study": study.name, "run_id": run.run_id, "variant": run.variant, "point": dict(run.point),
         "seed": run.seed, "overrides": run.overrides, "status": status.get("status"), "final_val": final,
+        "test_val": status.get("test_loss_per_byte") if final is not None else None,
         "best_val": min([v for _, v in val] + ([final] if final is not None else [])) if (val or final) else None,
         "val_curve": val, "train_curve": train, "seconds": seconds,
         "config": json.loads((workdir / "config.json").read_text()),
@@ -470,13 +430,14 @@ def study_names() -> list[str]:
     """The study modules in ``experiments/studies`` (every module but the shared helpers), and the
     ``STUDY_tune`` step of each study tuned per arm."""
     modules = [p.stem for p in (REPO_ROOT / "experiments" / "studies").glob("*.py")
-               if p.stem not in ("__init__", "common", "tuned")]
+               if p.stem not in ("__init__", "common", "tuned", "factors")]  # factors: experiments.screen runs it
     return sorted(modules + [f"{name}_tune" for name in TUNABLE])
 
 
 def load_study(name: str, preset: str) -> Study:
     if name not in study_names():
-        raise ValueError(f"no study {name!r}; choose one of {', '.join(study_names())}")
+        screen = " (the factor screen runs with `python -m experiments.screen`)" if name.startswith("factors") else ""
+        raise ValueError(f"no study {name!r}{screen}; choose one of {', '.join(study_names())}")
     if name.endswith("_tune") and name[: -len("_tune")] in TUNABLE:
         from experiments.studies import tuned
 

@@ -76,6 +76,7 @@ BAD = [
     ("train.microbatches", 3, {}, "not divisible"),
     ("train.eval_every", 0, {}, "positive integer"),
     ("train.eval_batches", -1, {}, "positive integer"),
+    ("train.test_batches", -1, {}, ">= 0"),
     ("train.log_every", 0, {}, "positive integer"),
     ("train.checkpoint_every", 0, {}, "positive integer"),
     ("train.keep_checkpoints", 0, {}, "positive integer"),

@@ -620,6 +620,18 @@ def test_eval_batches_are_fixed_and_in_stream_order(corpus):
                                                                   SEQ_LEN)[0])
 
 
+def test_test_batches_are_the_last_full_batches_disjoint_from_the_first(corpus):
+    windows = PackedWindows(corpus.tokens("val"), SEQ_LEN)
+    full = len(windows) // 4
+    test = make_eval_batches(corpus, SEQ_LEN, 4, 2, from_end=True)
+    assert len(test) == 2
+    np.testing.assert_array_equal(test[-1][-1], windows[full * 4 - 1])
+    np.testing.assert_array_equal(test[0][0], windows[(full - 2) * 4])
+    if full >= 4:
+        first = make_eval_batches(corpus, SEQ_LEN, 4, 2)
+        assert not {w.tobytes() for b in first for w in b} & {w.tobytes() for b in test for w in b}
+
+
 def test_rows_of_a_process_are_its_rows_of_the_global_batch(corpus):
     whole = make_train_dataset(corpus, SEQ_LEN, 8, seed=5)
     replica = make_train_dataset(corpus, SEQ_LEN, 8, seed=5, rows=[2, 3, 6, 7])

@@ -82,15 +82,16 @@ def test_ratio_difference_reduces_to_one_ratio_when_the_other_is_exact():
 
 
 @pytest.mark.parametrize("value,se,n,kw,want", [
-    (1.0, 0.4, 2, {}, stats.REPRODUCED),
-    (1.0, 0.6, 2, {}, stats.INCONCLUSIVE),
-    (-1.0, 0.4, 2, {}, stats.NOT_REPRODUCED),
+    (1.0, 0.3, 3, {}, stats.REPRODUCED),  # t = 3.3 > 2.92 at 2 degrees of freedom
+    (1.0, 0.4, 3, {}, stats.INCONCLUSIVE),  # t = 2.5: "2 SE" would have said reproduced
+    (1.0, 0.45, 5, {}, stats.REPRODUCED),  # t = 2.2 > 2.13 at 4 degrees of freedom
+    (-1.0, 0.3, 3, {}, stats.NOT_REPRODUCED),
     (1.0, 0.0, 1, {}, stats.INCONCLUSIVE),  # one seed: no standard error
-    (0.75, 0.1, 3, {"above": 0.5, "at_least": True}, stats.REPRODUCED),  # 0.75 - 0.2 >= 0.5
-    (0.6, 0.1, 3, {"above": 0.5, "at_least": True}, stats.INCONCLUSIVE),
+    (0.75, 0.08, 3, {"above": 0.5, "at_least": True}, stats.REPRODUCED),  # 0.75 - 2.92 x 0.08 >= 0.5
+    (0.75, 0.1, 3, {"above": 0.5, "at_least": True}, stats.INCONCLUSIVE),
     (0.2, 0.1, 3, {"above": 0.5, "at_least": True}, stats.NOT_REPRODUCED),
 ])
-def test_verdict_against_two_standard_errors(value, se, n, kw, want):
+def test_verdict_by_a_one_sided_t_test_at_n_minus_one_degrees_of_freedom(value, se, n, kw, want):
     assert stats.verdict(stats.Estimate(value, se, True, n), **kw) == want
 
 
@@ -276,7 +277,7 @@ def test_ef_causes_section_compares_each_cause_with_the_preset(tmp_path):
     lines = {line.split(" | ")[0][2:]: line for line in md.splitlines() if line.startswith("| ") and "adamw" not in line}
     assert "| base | the preset | 1.000 |" in lines["base"] and "| 19% ± 1% |" in lines["base"]
     assert "| batch | global_batch_size=64 |" in lines["batch"] and "+60% ± 0% | raises it |" in lines["batch"]
-    assert "| no effect within 2 SE |" in lines["warmup"]
+    assert "| no effect within t SE |" in lines["warmup"]
     assert "| strength=0.5 | ef_strength=0.5 |" in lines["strength=0.5"] and "| lowers it |" in lines["strength=0.5"]
     assert "length" not in lines  # a cause that did not run is left out, not faked
     assert (tmp_path / "rep" / "ef_causes_recovered.png").stat().st_size > 1000

@@ -35,8 +35,8 @@ def leaves_equal(a, b) -> bool:
 
 @pytest.fixture(scope="module")
 def uninterrupted(cache_dir, tmp_path_factory):
-    """One 8-step run that several tests compare against."""
-    t = Trainer(small_config(cache_dir), tmp_path_factory.mktemp("full"))
+    """One 8-step run that several tests compare against (with a test set, which trains nothing)."""
+    t = Trainer(small_config(cache_dir, test_batches=1), tmp_path_factory.mktemp("full"))
     result = t.run()
     t.close()
     return t, result
@@ -53,6 +53,20 @@ def test_run_writes_outputs(uninterrupted):
     assert any((t.workdir / "tensorboard").iterdir())
     assert json.loads((t.workdir / "status.json").read_text())["status"] == "finished"
     assert t.checkpointer.latest_step() == 8
+
+
+def test_test_split_is_reported_once_at_the_end_and_never_overlaps_validation(uninterrupted, cache_dir, tmp_path):
+    from asyncpp_jax.data import CorpusError
+
+    t, _ = uninterrupted
+    status = json.loads((t.workdir / "status.json").read_text())
+    assert status["test_loss_per_byte"] > 0 and status["test_loss_per_byte"] != status["val_loss_per_byte"]
+    seen = {w.tobytes() for b in t.eval_batches for w in b}
+    assert t.test_batches and not seen & {w.tobytes() for b in t.test_batches for w in b}
+    rows = [json.loads(x) for x in (t.workdir / "metrics.jsonl").read_text().splitlines()]
+    assert not any("test_loss" in r for r in rows)  # never along the way, so nothing picks by it
+    with pytest.raises(CorpusError, match="test_batches"):
+        Trainer(small_config(cache_dir, steps=3, test_batches=10**6), tmp_path / "b")
 
 
 def test_exact_resume_after_pause(uninterrupted, cache_dir, tmp_path):

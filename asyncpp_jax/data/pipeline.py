@@ -144,8 +144,10 @@ def make_train_iterator(corpus: Corpus, seq_len: int, global_batch_size: int, se
 
 
 def make_eval_batches(corpus: Corpus, seq_len: int, batch_size: int, num_batches: int,
-                      split: str = "val") -> list[np.ndarray]:
-    """The first `num_batches` full batches of `split`'s windows, in stream order (no shuffle).
+                      split: str = "val", from_end: bool = False) -> list[np.ndarray]:
+    """The first `num_batches` full batches of `split`'s windows, in stream order (no shuffle);
+    with `from_end`, the last ones instead (a held-out test set disjoint from the first ones as
+    long as the split holds both).
 
     The same fixed set every call, so evaluations at different steps and in different runs are
     comparable. Uses fewer batches if the split is too short, never a partial batch.
@@ -166,5 +168,6 @@ def make_eval_batches(corpus: Corpus, seq_len: int, batch_size: int, num_batches
             "config.data.val_fraction, or use a larger config.data.source; "
             "config.train.eval_batches cannot help."
         )
-    return [np.stack([windows[b * batch_size + j] for j in range(batch_size)])
+    first = len(windows) // batch_size - available if from_end else 0
+    return [np.stack([windows[(first + b) * batch_size + j] for j in range(batch_size)])
             for b in range(available)]

@@ -43,8 +43,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from asyncpp_jax import configs
-from asyncpp_jax.data import (CorpusError, Mixture, load_corpus, load_mixture, make_eval_batches, make_train_iterator,
-                              prepare_corpus_for)
+from asyncpp_jax.data import (CorpusError, Mixture, PackedWindows, load_corpus, load_mixture, make_eval_batches,
+                              make_train_iterator, prepare_corpus_for)
 from asyncpp_jax.models import count_params, dense, hf_llama
 from asyncpp_jax.models.flops import flops_per_token
 from asyncpp_jax.optim import describe_routing
@@ -183,6 +183,7 @@ class Trainer:
         )
         group = r.eval_group()
         self.eval_batches = [np.concatenate(batches[i:i + group]) for i in range(0, len(batches), group)]
+        self.test_batches = self._test_batches(c, len(batches), group)
         # Before anything in the workdir changes (orbax's manager cleans up on creation).
         record = run_record(c, self.corpus)
         self.resume_plan = check_resume(self.workdir, c, r.abstract_state(jax.random.key(c.seed)), record)
@@ -249,13 +250,31 @@ class Trainer:
                             "checkpoint(s) were moved to %s", step, newest, newest - step, where)
         return step
 
-    def evaluate(self, params) -> dict:
+    def _test_batches(self, c, n_val: int, group: int) -> list:
+        """``config.train.test_batches`` batches from the val split's end, checked to share no window
+        with the validation batches from its start (both are fixed sets, the same in every run)."""
+        if not c.train.test_batches:
+            return []
+        size = c.train.global_batch_size // c.train.microbatches
+        windows = len(PackedWindows(self.corpus.tokens("val"), c.data.seq_len))
+        if n_val + c.train.test_batches > windows // size:  # the test set's first batch would be a val one
+            raise CorpusError(
+                f"The val split of {self.corpus.path} holds {windows} windows of config.data.seq_len="
+                f"{c.data.seq_len}: too few for config.train.eval_batches={c.train.eval_batches} and "
+                f"config.train.test_batches={c.train.test_batches} batches of {size} without overlap. Lower "
+                "config.train.test_batches or raise config.data.val_fraction.")
+        batches = make_eval_batches(self.corpus, c.data.seq_len, size, c.train.test_batches, from_end=True)
+        return [np.concatenate(batches[i:i + group]) for i in range(0, len(batches), group)]
+
+    def evaluate(self, params, batches=None, name: str = "val") -> dict:
+        """Mean loss over ``batches`` (default: the validation batches) as ``{name}_loss`` (nats per
+        token) and ``{name}_loss_per_byte`` (over the val split's bytes per token)."""
         total = count = 0.0
-        for batch in self.eval_batches:  # every process holds the whole eval batch
+        for batch in self.eval_batches if batches is None else batches:  # every process holds the whole batch
             t, n = self.eval_step(params, from_host(step_lib.eval_sharding(self.mesh), batch))
             total, count = total + float(t), count + float(n)
         loss = total / count
-        return {"val_loss": loss, "val_loss_per_byte": loss / self.corpus.bytes_per_token("val")}
+        return {f"{name}_loss": loss, f"{name}_loss_per_byte": loss / self.corpus.bytes_per_token("val")}
 
     def close(self) -> None:
         try:
@@ -331,6 +350,8 @@ class Trainer:
             p.val, p.val_step = self.evaluate(state.params), p.step  # a run resumed at its last step still reports
         self.state = state
         val = p.val if p.val_step == p.step else {}  # never a validation loss of another step beside this one
+        if p.status == "finished" and self.test_batches:  # once, at the end: nothing is ever picked by it
+            val = {**val, **self.evaluate(state.params, self.test_batches, "test")}
         self._write_status(p.status, p.step, **val, unigram=unigram)
         return Result(p.status, p.step, val.get("val_loss"), val.get("val_loss_per_byte"), unigram)
 

@@ -20,8 +20,12 @@ The learning rate, the other suspect, is the ``lr`` study's axis (its table of E
 learning rate).  Two seeds per run: 4.0k CPU-seconds a seed, about 70 minutes at ``--jobs 2``.
 """
 
+import pathlib
+
+from experiments import stats
+from experiments.report_format import est, md_table, plot_xy, se_kind
 from experiments.studies.common import CPU, optimizer, preset
-from experiments.sweep import Study
+from experiments.study import Study
 
 ARMS = {"sync": {"staleness.mode": "sync"}, "2bw": {"staleness.mode": "2bw"},
         "ef": {"staleness.mode": "2bw", "staleness.mitigation": "ef"}}
@@ -53,3 +57,56 @@ def study(name: str) -> Study:
     variants |= arms(COSTLY)
     return Study("ef_causes", config, variants, seeds=SEEDS, base=base,
                  note=note + "; AdamW at its tuned lr, one setting changed per cause, 2 seeds")
+
+
+BOOKKEEPING = ("train.eval_every", "train.checkpoint_every")  # scaled with a run's length, not causes
+
+
+def analyse_ef_causes(rows, out: pathlib.Path) -> list[str]:
+    """Per suspected cause (one setting changed from the preset): AdamW's delay gap, EF's gap and the
+    fraction EF recovers, and that fraction minus the preset's own (``base``), each ± SE."""
+    arms = stats.arms_of(rows)
+    fb = stats.recovered(arms, "adamw/base/ef", "adamw/base/2bw", "adamw/base/sync")
+    cases = [(c, f"adamw/{c}/ef", f"adamw/{c}/2bw", f"adamw/{c}/sync",
+              ", ".join(f"{k.rsplit('.', 1)[1]}={v}" for k, v in o.items() if k not in BOOKKEEPING) or "the preset")
+             for c, o in CAUSES.items()]
+    cases += [(f"strength={s:g}", f"adamw/strength={s:g}/ef", "adamw/base/2bw", "adamw/base/sync", f"ef_strength={s:g}")
+              for s in STRENGTHS]
+    table, series = [], []
+    for cause, ef, none, sync, setting in cases:
+        f = stats.recovered(arms, ef, none, sync)
+        if f is None:
+            continue
+        series.append((cause, f.value, f.se))
+        sync_val = stats.contrast(arms, {sync: 1.0})
+        if cause == "base" or fb is None:
+            diff, effect = None, "-"
+        else:
+            # f_cause - f_base = N_base/D_base - N_cause/D_cause, N = ef - sync, D = 2bw - sync
+            diff = stats.ratio_difference(
+                arms, ({"adamw/base/ef": 1.0, "adamw/base/sync": -1.0}, {"adamw/base/2bw": 1.0, "adamw/base/sync": -1.0}),
+                ({ef: 1.0, sync: -1.0}, {none: 1.0, sync: -1.0}))
+            t = stats.t_critical(diff.n)
+            effect = ("no standard error (one seed)" if diff.n < 2 else "raises it" if diff.value - t * diff.se > 0
+                      else "lowers it" if diff.value + t * diff.se < 0 else "no effect within t SE")
+        table.append((cause, setting, f"{sync_val.value:.3f}", est(stats.gap(arms, none, sync)),
+                      est(stats.gap(arms, ef, sync)), f.pct(),
+                      "-" if diff is None else f"{diff.value:+.0%} ± {diff.se:.0%}", effect, se_kind(f)))
+    if not table:
+        return []
+    lines = ["### What error feedback's share of AdamW's gap depends on", "",
+             "Each cause changes one setting of the preset (AdamW at its tuned lr) and runs sync, 2bw and "
+             "2bw + EF; `strength` changes only the EF arm. EF recovers = 1 - (EF - sync) / (2bw - sync) "
+             "(delta method); minus base's = that fraction minus the preset's own, its SE from the "
+             "linearised difference (paired over seeds). Raises / lowers it: the difference beyond t SE (one-sided "
+             "t test at n - 1 degrees of freedom).", ""]
+    lines += md_table(["cause", "setting", "sync val", "delay gap", "EF gap", "EF recovers", "minus base's",
+                     "effect", "standard errors"], table) + [""]
+    lines.append(f"![EF recovery per cause]({plot_xy({'adamw': series}, out / 'ef_causes_recovered.png', 'cause', 'fraction of the gap EF recovers', 'EF recovery per cause', bars=True)})")
+    lines.append("")
+    return lines
+
+
+def analyse(name: str, rows: list[dict], arms, out: pathlib.Path, claims: dict) -> list[str]:
+    """The report's section of this study."""
+    return analyse_ef_causes(rows, out)

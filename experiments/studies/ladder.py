@@ -15,7 +15,7 @@ run: about 5.4 CPU-hours, 2.7 hours with ``--jobs 2``.
 
 from experiments.studies import ladder_tune, lr
 from experiments.studies.common import CPU_REGIME_SEEDS, TUNED_LADDER, preset
-from experiments.sweep import Study
+from experiments.study import Study
 
 
 def variants(picks: dict) -> dict:

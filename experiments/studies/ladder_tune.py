@@ -22,7 +22,7 @@ import math
 
 from experiments.studies import lr
 from experiments.studies.common import lr_centre, optimizer, preset, regime_rung
-from experiments.sweep import Study
+from experiments.study import Study
 
 # updates -> batch (sequences of 128 tokens): the same 819,200 tokens at every rung.
 RUNGS = {200: 32, 800: 8, 3200: 2}

@@ -10,13 +10,18 @@ steeply at the end, and lowering the final learning rate (cosine to 0) made it w
 starved of step size late in a 200-update run while a higher peak is unstable.  The grid: ``b1``
 in ``B1`` x schedule in ``SCHEDULES`` (cosine to 10%, the preset's; warmup-stable-decay, holding
 the peak and decaying to 10% over the last 20%; constant).  Variants: ``b1=VALUE/SCHEDULE``.  The
-best mean final validation loss (:func:`experiments.tuning.pick_lion`) is
+best mean final validation loss (:func:`pick`) is
 ``common.TUNED_SETTINGS[preset]["lion"]``, and the ``lr`` study then sweeps Lion's learning rate
 again with it (one round of coordinate descent).
 """
 
+import collections
+import math
+import pathlib
+import re
+
 from experiments.studies.common import lr_of, preset, WD
-from experiments.sweep import Study
+from experiments.study import Study
 
 B1 = (0.9, 0.7, 0.5)
 SCHEDULES = {
@@ -42,3 +47,31 @@ def study(name: str) -> Study:
              "staleness.mode": "sync"}
     variants = {f"b1={b1:g}/{s}": {**fixed, **variant_settings(b1, s)} for b1 in B1 for s in SCHEDULES}
     return Study("lion", config, variants, seeds=seeds, base=base, note=note)
+
+
+LION_VARIANT = re.compile(r"^b1=(?P<b1>[\d.]+)/(?P<schedule>\w+)$")
+
+
+def pick(rows) -> dict | None:
+    """The overrides (:func:`variant_settings`) of the ``lion`` study's
+    variant with the lowest mean final validation loss over seeds; None without such rows."""
+    runs = collections.defaultdict(list)
+    for r in rows:
+        m = LION_VARIANT.match(r["variant"]) if r.get("study") == "lion" else None
+        if m:
+            runs[(float(m["b1"]), m["schedule"])].append(r.get("final_val"))
+    finite = {k: sum(v) / len(v) for k, v in runs.items() if all(x is not None and math.isfinite(x) for x in v)}
+    if not finite:
+        return None
+    b1, schedule = min(finite, key=lambda k: (finite[k], k))
+    return variant_settings(b1, schedule)
+
+
+def analyse(name: str, rows: list[dict], arms, out: pathlib.Path, claims: dict) -> list[str]:
+    """The report's section: the lion study's pick."""
+    lines: list[str] = []
+    chosen = pick(rows)
+    if chosen:
+        lines += [f"Pick (lowest mean final loss, no seed diverged): "
+                  f"{', '.join(f'{k} = {v}' for k, v in chosen.items())}.", ""]
+    return lines

@@ -20,9 +20,15 @@ study at Lion's first pick here, after which Lion's grid here was run again with
 """
 
 import math
+import pathlib
+
+import numpy as np
+
+from experiments import analysis, picks, stats
+from experiments.report_format import md_table, plot_xy
 
 from experiments.studies.common import LR, lr_centre, optimizer, preset
-from experiments.sweep import Study
+from experiments.study import Study
 
 NAMES = ("adamw", "muon", "soap", "adan", "lion", "mars")
 FACTORS = (1 / 3, 1 / math.sqrt(3), 1.0, math.sqrt(3), 3.0)
@@ -94,3 +100,52 @@ def seeds_of(name: str, seeds: tuple) -> tuple:
 def study(name: str) -> Study:
     config, base, seeds, note = preset(name)
     return Study("lr", config, variants_of(name, NAMES, ("sync",)), seeds=seeds_of(name, seeds), base=base, note=note)
+
+
+def analyse_lr(rows, out: pathlib.Path, claims: dict) -> list[str]:
+    """The ``lr`` study: sync final val per optimizer x lr (the pick marked) and val vs lr."""
+    lines = []
+    sync = picks.sync_means(rows)
+    chosen = picks.pick_lrs(rows)
+    arms = stats.arms_of(rows)
+    names = analysis.lr_names(rows)
+    div = analysis.diverged(rows)
+
+    def cell(opt, lr):
+        v = names.get((opt, lr, "sync"))
+        if v is None:
+            return "", None
+        if div.get(v):
+            return f"diverged ({div[v]} of {div[v] + len(arms.get(v, []))})", None
+        x = np.array([y for _, y in arms[v]])
+        e = stats.Estimate(float(x.mean()), math.sqrt(stats.var_of_mean(x)), False, len(x))
+        text = f"{e.value:.4f} ± {e.se:.4f}"
+        return (f"**{text}** (pick)" if chosen.get(opt) == lr else text), e
+
+    table, series = [], {}
+    for opt in sorted(sync):
+        row = [opt]
+        for lr in sorted(lr for (o, lr, arm) in names if o == opt and arm == "sync"):
+            text, e = cell(opt, lr)
+            row.append(f"{lr:g}: {text}")
+            if e is not None:
+                series.setdefault(opt, []).append((lr, e.value, e.se))
+        table.append(row)
+    width = max((len(r) for r in table), default=1) - 1
+    table = [r + [""] * (width + 1 - len(r)) for r in table]
+    lines += ["### Synchronous final validation loss per learning rate", "",
+              "Each cell is `lr: mean ± SE over seeds`, learning rates ascending; the pick (lowest mean; a "
+              "learning rate at which any seed diverged is never picked) is what `common.TUNED_LR[preset]` must "
+              "hold for this preset (`tests/test_tuning.py` checks it against the committed rows).", ""]
+    lines += md_table(["optimizer"] + [f"lr {k + 1}" for k in range(width)], table) + [""]
+    lines.append("Picks: " + ", ".join(f"{k} {v:g}" for k, v in sorted(chosen.items())) + ".")
+    lines.append("")
+    if series:
+        lines.append(f"![val vs lr]({plot_xy(series, out / 'lr_val.png', 'peak learning rate', 'final val loss (nats/byte)', 'sync loss vs learning rate', logx=True, zero=False)})")
+        lines.append("")
+    return lines
+
+
+def analyse(name: str, rows: list[dict], arms, out: pathlib.Path, claims: dict) -> list[str]:
+    """The report's section of this study."""
+    return analyse_lr(rows, out, claims)

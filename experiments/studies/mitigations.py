@@ -7,9 +7,14 @@ rescheduling has no arm: at 2BW's one-step delay its factor ``1^-p`` is 1, and c
 rejects it there.
 """
 
+import collections
+import pathlib
+
+from experiments import analysis, stats
+from experiments.report_format import est, md_table, plot_xy, se_kind
 from experiments.studies.common import optimizer, preset
 from experiments.studies import tuned
-from experiments.sweep import Study
+from experiments.study import Study
 
 
 def base_study(name: str) -> Study:
@@ -34,3 +39,38 @@ def base_study(name: str) -> Study:
 
 def study(name: str) -> Study:
     return tuned.finish(base_study(name), name)
+
+
+def analyse_mitigations(rows, out: pathlib.Path, claims: dict) -> list[str]:
+    """Every mitigation ranked by the fraction of the gap it recovers, per optimizer, ± SE."""
+    arms = stats.arms_of(rows)
+    series, table, lines = collections.defaultdict(list), [], []
+    for opt in sorted({v.split("/")[0] for v in arms}):
+        # an arm re-run at sync's pick (``@sync_lr``) is in the table of gaps both ways, not ranked here
+        names = sorted({v.split("/", 1)[1] for v in arms if v.startswith(f"{opt}/")
+                        and not v.endswith(tuned.AT_SYNC)} - {"sync", "none"})
+        sync, none = f"{opt}/sync", f"{opt}/none"
+        fracs = [(arm, f) for arm in names if (f := stats.recovered(arms, f"{opt}/{arm}", none, sync))]
+        if fracs:  # bars in one (alphabetical) arm order for every optimizer; the table is ranked
+            series[opt] = [(arm, f.value, f.se) for arm, f in fracs]
+        for rank, (arm, f) in enumerate(sorted(fracs, key=lambda x: -x[1].value), start=1):
+            # f_arm - f_ef = (ef - arm) / (none - sync)
+            vs = stats.ratio(arms, {f"{opt}/ef": 1.0, f"{opt}/{arm}": -1.0}, {none: 1.0, sync: -1.0}) \
+                if arm != "ef" else None
+            table.append((opt, rank, arm, est(stats.gap(arms, f"{opt}/{arm}", sync)), f.pct(),
+                          "-" if vs is None else f"{vs.value:+.0%} ± {vs.se:.0%}", se_kind(f)))
+        analysis.ef_claim(claims, arms, opt, f"{opt}/ef", none, sync, "`mitigations`")
+    lines += md_table(["optimizer", "rank", "mitigation", "gap vs sync", "fraction of the gap recovered",
+                     "minus EF's fraction", "standard errors"], table) + [""]
+    if series:
+        lines.append(f"![recovered]({plot_xy(series, out / 'mitigations_recovered.png', 'mitigation', 'fraction recovered', 'gap recovered', bars=True)})")
+        lines.append("")
+    pairs = [(f"{opt} {arm}", f"{opt}/{arm}", f"{opt}/sync") for opt in ("adamw", "muon") for arm in ("none", "ef")]
+    lines += analysis.analyse_gap_over_time("mitigations", rows, pairs, out, claims,
+                                   {"adamw": "adamw none", "muon": "muon none"}, prefer=False)
+    return lines
+
+
+def analyse(name: str, rows: list[dict], arms, out: pathlib.Path, claims: dict) -> list[str]:
+    """The report's section of this study."""
+    return analyse_mitigations(rows, out, claims)

@@ -1,8 +1,9 @@
 """Sync vs 2BW for the six optimizers: the delay gap per optimizer."""
 
+from experiments import analysis
 from experiments.studies.common import optimizer, preset
 from experiments.studies import tuned
-from experiments.sweep import Study
+from experiments.study import Study
 
 NAMES = ("adamw", "muon", "soap", "adan", "lion", "mars")
 
@@ -23,3 +24,8 @@ def base_study(name: str) -> Study:
 
 def study(name: str) -> Study:
     return tuned.finish(base_study(name), name)
+
+
+def analyse(name: str, rows: list[dict], arms, out, claims: dict) -> list[str]:
+    """The report's section: each setting's delay gap, EF's shares, the AdamW/Muon claim and the gap over training."""
+    return analysis.delay_gaps(name, rows, arms, out, claims)

@@ -5,9 +5,10 @@ of the ``lr`` study's sqrt(3) grid where the grid reaches (so those runs are the
 reused by the sweep for the seeds it has), else 3x rounded to two significant figures.
 """
 
+from experiments import analysis
 from experiments.studies import lr as lr_study
 from experiments.studies.common import optimizer, preset
-from experiments.sweep import Study
+from experiments.study import Study
 
 
 def lr_steps(opt: str, lr: float) -> tuple[float, float]:
@@ -38,3 +39,8 @@ def study(name: str) -> Study:
             for mode in ("sync", "2bw"):
                 variants[f"{opt}/{label}/{mode}"] = {**optimizer(opt, name), **o, "staleness.mode": mode}
     return Study("sensitivity", config, variants, seeds=seeds, base=base, note=note)
+
+
+def analyse(name: str, rows: list[dict], arms, out, claims: dict) -> list[str]:
+    """The report's section: each setting's delay gap."""
+    return analysis.delay_gaps(name, rows, arms, out, claims)

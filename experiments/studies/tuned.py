@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 
 from experiments.studies import common, lr
-from experiments.sweep import Study
+from experiments.study import Study
 
 TUNED_PRESETS = ("cpu_regime",)
 AT_SYNC = "@sync_lr"

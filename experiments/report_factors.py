@@ -1,0 +1,240 @@
+"""The factor screen's section of the study report, and the answer to "What makes the gap large?".
+
+From the ``factors`` rows (:mod:`experiments.studies.factors`, run by :mod:`experiments.screen`):
+each arm sits at its pick from the ``factors_tune`` seeds, so every estimate here is on seeds that
+chose nothing.  Per cell and optimizer: the delay gap ``G = 2bw - sync`` on the validation windows
+and on the test split, and EF's share (:func:`experiments.stats.share`: the linear test of
+``G_EF - (1 - s) G``, none where ``G`` is unresolved); per cell the ratio ``G_AdamW / G_Muon`` with
+its Fieller interval (the linear test of ``G_AdamW - r G_Muon``).  Along each axis, the change per
+doubling of the factor: of each gap (a least-squares slope, a linear contrast of the cells' arms)
+and of the ratio (its end cells' difference over the doublings between them, delta-method
+standard errors, the cells' runs independent), each judged by a one-sided t test at ``n - 1``
+degrees of freedom.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+
+from experiments import paper, protocol, stats
+from experiments.report_format import SHARE_NOTE, md_table, se_kind
+from experiments.studies import factors
+
+TUNE, MEASURE = "factors_tune", "factors"
+# Axes: name -> [(cell, factor value)], the factor's value in the unit it doubles in.
+AXES = {
+    "width (d_model)": [("width=128", 128), ("width=256", 256), ("width=512", 512)],
+    "sequences per update": [("width=128", 2), ("seqs=8", 8), ("seqs=32", 32)],
+    "updates on the same tokens": [("updates=200", 200), ("updates=800", 800), ("width=128", 3200)],
+}
+PAIRS = {  # one-step comparisons, not doublings: (label, base cell, changed cell)
+    "vocabulary: BPE 4,096 against bytes": ("width=128", "vocab=bpe4096"),
+    "warmup: 20 updates against 320 (3,200 updates)": ("width=128", "warmup=20"),
+}
+RATIO_LABEL = "G_AdamW / G_Muon"
+
+
+def arms_by_cell(rows) -> dict[tuple[str, str, str], str]:
+    """``(cell, optimizer, arm) -> variant`` of the measured rows (one learning rate per arm: its pick)."""
+    out = {}
+    for r in rows:
+        cell, opt, _, arm = r["variant"].split("/")
+        out[(cell, opt, arm)] = r["variant"]
+    return out
+
+
+def cell_estimates(rows, cell: str, value=lambda r: r.get("final_val")) -> dict | None:
+    """Per optimizer the gap, EF's gap and share; the ratio of the gaps; None if the cell has no rows."""
+    names = arms_by_cell(rows)
+    arms = stats.arms_of([r for r in rows if r["variant"].startswith(cell + "/")], value)
+    if not arms:
+        return None
+    out: dict = {"opts": {}, "seeds": sorted({s for runs in arms.values() for s, _ in runs})}
+    for opt in ("adamw", "muon", "soap"):
+        n = {arm: names.get((cell, opt, arm)) for arm in ("sync", "2bw", "ef")}
+        if not (n["sync"] in arms and n["2bw"] in arms):
+            continue
+        out["opts"][opt] = {
+            "sync": stats.contrast(arms, {n["sync"]: 1.0}),
+            "gap": stats.gap(arms, n["2bw"], n["sync"]),
+            "ef_gap": stats.gap(arms, n["ef"], n["sync"]) if n["ef"] in arms else None,
+            "share": stats.share(arms, n["ef"], n["2bw"], n["sync"]) if n["ef"] in arms else None,
+            "names": n,
+        }
+    a, m = out["opts"].get("adamw"), out["opts"].get("muon")
+    if a and m:
+        num = {a["names"]["2bw"]: 1.0, a["names"]["sync"]: -1.0}
+        den = {m["names"]["2bw"]: 1.0, m["names"]["sync"]: -1.0}
+        out["ratio"] = stats.fieller(arms, num, den)
+        out["ratio_se"] = stats.ratio(arms, num, den)
+    return out
+
+
+def _share(r) -> str:
+    if r is None:
+        return "-"
+    return "- (one seed)" if r.n < 2 else r.text(pct=True)
+
+
+def _est(e, digits=3) -> str:
+    if e is None:
+        return "-"
+    return f"{e.value:+.{digits}f}" + (f" ± {e.se:.{digits}f}" if e.n > 1 else "")
+
+
+def cell_table(rows, cells) -> list[str]:
+    body = []
+    for cell in cells:
+        val, test = cell_estimates(rows, cell), cell_estimates(rows, cell, lambda r: r.get("test_val"))
+        if val is None:
+            continue
+        for opt, e in val["opts"].items():
+            t = (test or {"opts": {}})["opts"].get(opt, {})
+            body.append((cell, opt, f"{e['sync'].value:.3f}", _est(e["gap"]), _est(t.get("gap")), _est(e["ef_gap"]),
+                         _share(e["share"]), _share(t.get("share")), se_kind(e["gap"])))
+        if "ratio" in val:
+            body.append((cell, RATIO_LABEL, "", val["ratio"].text() if val["ratio"].n > 1 else "- (one seed)",
+                         (test or {}).get("ratio").text() if test and test.get("ratio") and test["ratio"].n > 1 else "-",
+                         "", "", "", se_kind(val["ratio_se"])))
+    if not body:
+        return []
+    return md_table(["cell", "optimizer", "sync val", "gap (val)", "gap (test split)", "EF gap (val)",
+                     "EF share (val)", "EF share (test)", "standard errors"], body) + [""]
+
+
+def gap_slope(rows, axis, opt: str, value=lambda r: r.get("final_val")) -> stats.Estimate | None:
+    """Least-squares slope of ``opt``'s gap against log2 of the axis's factor over its measured cells."""
+    names = arms_by_cell(rows)
+    pts = [(cell, x) for cell, x in axis if (cell, opt, "sync") in names and (cell, opt, "2bw") in names]
+    if len(pts) < 2:
+        return None
+    xs = [math.log2(x) for _, x in pts]
+    x_bar = sum(xs) / len(xs)
+    sxx = sum((x - x_bar) ** 2 for x in xs)
+    coefs: dict = collections.defaultdict(float)
+    for (cell, _), x in zip(pts, xs):
+        c = (x - x_bar) / sxx
+        coefs[names[(cell, opt, "2bw")]] += c
+        coefs[names[(cell, opt, "sync")]] -= c
+    return stats.contrast(stats.arms_of(rows, value), dict(coefs))
+
+
+def ratio_change(rows, axis) -> tuple[stats.Estimate, str, str] | None:
+    """The ratio's change per doubling between the axis's first and last measured cells whose ratio
+    is resolved: ``(q_last - q_first) / doublings``, SE from the two delta-method SEs."""
+    got = []
+    for cell, x in axis:
+        e = cell_estimates(rows, cell)
+        if e and e.get("ratio") and e["ratio"].resolved and e["ratio_se"] is not None:
+            got.append((cell, x, e["ratio_se"]))
+    if len(got) < 2:
+        return None
+    (c0, x0, q0), (c1, x1, q1) = got[0], got[-1]
+    d = math.log2(x1 / x0)
+    n = min(q0.n, q1.n)
+    return stats.Estimate((q1.value - q0.value) / d, math.hypot(q0.se, q1.se) / d, False, n), c0, c1
+
+
+def _direction(e: stats.Estimate | None, up: str, down: str) -> str:
+    if e is None or e.n < 2:
+        return "not measured"
+    t = stats.t_critical(e.n)
+    return up if e.value - t * e.se > 0 else down if e.value + t * e.se < 0 else "no change beyond t SE"
+
+
+def axis_table(rows) -> tuple[list[str], list[str]]:
+    """The per-doubling table and the conclusion's sentences."""
+    body, said = [], []
+    for label, axis in AXES.items():
+        slopes = {opt: gap_slope(rows, axis, opt) for opt in ("adamw", "muon")}
+        rc = ratio_change(rows, axis)
+        if not any(slopes.values()) and rc is None:
+            continue
+        cells = [c for c, _ in axis if cell_estimates(rows, c)]
+        body.append((label, ", ".join(cells), _est(slopes["adamw"]), _est(slopes["muon"]),
+                     "-" if rc is None else f"{rc[0].value:+.2f} ± {rc[0].se:.2f} ({rc[1]} -> {rc[2]})",
+                     _direction(rc[0] if rc else None, "toward the paper's", "away from the paper's")))
+        if rc is not None:
+            verdict = _direction(rc[0], "moves it toward", "moves it away from")
+            said.append(f"{label}: the ratio changes by {rc[0].value:+.2f} ± {rc[0].se:.2f} per doubling "
+                        f"({rc[1]} -> {rc[2]}); this axis " + (f"{verdict} the paper's {paper.gap_ratio():.0f}"
+                                                              if verdict.startswith("moves") else
+                                                              "does not move it beyond t SE") + ".")
+    lines = []
+    if body:
+        lines += md_table(["axis", "cells measured", "AdamW's gap per doubling", "Muon's gap per doubling",
+                           f"{RATIO_LABEL} per doubling", "the ratio moves"], body) + [""]
+    for label, (base, changed) in PAIRS.items():
+        a, b = cell_estimates(rows, base), cell_estimates(rows, changed)
+        if a and b and a.get("ratio_se") and b.get("ratio_se"):
+            d = stats.Estimate(b["ratio_se"].value - a["ratio_se"].value, math.hypot(a["ratio_se"].se, b["ratio_se"].se),
+                               False, min(a["ratio_se"].n, b["ratio_se"].n))
+            said.append(f"{label}: the ratio changes by {d.value:+.2f} ± {d.se:.2f} "
+                        f"({_direction(d, 'toward the paper', 'away from the paper')}).")
+    return lines, said
+
+
+def conclusion(rows) -> list[str]:
+    """Plain sentences from the numbers: which factor moves the ratio toward the paper's, or none."""
+    _, said = axis_table(rows)
+    if not said:
+        return ["No axis has two cells with a resolved ratio yet, so the screen does not yet say which "
+                "factor moves AdamW's gap relative to Muon's."]
+    moving = [s for s in said if "moves it toward" in s]
+    head = ("At these sizes, " + ("these factors move the ratio toward the paper's: " + " ".join(moving)
+                                  if moving else "no factor measured so far moves the ratio toward the paper's "
+                                  f"{paper.gap_ratio():.0f} beyond t standard errors."))
+    return [head, ""] + [f"- {s}" for s in said]
+
+
+def progress(tune_rows, rows) -> str:
+
+    done = sorted({r["variant"].split("/")[0] for r in rows}, key=factors.QUEUE.index)
+    tuned = sorted({r["variant"].split("/")[0] for r in tune_rows}, key=factors.QUEUE.index)
+    cut = [c for c in factors.QUEUE if c not in done and c not in tuned]
+    return (f"{len(tune_rows)} tuning runs (seeds {sorted({r['seed'] for r in tune_rows})}) and {len(rows)} "
+            f"measured runs (seeds {sorted({r['seed'] for r in rows})}) committed. Cells measured: "
+            f"{', '.join(done) or 'none'}; tuned or tuning: {', '.join(tuned) or 'none'}; not started (the "
+            f"queue runs in this order, width first): {', '.join(cut) or 'none'}.")
+
+
+def grid_table(tune_rows) -> list[str]:
+    """Each arm's grid so far: mean final val over the cell's tuning seeds per learning rate (done
+    points only), the pick in bold once the grid has bracketed it (:func:`experiments.protocol.tune_state`)."""
+
+    body = []
+    for cell in factors.QUEUE:
+        for opt in factors.OPTIMIZERS:
+            for arm in factors.ARMS:
+                means = factors.tune_means(tune_rows, cell, opt, arm, factors.CELLS[cell][1])
+                if not means:
+                    continue
+                grid, pick = factors.tuning_state(cell, opt, arm, tune_rows)
+                cells = [(f"**{lr:g}: {m:.3f}**" if lr == pick else f"{lr:g}: {m:.3f}") if m is not None
+                         else f"{lr:g}: diverged" for lr, m in sorted(means.items())]
+                state = ("pending: " + ", ".join(f"{lr:g}" for lr in grid if lr not in means) if pick is None
+                         else "on the grid's edge (a bound)" if protocol.on_edge(grid, pick) else "bracketed")
+                body.append((cell, opt, arm, ", ".join(cells), state))
+    if not body:
+        return []
+    return ["### Each arm's learning-rate grid", "",
+            "Mean final validation loss (nats/byte) over the cell's tuning seeds at each learning rate run at "
+            "every one of them; the pick in bold once the grid brackets it (a grid grows past an edge that "
+            "holds the best point).", ""] + md_table(["cell", "optimizer", "arm", "lr: final val", "pick"], body) + [""]
+
+
+def analyse(tune_rows, rows, claims) -> list[str]:
+
+    lines = ["## The factor screen: what makes the gap large?", "", progress(tune_rows, rows), ""]
+    if tune_rows:
+        lines += grid_table(tune_rows)
+    lines += ["### The gap per cell", "",
+              "Each arm at its own pick from the tuning seeds, measured on other seeds. Gap = 2bw - sync in "
+              "nats/byte on the 256 validation windows and on the test split (512 other windows, never used to "
+              "pick); " + SHARE_NOTE + f" {RATIO_LABEL}: the point and its 90% Fieller interval "
+              "(none where Muon's gap is unresolved).", ""]
+    lines += cell_table(rows, factors.QUEUE)
+    table, _ = axis_table(rows)
+    lines += ["### Along each axis", ""] + table + conclusion(rows) + [""]
+    return lines

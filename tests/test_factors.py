@@ -1,0 +1,250 @@
+"""The referee protocol and the factor screen's scheduler, on synthetic rows (nothing is trained)."""
+
+import numpy as np
+import pytest
+
+from experiments import protocol, screen, stats
+from experiments.studies import factors
+
+
+def test_tune_state_grows_past_an_edge_until_the_best_is_inside():
+    c = 0.001
+    pts = {k: protocol.lattice(c, k) for k in range(-6, 6)}
+    grid, pick = protocol.tune_state(c, 0, {})
+    assert grid == [pts[-1], pts[0], pts[1]] and pick is None
+    # best at the low edge: one more point below, nothing picked until it is done
+    means = {pts[-1]: 2.0, pts[0]: 2.1, pts[1]: 2.2}
+    grid, pick = protocol.tune_state(c, 0, means)
+    assert grid == [pts[-2], pts[-1], pts[0], pts[1]] and pick is None
+    grid, pick = protocol.tune_state(c, 0, {**means, pts[-2]: 2.05})
+    assert pick == pts[-1] and not protocol.on_edge(grid, pick)
+    # a diverged point is never picked; the top one diverging keeps the grid from growing upward
+    grid, pick = protocol.tune_state(c, 0, {pts[-1]: 2.2, pts[0]: 2.0, pts[1]: None})
+    assert pick == pts[0] and len(grid) == 3
+    # growth stops at MAX_EXTEND points: the pick is then a bound
+    falling = {pts[k]: 3.0 + k for k in range(-6, 2)}
+    grid, pick = protocol.tune_state(c, 0, falling)
+    assert len(grid) == 3 + protocol.MAX_EXTEND and pick == min(grid) and protocol.on_edge(grid, pick)
+
+
+def test_tuning_and_measurement_seeds_are_disjoint_and_every_run_has_a_test_split():
+    for cell, (base, tune_seeds, k0) in factors.CELLS.items():
+        assert not set(tune_seeds) & set(protocol.MEASURE_SEEDS + protocol.MORE_SEEDS), cell
+        assert base["train.test_batches"] * base["train.global_batch_size"] == protocol.TEST_SEQUENCES
+        assert set(k0) == {(o, a) for o in factors.OPTIMIZERS for a in factors.ARMS}
+    assert factors.width(512) == {"model.d_model": 512, "model.n_heads": 16, "model.n_kv_heads": 8,
+                                  "model.d_ff": 1376}
+
+
+def _row(study, cell, opt, arm, lr, seed, val):
+    return {"study": study, "variant": factors.variant(cell, opt, arm, lr), "seed": seed,
+            "overrides": {"optimizer.lr": lr}, "final_val": val, "run_id": ""}
+
+
+def _tuned_rows(cell, loss):
+    """Tuning rows of every arm of ``cell`` with final loss ``loss(opt, arm, lr)``, run on the grids
+    the plan asks for, step by step, until every arm has its pick."""
+    rows = []
+    while True:
+        tune_runs, _, picks = screen.plan(cell, rows, [])
+        done = {(r["variant"], r["seed"]) for r in rows}
+        new = [(s, r) for s, r in tune_runs if (r.variant, r.seed) not in done]
+        if not new:
+            return rows, picks
+        for _, run in new:
+            _, opt, lr_part, arm = run.variant.split("/")
+            lr = float(lr_part[3:])
+            rows.append(_row("factors_tune", cell, opt, arm, lr, run.seed, loss(opt, arm, lr)))
+
+
+def test_plan_tunes_then_measures_then_adds_seeds_where_the_gap_is_unresolved():
+    cell = "width=128"
+    best = {"sync": 0.0011, "2bw": 0.00061, "ef": 0.0011}
+
+    def loss(opt, arm, lr):  # a bowl in log lr around each arm's best, equal for both optimizers' lattices
+        return 2.0 + (np.log(lr / best[arm])) ** 2
+
+    rows, picks = _tuned_rows(cell, loss)
+    assert {r["seed"] for r in rows} == set(factors.CELLS[cell][1])
+    for opt in factors.OPTIMIZERS:
+        for arm in factors.ARMS:
+            grid, pick = picks[(opt, arm)]
+            assert pick == min(grid, key=lambda v: abs(np.log(v / best[arm])))
+            assert not protocol.on_edge(grid, pick)
+    _, measure_runs, _ = screen.plan(cell, rows, [])
+    assert {r.seed for _, r in measure_runs} == set(protocol.MEASURE_SEEDS)
+    assert len(measure_runs) == len(factors.OPTIMIZERS) * len(factors.ARMS) * len(protocol.MEASURE_SEEDS)
+    # AdamW's gap resolved (large, steady), Muon's not (noise): only Muon gets seeds 3 and 4
+    noise = {0: 0.01, 1: -0.01, 2: 0.0}
+    measured = []
+    for _, run in measure_runs:
+        _, opt, lr_part, arm = run.variant.split("/")
+        gap = {"adamw": 0.1, "muon": 0.002}[opt] * (arm == "2bw")
+        jitter = noise[run.seed] * (opt == "muon" and arm == "2bw")
+        measured.append(_row("factors", cell, opt, arm, float(lr_part[3:]), run.seed, 2.0 + gap + jitter + run.seed))
+    _, more, _ = screen.plan(cell, rows, measured)
+    extra = [r for _, r in more if r.seed in protocol.MORE_SEEDS]
+    assert extra and {r.variant.split("/")[1] for r in extra} == {"muon"}
+    assert len(extra) == len(factors.ARMS) * len(protocol.MORE_SEEDS)
+
+
+def test_t_verdict_uses_n_minus_one_degrees_of_freedom():
+    est = stats.Estimate(0.05, 0.02, True, 3)  # t = 2.5 < 2.92 at 2 degrees of freedom
+    assert stats.verdict(est) == stats.INCONCLUSIVE
+    assert stats.verdict(stats.Estimate(0.05, 0.02, True, 5)) == stats.REPRODUCED  # 2.5 > 2.13 at 4
+    assert stats.t_critical(3) == pytest.approx(2.919986, abs=1e-5)
+
+
+def test_screen_runs_the_queue_to_the_end_and_writes_every_row(tmp_path, monkeypatch):
+    """The scheduler end to end with a fake runner: tuning (with a grid that grows), measurement,
+    extra seeds; rows written as runs finish, and a second start runs nothing again, here or on
+    another machine from the merged rows."""
+    import json
+
+    from asyncpp_jax import configs
+    from experiments import sweep
+
+    monkeypatch.setattr(factors, "OPTIMIZERS", ("adamw",))
+    monkeypatch.setattr(factors, "ARMS", ("sync", "2bw"))
+    ran = []
+
+    def runner(study, run, out, env):
+        _, _, lr_part, arm = run.variant.split("/")
+        lr = float(lr_part[3:])
+        # sync best at the grid's low edge at first (so its grid grows), 2bw inside; 2bw's gap resolved
+        val = 2.0 + abs(np.log(lr / 0.00061)) + (0.3 if arm == "2bw" else 0.0) + 0.001 * (run.seed % 7)
+        workdir = out / study.name / run.run_id
+        workdir.mkdir(parents=True)
+        (workdir / "metrics.jsonl").write_text(json.dumps({"step": 10, "val_loss_per_byte": val}) + "\n")
+        (workdir / "config.json").write_text(configs.to_json(sweep.run_config(study, run)))
+        (workdir / "status.tmp").write_text(json.dumps({"status": "finished", "val_loss_per_byte": val,
+                                                        "test_loss_per_byte": val + 0.01}))
+        (workdir / "status.tmp").replace(workdir / "status.json")  # atomically, as the trainer writes it
+        ran.append(f"{study.name}/{run.run_id}")
+        return 0
+
+    kw = dict(runner=runner, envs=[{}, {}], prepare=lambda study, log: None, log=lambda *_: None)
+    screen.execute(tmp_path, ["width=128"], 2, **kw)
+    tune = [json.loads(x) for x in (tmp_path / "factors_tune" / "results.jsonl").read_text().splitlines()]
+    measured = [json.loads(x) for x in (tmp_path / "factors" / "results.jsonl").read_text().splitlines()]
+    assert len(ran) == len(set(ran)) == len(tune) + len(measured)
+    sync_lrs = sorted({r["overrides"]["optimizer.lr"] for r in tune if r["variant"].endswith("/sync")})
+    assert len(sync_lrs) == 4 and sync_lrs[1] == 0.00061  # grew one point below 0.00061, its first low edge
+    assert {r["seed"] for r in tune} == {100, 101} and {r["seed"] for r in measured} == {0, 1, 2}
+    assert all(r["test_val"] == pytest.approx(r["final_val"] + 0.01) for r in measured)
+    assert {r["variant"] for r in measured} == {"width=128/adamw/lr=0.00061/sync", "width=128/adamw/lr=0.00061/2bw"}
+    ran.clear()
+    screen.execute(tmp_path, ["width=128"], 2, **kw)
+    assert ran == []
+    # carried to another machine by committed rows: merged beside another study's, restored, nothing reruns
+    results = tmp_path / "committed.jsonl"
+    results.write_text(json.dumps({"study": "lr", "variant": "adamw/lr=0.001/sync", "seed": 0}) + "\n")
+    screen.merge(tmp_path, ["width=128"], results)
+    merged = [json.loads(x) for x in results.read_text().splitlines()]
+    assert merged[0]["study"] == "lr" and len(merged) == 1 + len(tune) + len(measured)
+    elsewhere = tmp_path / "elsewhere"
+    screen.restore(elsewhere, ["width=128"], merged)
+    screen.execute(elsewhere, ["width=128"], 2, **kw)
+    assert ran == []
+    again = [json.loads(x) for x in (elsewhere / "factors" / "results.jsonl").read_text().splitlines()]
+    assert again == measured
+
+
+def test_fieller_interval_ends_are_where_the_linear_test_turns():
+    """Each end r of the interval makes the contrast A - r B exactly t standard errors from 0, the
+    share is 1 - that ratio, and an unresolved denominator gives no ratio."""
+    rng = np.random.default_rng(1)
+    arms = {v: [(s, base + 0.01 * s + rng.normal(0, 0.01)) for s in range(3)]
+            for v, base in (("sync", 1.0), ("2bw", 1.2), ("ef", 1.06))}
+    num, den = {"ef": 1.0, "sync": -1.0}, {"2bw": 1.0, "sync": -1.0}
+    r = stats.fieller(arms, num, den)
+    assert r.resolved and r.lo < r.value < r.hi
+    t = stats.t_critical(3)
+    for end in (r.lo, r.hi):
+        c = stats.contrast(arms, {"ef": 1.0, "2bw": -end, "sync": -1.0 + end})
+        assert abs(c.value) == pytest.approx(t * c.se, rel=1e-6)
+    s = stats.share(arms, "ef", "2bw", "sync")
+    assert (s.value, s.lo, s.hi) == pytest.approx((1 - r.value, 1 - r.hi, 1 - r.lo))
+    flat = {**arms, "2bw": [(s, v + 0.001 * (-1) ** s) for s, v in arms["sync"]]}  # a gap lost in noise
+    assert not stats.share(flat, "ef", "2bw", "sync").resolved
+
+
+def test_the_screens_section_gives_gaps_ratio_shares_and_the_width_trend(tmp_path):
+    """Synthetic measured rows of two widths: AdamW's gap doubles per doubling of width, Muon's stays,
+    so the ratio moves toward the paper's and the conclusion names width."""
+    import json
+    from experiments import render_docs, report as report_lib, report_factors
+
+    gaps = {("width=128", "adamw"): 0.06, ("width=128", "muon"): 0.02,
+            ("width=512", "adamw"): 0.24, ("width=512", "muon"): 0.02}
+    rows = []
+    for (cell, opt), g in gaps.items():
+        for seed, noise in enumerate((0.0, 0.002, -0.002)):
+            for arm, extra in (("sync", 0.0), ("2bw", g + noise), ("ef", 0.2 * g + noise / 2)):
+                val = 1.5 + extra + 0.01 * seed
+                rows.append({"study": "factors", "run_id": f"{cell}-{opt}-{arm}-{seed}",
+                             "variant": factors.variant(cell, opt, arm, 0.001), "seed": seed, "point": {},
+                             "overrides": {"optimizer.lr": 0.001}, "final_val": val, "test_val": val + 0.05,
+                             "val_curve": [[3200, val]], "train_curve": [], "config": {}, "status": "finished"})
+    e = report_factors.cell_estimates(rows, "width=512")
+    assert e["opts"]["adamw"]["gap"].value == pytest.approx(0.24) and e["ratio"].value == pytest.approx(12.0)
+    assert e["opts"]["adamw"]["share"].value == pytest.approx(0.8)
+    slope = report_factors.gap_slope(rows, report_factors.AXES["width (d_model)"], "adamw")
+    assert slope.value == pytest.approx((0.24 - 0.06) / 2)  # per doubling, over two doublings
+    change, first, last = report_factors.ratio_change(rows, report_factors.AXES["width (d_model)"])
+    assert change.value == pytest.approx((12.0 - 3.0) / 2) and (first, last) == ("width=128", "width=512")
+    said = " ".join(report_factors.conclusion(rows))
+    assert "these factors move the ratio toward the paper's" in said and "width (d_model)" in said
+    path = tmp_path / "results.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = report_lib.report([path], tmp_path / "rep").read_text()
+    assert "## The factor screen: what makes the gap large?" in text and "| width=512 | G_AdamW / G_Muon |" in text
+    assert render_docs.RENDERERS["factors_answer"] and render_docs.RENDERERS["gpu_plan"]
+
+
+def test_no_import_circle_in_experiments():
+    """Every import between the modules of experiments/ (lazy ones inside functions too) forms no
+    cycle: a study module never imports the sweep that loads it, nor the report that reads it."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    modules = {".".join(p.relative_to(root).with_suffix("").parts): p
+               for p in sorted((root / "experiments").rglob("*.py")) if p.stem != "__init__"}
+    graph = {}
+    for name, path in modules.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("experiments"):
+                deps |= {f"{node.module}.{a.name}" for a in node.names} | {node.module}
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+        graph[name] = sorted(d for d in deps if d in modules and d != name)
+    state = {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        for dep in graph[node]:
+            assert state.get(dep) != "open", f"import circle: {' -> '.join(stack + [node, dep])}"
+            if dep not in state:
+                visit(dep, stack + [node])
+        state[node] = "done"
+
+    for name in graph:
+        if name not in state:
+            visit(name, [])
+    assert "experiments.sweep" in graph["experiments.screen"] and graph["experiments.study"] == []
+
+
+def test_the_headline_arms_run_first_and_are_measured_before_efs_arm_is_tuned():
+    cell = "width=128"
+    first = screen.ordered(*screen.plan(cell, [], [])[:2])
+    arms = [r.variant.rsplit("/", 1)[-1] for _, r in first]
+    assert arms.index("ef") == len([a for a in arms if a != "ef"])  # every sync and 2bw run before any EF run
+    rows, _ = _tuned_rows(cell, lambda opt, arm, lr: 2.0 + np.log(lr / 0.001) ** 2)
+    headline = [r for r in rows if not r["variant"].endswith("/ef")]
+    order = screen.ordered(*screen.plan(cell, headline, [])[:2])
+    kinds = [(s.name, r.variant.rsplit("/", 1)[-1]) for s, r in order]
+    measured = [i for i, k in enumerate(kinds) if k[0] == "factors"]
+    ef_tuning = [i for i, k in enumerate(kinds) if k == ("factors_tune", "ef")]
+    assert measured and ef_tuning and max(measured) < min(ef_tuning)
