@@ -29,6 +29,7 @@ def pipedream_reference(cfg, tx, data, P, **schedule):
 
 
 @pytest.mark.needs_devices(4)
+@pytest.mark.slow  # the steady state is also the middle of the default test across a sync start and cooldown
 def test_pipedream_on_the_engine_equals_simulate_with_per_stage_delays():
     """Stage s applies its gradient P-1-s updates late; the tied table (both uses) P-1 late."""
     P, cfg, data = 4, model_cfg(), batches(7, 2, 4, seed=21)
@@ -67,6 +68,7 @@ def muon_opt():
 
 
 @pytest.mark.needs_devices(4)
+@pytest.mark.slow  # the same skipping of dead actions as 2bw's default NaN test (tests/test_pipeline.py)
 def test_pipedream_bubbles_filled_with_nan_leak_nothing():
     """Every buffer, weight version and partial gradient of the fresh state poisoned: the fills
     (stage s has nothing to apply for its first P-1-s updates) read none of it."""
@@ -79,6 +81,7 @@ def test_pipedream_bubbles_filled_with_nan_leak_nothing():
 
 
 @pytest.mark.needs_devices(4)
+@pytest.mark.slow  # the config's rule is tested by tests/test_config_domains.py
 def test_2bw_runs_from_its_programs_own_validity():
     """M = P - 1 = 3 at P = 4: the 2bw program is valid there (no batch reaches two steps back),
     so the engine runs it; the tick tables needed 2(P - 1) = 6."""
@@ -136,7 +139,8 @@ def test_the_validator_rejects_a_stale_version():
 
 
 @pytest.mark.needs_devices(4)
-@pytest.mark.parametrize("variant", ["split_tables", pytest.param("moe_data_parallel", marks=pytest.mark.slow)])
+@pytest.mark.slow  # each compiles the engine twice over; the split tables' loop is tested under 2bw by default
+@pytest.mark.parametrize("variant", ["split_tables", "moe_data_parallel"])
 def test_pipedream_variants_equal_simulate(variant):
     """The vocabulary split over stage (a layout the same loop reads), and MoE with data parallel."""
     cfg = model_cfg()
@@ -155,6 +159,7 @@ def test_pipedream_variants_equal_simulate(variant):
 
 
 @pytest.mark.needs_devices(4)
+@pytest.mark.slow  # three engine runs; 2bw's in-flight state resumes through a real checkpoint in tests/test_faults.py
 def test_pipedream_resumes_exactly_mid_run():
     """The in-flight state (three weight versions, stash, buffers, batches in flight) through the host
     and back, as a checkpoint takes it: the run goes on as if never stopped."""
