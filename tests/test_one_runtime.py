@@ -159,7 +159,7 @@ def test_pipedream_variants_equal_simulate(variant):
 
 
 @pytest.mark.needs_devices(4)
-@pytest.mark.slow  # three engine runs; 2bw's in-flight state resumes through a real checkpoint in tests/test_faults.py
+@pytest.mark.slow  # three engine runs; through real checkpoints: test_trainer's test_runner_state_resumes_exactly
 def test_pipedream_resumes_exactly_mid_run():
     """The in-flight state (three weight versions, stash, buffers, batches in flight) through the host
     and back, as a checkpoint takes it: the run goes on as if never stopped."""
