@@ -25,6 +25,7 @@ from asyncpp_jax import configs
 MAX_MEANING = 160  # characters: a meaning is one line of a terminal, not a paragraph
 
 MEANINGS = {
+    "train.test_batches": "eval batches of a test split, scored once at the end (windows no validation batch holds); 0 = none",
     "train.accept_changed": "what a resume may change on purpose (corpus, tokenizer, seq_len, model), comma separated",
     "name": "the run's name: outputs go to runs/<name> unless --workdir says otherwise",
     "hardware": "the accelerator the config is meant for (a key of configs.HARDWARE_GB): the dry run's memory budget",
