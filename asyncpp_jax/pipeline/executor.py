@@ -30,12 +30,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from asyncpp_jax.models import dense
 from asyncpp_jax.pipeline import vocab_parallel
 from asyncpp_jax.pipeline.programs import Offsets
+from asyncpp_jax.pipeline.slot_plan import IDLE  # no action in this column of a slot
 from asyncpp_jax.pipeline.collectives import mean_over_data, reduce_top, vary
 from asyncpp_jax.pipeline.layout import on_data_axis, param_specs, update_specs
 from asyncpp_jax.pipeline.stage import (ResidualTemplate, StageFns, chunk_rows, head_of, is_first_virtual,
@@ -43,8 +43,6 @@ from asyncpp_jax.pipeline.stage import (ResidualTemplate, StageFns, chunk_rows, 
                                         stat_names, table_size)
 from asyncpp_jax.pipeline.state import pipeline_state_specs
 from asyncpp_jax.train_state import BATCH_SPEC
-
-IDLE = np.iinfo(np.int32).min  # no action in this column of a slot (slot_plan.IDLE)
 
 
 def add_at(acc, i, tree, axes=None):
