@@ -15,7 +15,7 @@ import re
 
 import ml_collections
 
-from asyncpp_jax.pipeline import programs  # plain Python: the schedules and their validator
+from asyncpp_jax.pipeline.schedules import programs  # plain Python: the schedules and their validator
 
 OPTIMIZERS = ("adamw", "muon", "soap", "adan", "lion", "mars")
 MUON_SCALINGS = ("moonlight", "keller")
@@ -26,7 +26,7 @@ ATTENTION_KERNELS = ("auto", "xla", "dot_product", "splash")  # models/layers.py
 SPLASH_SEQ_MULTIPLE = 128  # splash attention's blocks are multiples of 128 tokens
 RUNNERS = ("auto", "simulate", "pipeline")
 PLACEMENTS = ("spmd", "mpmd")
-MPMD_SCHEDULES = ("sync", "1f1b", "2bw")  # what config.pipeline.placement='mpmd' runs (asyncpp_jax.pipeline.mpmd)
+MPMD_SCHEDULES = ("sync", "1f1b", "2bw")  # what config.pipeline.placement='mpmd' runs (asyncpp_jax.pipeline.mpmd.engine)
 PIPEDREAM_GRADIENTS = ("mixed", "per_leaf")
 STALENESS_MODES = ("sync", "2bw", "pipedream")
 MITIGATIONS = ("none", "ef", "taylor")
@@ -799,7 +799,7 @@ def _pipeline_defaults() -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(
         dict(
             stages=1,  # > 1: the pipeline engine, layers split into this many contiguous stages
-            # sync (flush every step; the tick tables: a forward and a backward per tick) | 1f1b
+            # sync (flush every step, the eager order: a forward and a backward per slot) | 1f1b
             # (textbook 1F1B with a flush, run as a program: stage 0 stashes at most `stages`
             # microbatches, not 2*stages-1) | interleaved (Megatron's interleaved 1F1B with a flush:
             # each device holds `virtual_stages` chunks of layers, the bubble about that many times
@@ -890,7 +890,7 @@ def is_mpmd(c) -> bool:
 
 
 def _placement_errors(c) -> list[str]:
-    """What ``pipeline.placement='mpmd'`` runs (asyncpp_jax/pipeline/mpmd.py)."""
+    """What ``pipeline.placement='mpmd'`` runs (asyncpp_jax/pipeline/mpmd/engine.py)."""
     pipe, errs = c.pipeline, []
     if not _choice(errs, "pipeline.placement", pipe.get("placement", "spmd"), PLACEMENTS) or not is_mpmd(c):
         return errs

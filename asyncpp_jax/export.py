@@ -17,7 +17,7 @@ restore, as NumPy on the host: no accelerator, no optimizer state).  The config 
 was trained under (its manifest's; the workdir's ``config.json`` for older checkpoints) gives the
 tokenizer, ``seq_len`` and which runner wrote it: the pipeline engine's layout (padded layer
 stack, a tied table held as ``[D, V]``) is turned back into the model's with
-:func:`asyncpp_jax.pipeline.engine.to_model_layout`.  ``--out`` must be a new or empty directory,
+:func:`asyncpp_jax.pipeline.spmd.engine.to_model_layout`.  ``--out`` must be a new or empty directory,
 or ``--replace`` removes the files an export owns there first.
 """
 
@@ -39,7 +39,7 @@ from asyncpp_jax import configs
 from asyncpp_jax.data.tokenizers import get_tokenizer
 from asyncpp_jax.models import hf_llama, hf_moe
 from asyncpp_jax.models.hf_llama import HFCheckpointError
-from asyncpp_jax.pipeline import engine
+from asyncpp_jax.pipeline.spmd import engine
 from asyncpp_jax.train import checkpoint
 
 EXPORT_INFO = "asyncpp_export.json"

@@ -1,7 +1,7 @@
 """What both runners share: the train state, the batch layout and the optimizer step.
 
 The ``simulate`` runner (:mod:`asyncpp_jax.train.step`) and the ``pipeline`` runner
-(:mod:`asyncpp_jax.pipeline.engine`) both import from here and not from each other, so the
+(:mod:`asyncpp_jax.pipeline.spmd.engine`) both import from here and not from each other, so the
 layers stay one-way: config -> models, data, optim -> this module -> runners -> trainer.
 
 Contract: a step is ``train_step(state, batch) -> (state, metrics)`` with ``batch`` laid out as

@@ -24,7 +24,7 @@ compiled call faults its buffers' pages in afresh, a cost a step pays per device
   tick table predicts from the measured per-slot costs (``Σ_ticks max_stages cost``).
 * ``compile``: the scans over layers and ticks keep the program size flat.
 * ``schedules``: for ``P`` in {4, 8} and ``M`` in {P, 2P, 4P}, each schedule's program
-  (asyncpp_jax.pipeline.programs: ``1f1b``, ``interleaved`` with v = 2, ``zb-h1``, ``2bw``) is
+  (asyncpp_jax.pipeline.schedules.programs: ``1f1b``, ``interleaved`` with v = 2, ``zb-h1``, ``2bw``) is
   validated and simulated from per-action costs (``--costs``, default F=1, B=2, I=W=1): its critical
   path per step, its bubble fraction, its peak stash per device and its lock-step path (the same
   program run by an SPMD executor: one action per device per slot, each slot as long as its
@@ -32,13 +32,13 @@ compiled call faults its buffers' pages in afresh, a cost a step pays per device
   slots (``slot_plan.path``: paired and unpaired, the last stage's ``F`` fused into its ``B``); then each schedule's smallest
   ``M`` and the tick tables' formulas beside what their programs give.  Pure Python, no JAX program.
 * ``conditionals``: the ``lax.cond`` / ``lax.switch`` each update executes, counted in the traced
-  train step (:mod:`asyncpp_jax.pipeline.census`; an upper bound: each conditional's costliest
+  train step (:mod:`experiments.census`; an upper bound: each conditional's costliest
   branch), for ``sync``, ``2bw``, ``1f1b``, ``interleaved`` and ``zb-h1`` (their slots) at P in {4, 8} and their smallest M,
   each with whole tables and with ``vocab_parallel``, beside the single-device
   ``simulate`` step.  XLA:GPU reads each conditional's predicate on the host, a cost this CPU does
   not show.  Traced only, nothing compiled or run.
 * ``processes``: ``overlap`` where the stages surely run at the same time, with the ``1f1b``,
-  ``interleaved`` and ``zb-h1`` programs (lock-step slots, :mod:`asyncpp_jax.pipeline.slot_plan`) timed beside ``sync`` and ``2bw``.  On XLA:CPU the fake
+  ``interleaved`` and ``zb-h1`` programs (lock-step slots, :mod:`asyncpp_jax.pipeline.schedules.slot_plan`) timed beside ``sync`` and ``2bw``.  On XLA:CPU the fake
   devices of one process do not (one device's program already uses every core the process may
   use), so this mode starts one process per stage, each pinned to its own core, forming one JAX job
   over gloo (``asyncpp_jax.launch --pin_cpus``), and times ``sync`` and ``2bw`` in alternating
@@ -155,7 +155,8 @@ SCHEDULES = (("sync", None), ("1f1b", None), ("interleaved", VIRTUAL_STAGES), ("
 def schedule_rows(costs_of, p2p: float) -> list:
     """Every schedule's program at P in {4, 8}, M in {P, 2P, 4P}: critical path, bubble, stash;
     ``costs_of(P)``: the per-action costs of a stage at that P."""
-    from asyncpp_jax.pipeline import programs, slot_plan
+    from asyncpp_jax.pipeline.schedules import programs
+    from asyncpp_jax.pipeline.schedules import slot_plan
 
     rows = [programs.table_row(name, P, M, v, costs_of(P), p2p)
             for P in (4, 8) for M in (P, 2 * P, 4 * P) for name, v in SCHEDULES]
@@ -169,7 +170,7 @@ def schedule_rows(costs_of, p2p: float) -> list:
 def formula_rows() -> list:
     """Per P: each schedule's smallest M (from its program's validity) and the stash depths of the
     eager ``sync`` order and of ``2bw`` at ``2P`` microbatches."""
-    from asyncpp_jax.pipeline import programs
+    from asyncpp_jax.pipeline.schedules import programs
 
     out = []
     for P in (4, 8):
@@ -226,7 +227,11 @@ from jax.sharding import NamedSharding  # noqa: E402
 
 from asyncpp_jax.configs import base_config  # noqa: E402
 from asyncpp_jax.models import dense  # noqa: E402
-from asyncpp_jax.pipeline import engine, mpmd, slot_plan, stage  # noqa: E402
+from asyncpp_jax.pipeline import stage  # noqa: E402
+from asyncpp_jax.pipeline.options import EngineOptions  # noqa: E402
+from asyncpp_jax.pipeline.spmd import engine  # noqa: E402
+from asyncpp_jax.pipeline.mpmd import engine as mpmd  # noqa: E402
+from asyncpp_jax.pipeline.schedules import slot_plan  # noqa: E402
 from asyncpp_jax.pipeline.mesh import make_mesh  # noqa: E402
 from asyncpp_jax import train_state as state_lib  # noqa: E402
 from asyncpp_jax.train import profile  # noqa: E402
@@ -259,12 +264,12 @@ class Pipelined:
         v = VIRTUAL_STAGES if schedule == "interleaved" else 1
         layout = engine.engine_layout(cfg, rows, (P, v) if v > 1 else None)
         abstract = jax.eval_shape(layout, dense.abstract_params(cfg))
-        self.step = engine.make_pipeline_train_step(cfg, TX, LR, mesh, abstract, M, schedule, recompute=recompute,
-                                                    stage_rows=rows, virtual_stages=v, vocab_parallel=vocab_parallel)
+        options = EngineOptions(schedule=schedule, stages=P, microbatches=M, virtual_stages=v, recompute=recompute,
+                                vocab_parallel=vocab_parallel, stage_rows=rows)
+        self.step = engine.make_pipeline_train_step(cfg, TX, LR, mesh, abstract, options)
         state = state_lib.init_state(cfg, TX, jax.random.key(0), layout=layout)
-        ps = engine.init_pipeline_state(cfg, state.params, mesh, M, M * args.rows, args.seq, schedule, recompute,
-                                        stage_rows=rows)
-        self.state = engine.place_state(state.replace(runner_state=ps), mesh, abstract, vocab_parallel=vocab_parallel)
+        ps = engine.init_pipeline_state(cfg, state.params, mesh, M * args.rows, args.seq, options)
+        self.state = engine.place_state(state.replace(runner_state=ps), mesh, abstract, options)
         self.batch = state_lib.from_host(engine.global_batch_sharding(mesh), np.asarray(tokens(args, M)))
 
     def compile_seconds(self) -> float:
@@ -288,7 +293,8 @@ class Placed(Pipelined):
         cfg = model_cfg(args)
         mesh = engine.make_pipeline_mesh(1, P)
         abstract = jax.eval_shape(engine.engine_layout(cfg), dense.abstract_params(cfg))
-        self.step = mpmd.MpmdTrainStep(cfg, TX, LR, mesh, abstract, M, schedule, M * args.rows, args.seq)
+        options = EngineOptions(schedule=schedule, stages=P, microbatches=M, placement="mpmd")
+        self.step = mpmd.MpmdTrainStep(cfg, TX, LR, mesh, abstract, options, M * args.rows, args.seq)
         self.state = mpmd.init_state(cfg, self.step, jax.random.key(0))
         self.batch = state_lib.from_host(engine.global_batch_sharding(mesh), np.asarray(tokens(args, M)))
 
@@ -744,7 +750,7 @@ def compile_times(args) -> None:
 
 
 def conditionals(args) -> None:
-    from asyncpp_jax.pipeline.census import census
+    from experiments.census import census
 
     def count(step, state, batch) -> int:
         c = census(jax.make_jaxpr(step)(state, batch))

@@ -150,7 +150,7 @@ def _engine_against_simulate(devices, schedule: str, staleness: str) -> dict:
     import jax
     import numpy as np
 
-    from asyncpp_jax.pipeline import engine
+    from asyncpp_jax.pipeline.spmd import engine
     from asyncpp_jax.train import runner as runner_lib
 
     stages, params, seconds, loss = len(devices), {}, [], None

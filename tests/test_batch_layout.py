@@ -8,7 +8,7 @@ import pytest
 
 from asyncpp_jax import configs
 from asyncpp_jax.pipeline.mesh import make_mesh
-from asyncpp_jax.pipeline.engine import make_pipeline_mesh
+from asyncpp_jax.pipeline.spmd.engine import make_pipeline_mesh
 from asyncpp_jax.train import batch_layout as layout_lib
 from asyncpp_jax.train_state import BATCH_SPEC
 

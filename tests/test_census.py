@@ -1,9 +1,9 @@
-"""``asyncpp_jax.pipeline.census``: the conditionals a call executes, counted in its jaxpr."""
+"""``experiments.census``: the conditionals a call executes, counted in its jaxpr."""
 
 import jax
 from jax import lax
 
-from asyncpp_jax.pipeline.census import census
+from experiments.census import census
 
 
 def test_counts_nested_conds_switches_and_scan_lengths():

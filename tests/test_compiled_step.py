@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from asyncpp_jax.pipeline import engine
+from asyncpp_jax.pipeline.spmd import engine
 
-from test_pipeline import SCHED, T, engine_shapes, init_pipeline, make_opt, model_cfg
+from test_pipeline import SCHED, T, engine_options, engine_shapes, init_pipeline, make_opt, model_cfg
 
 V = 97  # no other dimension of the model is 97
 MOVES = {"parameter", "copy", "bitcast", "transpose", "reshape", "tuple", "get-tuple-element", "copy-start",
@@ -92,8 +92,8 @@ def test_nothing_vocabulary_sized_is_copied_inside_the_loop(schedule, tie):
     if v > 1:
         cfg.n_layers = 8
     interleave = (4, v) if v > 1 else None
-    step = engine.make_pipeline_train_step(cfg, tx, SCHED, mesh, engine_shapes(cfg, interleave), M, schedule,
-                                           virtual_stages=v)
+    step = engine.make_pipeline_train_step(cfg, tx, SCHED, mesh, engine_shapes(cfg, interleave),
+                                           engine_options(schedule, 4, M, virtual_stages=v))
     state = init_pipeline(cfg, tx, mesh, M, 16, schedule, interleave=interleave)
     tokens = np.random.default_rng(0).integers(0, V, (M, 2, T + 1))
     batch = jax.device_put(jnp.asarray(tokens, jnp.int32), engine.global_batch_sharding(mesh))
@@ -195,8 +195,8 @@ def test_the_slot_loop_copies_no_stash(schedule):
     cfg = model_cfg()
     cfg.update(vocab_size=96, n_layers=8)
     mesh, tx, M = engine.make_pipeline_mesh(1, 4), make_opt("adamw"), 8
-    step = engine.make_pipeline_train_step(cfg, tx, SCHED, mesh, engine_shapes(cfg), M, schedule, recompute=False,
-                                           vocab_parallel=True)
+    step = engine.make_pipeline_train_step(cfg, tx, SCHED, mesh, engine_shapes(cfg),
+                                           engine_options(schedule, 4, M, recompute=False, vocab_parallel=True))
     state = init_pipeline(cfg, tx, mesh, M, 16, schedule, recompute=False, vocab_parallel=True)
     tokens = np.random.default_rng(0).integers(0, 96, (M, 2, T + 1))
     batch = jax.device_put(jnp.asarray(tokens, jnp.int32), engine.global_batch_sharding(mesh))

@@ -249,11 +249,11 @@ def test_module_docstrings_name_only_existing_modules():
 def test_the_name_check_catches_a_stale_name():
     assert _mentions("see asyncpp_jax.train.step and asyncpp_jax/train/step.py", ROOT) == []
     assert _mentions("asyncpp_jax.optim.delay, asyncpp_jax.train_state.TrainState", ROOT) == []
-    assert _mentions("asyncpp_jax.pipeline.schedules", ROOT) == [
-        "asyncpp_jax.pipeline.schedules: asyncpp_jax.pipeline has no schedules"]
+    assert _mentions("asyncpp_jax.pipeline.tick_tables", ROOT) == [
+        "asyncpp_jax.pipeline.tick_tables: asyncpp_jax.pipeline has no tick_tables"]
     assert _mentions("asyncpp_jax.train.step.make_pipeline_step", ROOT) == [
         "asyncpp_jax.train.step.make_pipeline_step: asyncpp_jax.train.step defines no make_pipeline_step"]
-    assert _mentions("pipeline/schedules.py", ROOT) == ["no file pipeline/schedules.py"]
+    assert _mentions("pipeline/tick_tables.py", ROOT) == ["no file pipeline/tick_tables.py"]
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)

@@ -20,7 +20,7 @@ import pytest
 from asyncpp_jax import configs, export
 from asyncpp_jax.models import dense, hf_llama
 from asyncpp_jax.models.hf_llama import HFCheckpointError
-from asyncpp_jax.pipeline import engine
+from asyncpp_jax.pipeline.spmd import engine
 from asyncpp_jax.train import runner as runner_lib
 
 

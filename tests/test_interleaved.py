@@ -17,12 +17,15 @@ from jax.sharding import NamedSharding
 
 from asyncpp_jax import configs
 from asyncpp_jax.models import dense
-from asyncpp_jax.pipeline import engine, layout, programs, slot_plan
-from asyncpp_jax.pipeline.census import Census, census
+from asyncpp_jax.pipeline import layout
+from asyncpp_jax.pipeline.spmd import engine
+from asyncpp_jax.pipeline.schedules import programs
+from asyncpp_jax.pipeline.schedules import slot_plan
+from experiments.census import Census, census
 from asyncpp_jax.train import step as step_lib
 from asyncpp_jax.train.resume import ResumeRefused, _check_split
 
-from test_pipeline import (BF16_U, SCHED, T, assert_params_close, batches, engine_shapes, init_pipeline, make_opt,
+from test_pipeline import (BF16_U, SCHED, T, assert_params_close, batches, engine_options, engine_shapes, init_pipeline, make_opt,
                            model_cfg, run_pipeline, run_simulate)
 from test_program_executor import _replay
 
@@ -174,7 +177,7 @@ def test_eval_equals_simulate():
     abstract = engine_shapes(cfg, (P, 2))
     sharded = jax.device_put(engine.to_engine_layout(cfg, params, None, (P, 2)),
                              jax.tree.map(lambda sp: NamedSharding(mesh, sp), engine.param_specs(abstract)))
-    fn = engine.make_pipeline_eval_step(cfg, mesh, abstract, microbatch_rows=2, chunks=2)
+    fn = engine.make_pipeline_eval_step(cfg, mesh, abstract, 2, engine_options("interleaved", P, P, virtual_stages=2))
     got = fn(sharded, jax.device_put(batch, NamedSharding(mesh, jax.sharding.PartitionSpec("data"))))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5)
 
@@ -185,8 +188,8 @@ def test_conditionals_per_slot():
     conds of F and B: 5 per slot; the chunk only changes their predicates."""
     cfg, data, M = _cfg(4), batches(1, 4, 8), 4
     mesh, tx = engine.make_pipeline_mesh(1, 2), make_opt("adamw")
-    step = engine.make_pipeline_train_step(cfg, tx, SCHED, mesh, engine_shapes(cfg, (2, 2)), M, "interleaved",
-                                           virtual_stages=2)
+    step = engine.make_pipeline_train_step(cfg, tx, SCHED, mesh, engine_shapes(cfg, (2, 2)),
+                                           engine_options("interleaved", 2, M, virtual_stages=2))
     state = init_pipeline(cfg, tx, mesh, M, 8, "interleaved", interleave=(2, 2))
     batch = jax.device_put(data[0], engine.global_batch_sharding(mesh))
     plan = slot_plan.compile_program(programs.generate("interleaved", 2, M))

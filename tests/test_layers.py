@@ -21,7 +21,7 @@ LAYERS = (
     ("process set-up", ("asyncpp_jax.host_setup", "asyncpp_jax.distributed", "asyncpp_jax.limits")),
     # schedules as programs: plain Python, which the config's validator calls (the one check of a
     # schedule's rules)
-    ("schedules", ("asyncpp_jax.pipeline.programs",)),
+    ("schedules", ("asyncpp_jax.pipeline.schedules",)),
     ("config", ("asyncpp_jax.configs",)),
     ("parts", ("asyncpp_jax.models", "asyncpp_jax.data", "asyncpp_jax.optim")),
     ("train state", ("asyncpp_jax.train_state",)),
@@ -155,7 +155,7 @@ def test_no_function_level_imports_of_the_package():
 
 
 @pytest.mark.parametrize("src, dst, needle", [
-    ("asyncpp_jax.pipeline.engine", "asyncpp_jax.train.step", "beside it"),  # runner imports runner
+    ("asyncpp_jax.pipeline.spmd.engine", "asyncpp_jax.train.step", "beside it"),  # runner imports runner
     ("asyncpp_jax.models.dense", "asyncpp_jax.train_state", "above it"),
     ("asyncpp_jax.configs", "asyncpp_jax.optim.factory", "above it"),
     ("asyncpp_jax.optim.factory", "asyncpp_jax.models.dense", "beside it"),
@@ -174,6 +174,6 @@ def test_the_checks_catch_a_cycle():
 
 def test_the_graph_sees_the_real_imports():
     graph = import_graph()
-    assert ("asyncpp_jax.train_state", False) in graph["asyncpp_jax.pipeline.engine"]
+    assert ("asyncpp_jax.train_state", False) in graph["asyncpp_jax.pipeline.spmd.engine"]
     assert ("asyncpp_jax.train_state", False) in graph["asyncpp_jax.train.step"]
     assert ("asyncpp_jax.train.trainer", True) in graph["asyncpp_jax.main"]

@@ -86,7 +86,7 @@ def test_train_and_eval_steps_lower_for_gpu_and_tpu(case):
 def test_mpmd_programs_lower_for_gpu_and_tpu(case):
     """Under config.pipeline.placement='mpmd' a step is many programs, each on its own stage's
     devices: every stage's actions, every group's reduction and update, and the eval's forwards."""
-    from asyncpp_jax.pipeline import mpmd_memory
+    from asyncpp_jax.pipeline.mpmd import memory as mpmd_memory
 
     ep = case.pop("expert_parallel", False)
     c = _config(stages=2, schedule="2bw", placement="mpmd", **case)
@@ -168,7 +168,7 @@ def test_no_tpu_kernel_without_splash(attention, seq_len):
 @pytest.mark.needs_devices(4)
 def test_splash_kernel_in_every_mpmd_stage_program():
     """Under the mpmd placement each stage's programs that run its layers hold the kernel."""
-    from asyncpp_jax.pipeline import mpmd_memory
+    from asyncpp_jax.pipeline.mpmd import memory as mpmd_memory
 
     c = _attention_config("splash", stages=2, schedule="2bw", placement="mpmd")
     r = runner_lib.build(c, jax.devices())

@@ -15,13 +15,15 @@ import pytest
 from asyncpp_jax import configs
 from asyncpp_jax.models import dense
 from asyncpp_jax.optim import DelaySchedule, delay
-from asyncpp_jax.pipeline import engine, mpmd, programs
+from asyncpp_jax.pipeline.spmd import engine
+from asyncpp_jax.pipeline.mpmd import engine as mpmd
+from asyncpp_jax.pipeline.schedules import programs
 from asyncpp_jax.pipeline.mesh import make_mesh
-from asyncpp_jax.pipeline.mpmd_placement import bytes_on_devices
+from asyncpp_jax.pipeline.mpmd.placement import bytes_on_devices
 from asyncpp_jax.train import runner as runner_lib
 from asyncpp_jax.train import step as step_lib
 from helpers import orbax_round_trip
-from test_pipeline import BF16_U, SCHED, T, assert_params_close, batches, make_opt, model_cfg, run_simulate
+from test_pipeline import BF16_U, SCHED, T, engine_options, assert_params_close, batches, make_opt, model_cfg, run_simulate
 
 V = 64  # bigger than any other dimension, so "vocabulary-sized" is unambiguous
 
@@ -35,7 +37,7 @@ def vocab_cfg(tie=True):
 def make_step(cfg, tx, M, B, P, schedule, data_size=1, dsched=None, clip=0.0):
     mesh = engine.make_pipeline_mesh(data_size, P)
     shapes = jax.eval_shape(engine.engine_layout(cfg), dense.abstract_params(cfg))
-    return mpmd.MpmdTrainStep(cfg, tx, SCHED, mesh, shapes, M, schedule, B, T, dsched, clip)
+    return mpmd.MpmdTrainStep(cfg, tx, SCHED, mesh, shapes, engine_options(schedule, P, M, dsched), B, T, clip)
 
 
 def run_mpmd(cfg, tx, data, P, schedule, data_size=1, dsched=None, clip=0.0, state=None, step=None):
@@ -227,7 +229,7 @@ def test_eval_equals_simulate():
     mesh = engine.make_pipeline_mesh(2, 2)
     step = make_step(cfg, make_opt("adamw"), 2, 8, 2, "1f1b", data_size=2)
     state = mpmd.init_state(cfg, step, jax.random.key(0), params=params)
-    fn = mpmd.MpmdEvalStep(cfg, mesh, microbatch_rows=2)
+    fn = mpmd.MpmdEvalStep(cfg, mesh, 2, engine_options("sync", 2, 4))
     got = fn(state.params, jax.device_put(batch, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5)
     assert float(got[1]) == 8 * T
@@ -258,7 +260,7 @@ def test_moe_expert_parallel_equals_simulate():
     M, B = data[0].shape[0], data[0].shape[0] * data[0].shape[1]
     mesh = engine.make_pipeline_mesh(2, 2)
     shapes = jax.eval_shape(engine.engine_layout(cfg), dense.abstract_params(cfg))
-    step = mpmd.MpmdTrainStep(cfg, make_opt("adamw"), SCHED, mesh, shapes, M, "2bw", B, T, expert_parallel=True)
+    step = mpmd.MpmdTrainStep(cfg, make_opt("adamw"), SCHED, mesh, shapes, engine_options("2bw", 2, M, ep=True), B, T)
     got, metrics, _ = run_mpmd(cfg, make_opt("adamw"), data, 2, "2bw", data_size=2, step=step)
     assert metrics[-1]["moe_dropped"] > 0
     assert got.params["layers"]["block_1"]["moe"]["gate"].sharding.spec == jax.sharding.PartitionSpec("stage", "data")

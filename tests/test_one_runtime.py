@@ -14,8 +14,10 @@ import pytest
 
 from asyncpp_jax.models import dense
 from asyncpp_jax.optim import DelaySchedule, delay, error_feedback, pipedream_leaf_delays
-from asyncpp_jax.pipeline import engine, programs, slot_plan
-from asyncpp_jax.pipeline.executor import Device
+from asyncpp_jax.pipeline.spmd import engine
+from asyncpp_jax.pipeline.schedules import programs
+from asyncpp_jax.pipeline.schedules import slot_plan
+from asyncpp_jax.pipeline.spmd.executor import Device
 from test_pipeline import assert_params_close, batches, make_opt, model_cfg, run_pipeline, run_simulate
 
 

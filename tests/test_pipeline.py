@@ -15,9 +15,11 @@ from jax.sharding import NamedSharding
 from asyncpp_jax.configs import base_config
 from asyncpp_jax.models import dense
 from asyncpp_jax.optim import DelaySchedule, WeightPrediction, delay, error_feedback, muon
-from asyncpp_jax.pipeline import engine, slot_plan
+from asyncpp_jax.pipeline.options import EngineOptions
+from asyncpp_jax.pipeline.spmd import engine
+from asyncpp_jax.pipeline.schedules import slot_plan
 from asyncpp_jax.pipeline.mesh import make_mesh
-from asyncpp_jax.pipeline.census import Census, census, subjaxprs
+from experiments.census import Census, census, subjaxprs
 from asyncpp_jax import train_state as state_lib
 from helpers import run_simulate_runner
 from asyncpp_jax.train import step as step_lib
@@ -63,16 +65,26 @@ def engine_shapes(cfg, interleave=None):
     return jax.eval_shape(engine.engine_layout(cfg, None, interleave), dense.abstract_params(cfg))
 
 
+def engine_options(schedule, P, M, dsched=None, ep=False, recompute=True, prediction=None, virtual_stages=1,
+                   vocab_parallel=False, stage_rows=None) -> EngineOptions:
+    """The engine's options for a test run (what ``runner.engine_options`` reads off a config)."""
+    return EngineOptions(schedule=schedule, stages=P, microbatches=M, virtual_stages=virtual_stages,
+                         recompute=recompute, vocab_parallel=vocab_parallel, expert_parallel=ep, stage_rows=stage_rows,
+                         delay_schedule=dsched, weight_prediction=prediction)
+
+
 def init_pipeline(cfg, tx, mesh, M, B, schedule, poison=False, ep=False, recompute=True, prediction=None,
                   interleave=None, vocab_parallel=False):
     abstract = engine_shapes(cfg, interleave)
     state = state_lib.init_state(cfg, tx, jax.random.key(0), layout=engine.engine_layout(cfg, None, interleave))
-    ps = engine.init_pipeline_state(cfg, state.params, mesh, M, B, T, schedule, recompute, ep, prediction)
+    options = engine_options(schedule, mesh.shape["stage"], M, ep=ep, recompute=recompute, prediction=prediction,
+                             virtual_stages=interleave[1] if interleave else 1, vocab_parallel=vocab_parallel)
+    ps = engine.init_pipeline_state(cfg, state.params, mesh, B, T, options)
     if poison and ps is not None:  # every buffer a bubble slot could read: NaN (tokens stay valid ints)
         ps = ps._replace(**{k: jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), getattr(ps, k))
                             for k in ("weight_versions", "stash", "fwd_buf", "bwd_buf", "grad_partial",
                                       "stats_partial")})
-    return engine.place_state(state.replace(runner_state=ps), mesh, abstract, ep, vocab_parallel)
+    return engine.place_state(state.replace(runner_state=ps), mesh, abstract, options)
 
 
 def run_pipeline(cfg, tx, data, P, schedule, data_size=1, dsched=None, poison=False, ep=False, recompute=True,
@@ -83,14 +95,13 @@ def run_pipeline(cfg, tx, data, P, schedule, data_size=1, dsched=None, poison=Fa
     M, B = data[0].shape[0], data[0].shape[0] * data[0].shape[1]
     mesh = engine.make_pipeline_mesh(data_size, P)
     interleave = (P, virtual_stages) if virtual_stages > 1 else None
-    step = engine.make_pipeline_train_step(cfg, tx, SCHED, mesh, engine_shapes(cfg, interleave), M, schedule, dsched,
-                                           expert_parallel=ep, recompute=recompute, weight_prediction=prediction,
-                                           virtual_stages=virtual_stages, vocab_parallel=vocab_parallel)
+    options = engine_options(schedule, P, M, dsched, ep, recompute, prediction, virtual_stages, vocab_parallel)
+    step = engine.make_pipeline_train_step(cfg, tx, SCHED, mesh, engine_shapes(cfg, interleave), options)
     if state is None:
         state = init_pipeline(cfg, tx, mesh, M, B, schedule, poison, ep, recompute, prediction, interleave,
                               vocab_parallel)
     else:
-        state = engine.place_state(state, mesh, engine_shapes(cfg, interleave), ep, vocab_parallel)
+        state = engine.place_state(state, mesh, engine_shapes(cfg, interleave), options)
     metrics = []
     for b in data:
         state, m = step(state, jax.device_put(b, engine.global_batch_sharding(mesh)))
@@ -353,7 +364,7 @@ def test_eval_on_the_pipeline_mesh_equals_simulate_and_gathers_nothing():
     abstract = engine_shapes(cfg)
     sharded = jax.device_put(engine.to_engine_layout(cfg, params),
                              jax.tree.map(lambda sp: NamedSharding(mesh, sp), engine.param_specs(abstract)))
-    fn = engine.make_pipeline_eval_step(cfg, mesh, abstract, microbatch_rows=2)
+    fn = engine.make_pipeline_eval_step(cfg, mesh, abstract, 2, engine_options("sync", 2, 4))
     glob = jax.device_put(batch, NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
     got = fn(sharded, glob)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5)
@@ -382,7 +393,7 @@ def test_2bw_reduces_each_gradient_over_data_once():
     cfg, data = model_cfg(), batches(1, 4, 8)
     mesh = engine.make_pipeline_mesh(2, 2)
     tx = make_opt("adamw")
-    step = engine.make_pipeline_train_step(cfg, tx, SCHED, mesh, engine_shapes(cfg), 4, "2bw")
+    step = engine.make_pipeline_train_step(cfg, tx, SCHED, mesh, engine_shapes(cfg), engine_options("2bw", 2, 4))
     state = init_pipeline(cfg, tx, mesh, 4, 8, "2bw")
     jaxpr = jax.make_jaxpr(step)(state, jax.device_put(data[0], engine.global_batch_sharding(mesh)))
     reduced = _data_reductions(jaxpr.jaxpr)
@@ -403,12 +414,13 @@ def test_conditionals_per_tick(schedule, per_tick):
     mesh = engine.make_pipeline_mesh(1, 2)
     tx = make_opt("adamw")
     abstract = engine_shapes(cfg)
-    step = engine.make_pipeline_train_step(cfg, tx, SCHED, mesh, abstract, 4, schedule)
+    options = engine_options(schedule, 2, 4)
+    step = engine.make_pipeline_train_step(cfg, tx, SCHED, mesh, abstract, options)
     state = init_pipeline(cfg, tx, mesh, 4, 8, schedule)
     batch = jax.device_put(data[0], engine.global_batch_sharding(mesh))
-    plan = slot_plan.compile_schedule(schedule, 2, 4)
+    plan = options.plan
     assert census(jax.make_jaxpr(step)(state, batch)) == Census(per_tick * plan.slots, 0)
-    evaluate = engine.make_pipeline_eval_step(cfg, mesh, abstract, microbatch_rows=2)
+    evaluate = engine.make_pipeline_eval_step(cfg, mesh, abstract, 2, options)
     rows = jax.device_put(data[0].reshape(8, -1), NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
     # 8 rows in microbatches of 2 through 2 stages: 4 + 2 - 1 ticks
     assert census(jax.make_jaxpr(evaluate)(state.params, rows)) == Census(3 * 5, 0)

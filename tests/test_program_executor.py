@@ -12,10 +12,12 @@ import numpy as np
 import optax
 import pytest
 
-from asyncpp_jax.pipeline import engine, programs, slot_plan
-from asyncpp_jax.pipeline.census import Census, census
+from asyncpp_jax.pipeline.spmd import engine
+from asyncpp_jax.pipeline.schedules import programs
+from asyncpp_jax.pipeline.schedules import slot_plan
+from experiments.census import Census, census
 
-from test_pipeline import (BF16_U, assert_params_close, batches, engine_shapes, init_pipeline, make_opt, model_cfg,
+from test_pipeline import (BF16_U, assert_params_close, batches, engine_options, engine_shapes, init_pipeline, make_opt, model_cfg,
                            run_pipeline, run_simulate, SCHED)
 
 CASES = [(2, 2), (2, 5), (4, 4), (4, 8), (4, 16), (8, 8), (8, 32)]
@@ -239,7 +241,7 @@ def test_conditionals_per_slot(schedule, per_slot):
     cfg, data = model_cfg(), batches(1, 4, 8)
     mesh = engine.make_pipeline_mesh(1, 2)
     tx = make_opt("adamw")
-    step = engine.make_pipeline_train_step(cfg, tx, SCHED, mesh, engine_shapes(cfg), 4, schedule)
+    step = engine.make_pipeline_train_step(cfg, tx, SCHED, mesh, engine_shapes(cfg), engine_options(schedule, 2, 4))
     state = init_pipeline(cfg, tx, mesh, 4, 8, schedule)
     batch = jax.device_put(data[0], engine.global_batch_sharding(mesh))
     plan = slot_plan.compile_program(programs.generate(schedule, 2, 4))

@@ -1,4 +1,4 @@
-"""Schedules as programs (asyncpp_jax.pipeline.programs): the validator rejects each broken rule, every
+"""Schedules as programs (asyncpp_jax.pipeline.schedules.programs): the validator rejects each broken rule, every
 generator's program validates, and what is derived from a program matches the textbook figures.
 
 Pure Python: no JAX program is built or compiled.
@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 
-from asyncpp_jax.pipeline import programs as pr
+from asyncpp_jax.pipeline.schedules import programs as pr
 
 A = pr.Action
 UNIT = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}

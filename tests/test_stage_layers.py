@@ -16,8 +16,9 @@ from asyncpp_jax import configs
 from asyncpp_jax import train_state as state_lib
 from asyncpp_jax.models import dense
 from asyncpp_jax.optim import build_optimizer, delay
-from asyncpp_jax.pipeline import engine, stage
-from test_pipeline import SCHED, T, assert_params_close, batches, make_opt, model_cfg, run_simulate
+from asyncpp_jax.pipeline import stage
+from asyncpp_jax.pipeline.spmd import engine
+from test_pipeline import SCHED, T, assert_params_close, engine_options, batches, make_opt, model_cfg, run_simulate
 
 
 def with_nan_padding(params, rows):
@@ -33,17 +34,17 @@ def run_split(cfg, tx, data, P, schedule, stage_layers, recompute=True, poison=F
     M, B = data[0].shape[0], data[0].shape[0] * data[0].shape[1]
     mesh = engine.make_pipeline_mesh(1, P)
     abstract = jax.eval_shape(engine.engine_layout(cfg, rows), dense.abstract_params(cfg))
-    step = engine.make_pipeline_train_step(cfg, tx, SCHED, mesh, abstract, M, schedule, recompute=recompute,
-                                           stage_rows=rows)
+    options = engine_options(schedule, P, M, recompute=recompute, stage_rows=rows)
+    step = engine.make_pipeline_train_step(cfg, tx, SCHED, mesh, abstract, options)
     params = engine.to_engine_layout(cfg, dense.init_params(cfg, jax.random.key(0)), rows)
     if nan_padding:
         params = with_nan_padding(params, rows)
     state = state_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
-    ps = engine.init_pipeline_state(cfg, params, mesh, M, B, T, schedule, recompute, stage_rows=rows)
+    ps = engine.init_pipeline_state(cfg, params, mesh, B, T, options)
     if poison and ps is not None:  # in-flight buffers a bubble slot could read: NaN
         ps = ps._replace(**{k: jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), getattr(ps, k))
                             for k in ("stash", "fwd_buf", "bwd_buf")})
-    state = engine.place_state(state.replace(runner_state=ps), mesh, abstract)
+    state = engine.place_state(state.replace(runner_state=ps), mesh, abstract, options)
     metrics = []
     for b in data:
         state, m = step(state, jax.device_put(b, engine.global_batch_sharding(mesh)))
@@ -103,7 +104,7 @@ def test_engine_refuses_params_in_the_model_layout():
     with pytest.raises(ValueError, match=r"tied embedding table as the head's \[d_model, vocab\] = \(16, 31\).*"
                                          r"engine.to_engine_layout"):
         engine.make_pipeline_train_step(cfg, optax.adamw(1e-3), SCHED, engine.make_pipeline_mesh(1, 2),
-                                        dense.abstract_params(cfg), 2, "sync")
+                                        dense.abstract_params(cfg), engine_options("sync", 2, 2))
 
 
 def test_stage_split_rejects_bad_splits():
@@ -207,7 +208,7 @@ def test_eval_step_with_uneven_split_equals_simulate(P, split):
     mesh = engine.make_pipeline_mesh(1, P)
     padded = with_nan_padding(engine.to_engine_layout(cfg, params, rows), rows)  # never read: the loss stays finite
     abstract = jax.eval_shape(lambda p: p, padded)
-    eval_step = engine.make_pipeline_eval_step(cfg, mesh, abstract, 2, stage_rows=rows)
+    eval_step = engine.make_pipeline_eval_step(cfg, mesh, abstract, 2, engine_options("sync", P, 4, stage_rows=rows))
     batch = batches(1, 4, 8, seed=5)[0].reshape(8, T + 1)
     total, count = eval_step(padded, batch)
     logits = dense.Decoder(cfg).apply({"params": params}, batch[:, :-1])
@@ -242,13 +243,12 @@ def test_padding_stays_zero_with_every_optimizer(name):
     data = batches(4, 2, 4, seed=6)
     mesh = engine.make_pipeline_mesh(1, 2)
     prediction = weight_prediction(staleness, 4)
-    step = engine.make_pipeline_train_step(c.model, tx, schedule, mesh, shapes, 2, "2bw", delay_schedule(staleness, 4),
-                                           weight_prediction=prediction, stage_rows=rows)
+    options = engine_options("2bw", 2, 2, delay_schedule(staleness, 4), prediction=prediction, stage_rows=rows)
+    step = engine.make_pipeline_train_step(c.model, tx, schedule, mesh, shapes, options)
     params = engine.to_engine_layout(c.model, dense.init_params(c.model, jax.random.key(0)), rows)
     state = state_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
-    ps = engine.init_pipeline_state(c.model, params, mesh, 2, 4, T, "2bw", True, weight_prediction=prediction,
-                                    stage_rows=rows)
-    state = engine.place_state(state.replace(runner_state=ps), mesh, shapes)
+    ps = engine.init_pipeline_state(c.model, params, mesh, 4, T, options)
+    state = engine.place_state(state.replace(runner_state=ps), mesh, shapes, options)
     before = jax.device_get(engine.unpad_layers(state.params, rows))
     for b in data:
         state, m = step(state, jax.device_put(b, engine.global_batch_sharding(mesh)))

@@ -312,7 +312,7 @@ def test_runner_state_resumes_exactly(cache_dir, tmp_path, runner):
             assert first.run(until_step=pause).status == "paused"
             first.close()
         t = Trainer(cfg, tmp_path / name)
-        assert t.runner.vocab_parallel == runner.endswith("vocab_parallel")
+        assert bool(t.runner.options and t.runner.options.vocab_parallel) == runner.endswith("vocab_parallel")
         assert t.runner.mpmd == runner.endswith("mpmd")
         assert t.run().step == 6
         t.close()

@@ -15,7 +15,7 @@ import test_pipeline as tp
 from test_compiled_step import vocab_moves_in_loops
 from asyncpp_jax import configs
 from asyncpp_jax.models import dense
-from asyncpp_jax.pipeline import engine
+from asyncpp_jax.pipeline.spmd import engine
 from asyncpp_jax.pipeline.mesh import make_mesh
 from asyncpp_jax.pipeline import vocab_parallel as vp
 from asyncpp_jax.pipeline.layout import make_pipeline_mesh
@@ -207,7 +207,9 @@ def test_split_tables_eval_equals_simulate(stages, chunks):
     specs = engine.param_specs(abstract, vocab_parallel=True)
     sharded = jax.device_put(engine.to_engine_layout(cfg, params, None, interleave),
                              jax.tree.map(lambda sp: NamedSharding(mesh, sp), specs))
-    fn = engine.make_pipeline_eval_step(cfg, mesh, abstract, microbatch_rows=2, chunks=chunks, vocab_parallel=True)
+    options = tp.engine_options("interleaved" if chunks > 1 else "sync", stages, stages, virtual_stages=chunks,
+                                vocab_parallel=True)
+    fn = engine.make_pipeline_eval_step(cfg, mesh, abstract, 2, options)
     got = fn(sharded, jax.device_put(batch, NamedSharding(mesh, P("data"))))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5)
 
@@ -237,8 +239,8 @@ def test_no_device_holds_a_whole_table(schedule, tie):
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, V_SPLIT, (M, 2, tp.T + 1)), jnp.int32)
 
     def compiled(split):
-        step = engine.make_pipeline_train_step(cfg, tx, tp.SCHED, mesh, tp.engine_shapes(cfg), M, schedule,
-                                               vocab_parallel=split)
+        step = engine.make_pipeline_train_step(cfg, tx, tp.SCHED, mesh, tp.engine_shapes(cfg),
+                                               tp.engine_options(schedule, STAGES, M, vocab_parallel=split))
         state = tp.init_pipeline(cfg, tx, mesh, M, 12, schedule, vocab_parallel=split)
         return state, step.lower(state, jax.device_put(tokens, engine.global_batch_sharding(mesh))).compile().as_text()
 

@@ -184,7 +184,7 @@ def apply_layers_with_aux(cfg, layer_params: dict, h: Array, live: Array | None 
     """:func:`apply_layers`, also returning the slice's MoE aux values summed over its layers.
 
     ``live`` (an int, possibly traced): only the first ``live`` rows of the stack are layers; the
-    rest are padding (the pipeline engine's uneven split, :func:`asyncpp_jax.pipeline.engine.pad_layers`).
+    rest are padding (the pipeline engine's uneven split, :func:`asyncpp_jax.pipeline.spmd.engine.pad_layers`).
     Each padded row is skipped (:func:`_skippable`): it computes nothing in the forward or the
     backward, passes ``h`` through, adds no aux, and gets an exactly zero gradient.
     """

@@ -1,4 +1,4 @@
-"""What one pipeline stage computes in one slot of a tick.
+"""What one pipeline stage computes in one slot of a program.
 
 A stage holds a contiguous block of layers (``layers``: the stacked leaves, local to the stage)
 and, for the stages that use them, the non-layer parameters (``top``: the embedding, the final
@@ -14,7 +14,7 @@ norm, the head).  Three kinds of work, each run only where it belongs:
 * ``backward`` (every stage but the last): the block's vjp with the cotangent received from
   ``s+1``; on stage 0 the input cotangent is added to the embedding's gradient rows (a lookup's
   transpose), elsewhere it is sent to ``s-1``.
-* ``last`` (stage ``P-1``, whose forward and backward of a microbatch fall in the same tick): one
+* ``last`` (stage ``P-1``, whose forward and backward of a microbatch run in the same slot): one
   fused ``vjp`` of block + final norm + head + loss, so its forward is never run twice and the
   full-vocabulary logits exist on this stage only.
 
@@ -44,7 +44,7 @@ def join_params(layers, top: dict) -> dict:
 
 
 # The engine holds a tied embedding table in the head's ``[D, V]`` layout
-# (:func:`asyncpp_jax.pipeline.engine.to_engine_layout`): the head reads it as it is, the lookup
+# (:func:`asyncpp_jax.pipeline.spmd.engine.to_engine_layout`): the head reads it as it is, the lookup
 # takes its columns, and its gradient, the table's optimizer state and the reduction over stages
 # all live in that one layout, so no step ever transposes a vocabulary-sized matrix.
 
@@ -122,7 +122,7 @@ class StageFns:
     cfg: Any
     microbatches: int
     recompute: bool
-    # Uneven split (:func:`asyncpp_jax.pipeline.engine.stage_split`): stage ``s`` runs only the
+    # Uneven split (:func:`asyncpp_jax.pipeline.spmd.engine.stage_split`): stage ``s`` runs only the
     # first ``stage_rows[s]`` rows of its (padded) stack; ``None``: every row is a layer.
     stage_rows: tuple | None = None
     # The backward as two actions (zb-h1): ``I`` (:meth:`input_grad`, :meth:`last_input`) and ``W``
@@ -268,7 +268,7 @@ class ResidualTemplate:
 
     ``treedef`` and ``where`` (for each closure leaf: ``('w', i)`` the i-th weight leaf, or
     ``('r', i)`` the i-th stashed residual) are read off the forward slot's trace; the backward
-    slot, traced after it in the same tick, uses them.
+    slot, traced after it in the same step, uses them.
     """
 
     treedef: Any = None

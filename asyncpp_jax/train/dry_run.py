@@ -19,6 +19,7 @@ blockwise as the fused kernels are, so the estimate holds no [T, T] score buffer
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -29,9 +30,9 @@ from asyncpp_jax import configs
 from asyncpp_jax.models import count_params, layers
 from asyncpp_jax.models.flops import active_matmul_params, flops_per_token
 from asyncpp_jax.models.moe import with_expert_parallel
-from asyncpp_jax.pipeline import mpmd_memory, slot_plan
-from asyncpp_jax.pipeline import state as pipeline_state
-from asyncpp_jax.pipeline.mpmd_placement import bytes_on_devices
+from asyncpp_jax.pipeline.mpmd import memory as mpmd_memory
+from asyncpp_jax.pipeline.spmd import state as pipeline_state
+from asyncpp_jax.pipeline.mpmd.placement import bytes_on_devices
 from asyncpp_jax.train import fit
 from asyncpp_jax.train import runner as runner_lib
 from asyncpp_jax.train import step as step_lib
@@ -87,17 +88,17 @@ def _stash_bytes(runner) -> dict:
     out = {}
     b = c.train.global_batch_size // c.train.microbatches // runner.data_size
     model = with_expert_parallel(c.model, "data", runner.data_size) if c.mesh.expert_parallel else c.model
-    v = runner.chunks
-    split = c.pipeline.schedule == "zb-h1"
+    options = runner.options
+    v, split = options.chunks, options.plan.split
 
     def entry_bytes(recompute, ring="stash"):
         entry = pipeline_state.ring_shapes(model, runner.mesh, runner.shapes, b, c.data.seq_len, recompute,
-                                           c.mesh.expert_parallel, runner.stage_rows, split, ring)
+                                           options.expert_parallel, options.stage_rows, split, ring)
         return sum(int(np.prod(e.shape)) * jnp.dtype(e.dtype).itemsize for e in entry)
 
     for recompute in (True, False):
         per_entry = entry_bytes(recompute)
-        plan = slot_plan.compile_schedule(c.pipeline.schedule, c.pipeline.stages, c.train.microbatches, recompute, v)
+        plan = dataclasses.replace(options, recompute=recompute).plan
         total = plan.depth["stash"] * per_entry // (1 if recompute else v)
         if split:  # what each I keeps for its W: every leaf call's input and output cotangent
             total += plan.depth["save"] * entry_bytes(recompute, "save")
@@ -125,14 +126,15 @@ def _vocab_bytes(runner, state) -> dict:
     elements = sum(int(np.prod(x.shape)) for x in tables)
     if runner.mpmd and not c.model.tie_embeddings:  # each end stage holds one of the two tables
         elements //= 2
-    is_2bw = c.pipeline.schedule == "2bw"
+    versions = 1 + runner.options.delay  # the weight versions a step reads (2bw: 2; pipedream: P)
     compute = jnp.dtype(c.model.compute_dtype).itemsize
-    casts = (2 if is_2bw else 1) * elements * compute if compute != tables[0].dtype.itemsize else 0
-    step = (2 if is_2bw else 1) * elements * 4 + casts
-    if runner.vocab_parallel:  # every per-device figure is of one block of the vocabulary
+    casts = versions * elements * compute if compute != tables[0].dtype.itemsize else 0
+    step = versions * elements * 4 + casts
+    vocab_parallel = runner.options.vocab_parallel
+    if vocab_parallel:  # every per-device figure is of one block of the vocabulary
         step //= c.pipeline.stages
     out = {**held, "step_estimate": step, "total": sum(held.values()) + step, "vocab_size": vocab,
-           "stages": c.pipeline.stages, "vocab_parallel": runner.vocab_parallel}
+           "stages": c.pipeline.stages, "vocab_parallel": vocab_parallel}
     if runner.mpmd:  # what each stage holds (with the step's share where it holds a table)
         per = bytes_on_devices([x for x in jax.tree.leaves(state) if is_vocab(x)])
         held_s = [per.get(runner.mesh.devices[0, s].id, 0) for s in range(c.pipeline.stages)]
@@ -191,7 +193,7 @@ def measure(c, devices, budget: int | None) -> fit.Measurement:
 
 def _measure_stages(runner, state) -> fit.Measurement:
     """The mpmd placement: each stage's peak from its own compiled programs
-    (:mod:`asyncpp_jax.pipeline.mpmd_memory`); the step's peak is the fullest stage's."""
+    (:mod:`asyncpp_jax.pipeline.mpmd.memory`); the step's peak is the fullest stage's."""
     t0 = time.perf_counter()
     stages = mpmd_memory.train_memory(runner.train_step, state)
     t1 = time.perf_counter()

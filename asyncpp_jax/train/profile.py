@@ -35,7 +35,7 @@ import jax
 log = logging.getLogger(__name__)
 
 # (named scope in the op_name, what it is), first match wins; set by `jax.named_scope` in
-# pipeline/executor.py (pp_*) and the runners (optimizer_update, sim_grad).  Anything else is "other".
+# pipeline/spmd/executor.py (pp_*) and the runners (optimizer_update, sim_grad).  Anything else is "other".
 PARTS = (
     ("pp_fwd", "engine: forward slots (stages 0..P-2)"),
     ("pp_bwd", "engine: backward slots (stages 0..P-2)"),
@@ -44,7 +44,7 @@ PARTS = (
     ("pp_send", "engine: ppermute of activations / cotangents, waiting for the peer stage included"),
     ("pp_versions", "engine: weight versions (casts, tied head transpose)"),
     ("pp_reduce", "engine: accumulators reduced over stage and data"),
-    ("pp_tick", "engine: tick bookkeeping (conds, stash ring, accumulator adds)"),
+    ("pp_tick", "engine: slot bookkeeping (conds, stash ring, accumulator adds)"),
     ("sim_grad", "simulate runner: forward + backward"),
     ("optimizer_update", "optimizer update (and staleness transforms)"),
 )

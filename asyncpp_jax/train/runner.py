@@ -4,7 +4,7 @@ Shared by the trainer and the dry run, so the dry run compiles exactly the progr
 executes.  ``simulate`` is one jitted data-parallel program (the delay, if any, in the optimizer
 chain or, for exact PipeDream, in the runner's weight history); ``pipeline`` is the
 ``shard_map`` engine over ``('data', 'stage')``, or with ``pipeline.placement='mpmd'`` one
-program per stage (:mod:`asyncpp_jax.pipeline.mpmd`); the runners share one contract.
+program per stage (:mod:`asyncpp_jax.pipeline.mpmd.engine`); the runners share one contract.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from asyncpp_jax import configs
 from asyncpp_jax import train_state as state_lib
 from asyncpp_jax.models import abstract_params, hf_llama
 from asyncpp_jax.optim import build_optimizer, delay_schedule, weight_prediction, weight_versions
-from asyncpp_jax.pipeline import engine, mpmd, slot_plan
+from asyncpp_jax.pipeline.options import EngineOptions
+from asyncpp_jax.pipeline.spmd import engine
+from asyncpp_jax.pipeline.mpmd import engine as mpmd
 from asyncpp_jax.pipeline.mesh import make_mesh
 from asyncpp_jax.train import step as step_lib
 
@@ -35,9 +37,7 @@ class Runner:
     schedule: optax.Schedule
     train_step: Callable
     weight_versions: Any  # what runner_state holds: optim.WeightVersions (exact PipeDream) or WeightPrediction
-    # config.pipeline.stage_layers as rows of the layer stack per stage (engine.stage_split); None:
-    # an even split (or no pipeline), no padding
-    stage_rows: tuple | None = None
+    options: EngineOptions | None = None  # what the pipeline engine is told (None: the simulate runner)
     model_shapes: Any = None  # abstract params of the model itself (its own layout): what to count or export
 
     def __post_init__(self):
@@ -50,30 +50,22 @@ class Runner:
         return configs.interleave_of(self.config) if self.pipelined else None
 
     @property
-    def vocab_parallel(self) -> bool:
-        """Whether the engine splits the vocabulary-sized tables over its stages."""
-        return self.pipelined and bool(self.config.pipeline.get("vocab_parallel", False))
+    def stage_rows(self) -> tuple | None:
+        """``config.pipeline.stage_layers`` as rows of the layer stack per stage
+        (``engine.stage_split``); None: an even split (or no pipeline), no padding."""
+        return self.options.stage_rows if self.pipelined else None
 
     @property
     def mpmd(self) -> bool:
         """Whether the engine runs one program per stage (``config.pipeline.placement='mpmd'``)."""
-        return self.pipelined and configs.is_mpmd(self.config)
+        return self.pipelined and self.options.placement == "mpmd"
 
-    @property
-    def chunks(self) -> int:
-        """Layer chunks per device: ``virtual_stages`` under ``interleaved``, else 1."""
-        return (self.interleave or (0, 1))[1]
-
-    def schedule_plan(self) -> slot_plan.SlotPlan | None:
+    def schedule_plan(self):
         """What the engine's step runs, printable (``render()``, ``useful_fraction()``): the
-        schedule's program in lock-step slots (under ``mpmd``, its program)."""
-        c = self.config
+        program in lock-step slots (under ``mpmd``, the program itself)."""
         if not self.pipelined:
             return None
-        if self.mpmd:
-            return self.train_step.delayed if c.pipeline.schedule == "2bw" else self.train_step.flushed
-        return slot_plan.compile_schedule(c.pipeline.schedule, c.pipeline.stages, c.train.microbatches,
-                                          c.pipeline.recompute, self.chunks)
+        return self.options.program if self.mpmd else self.options.plan
 
     def init_fn(self) -> Callable:
         """``init(key) -> state`` for a fresh run (the trainer jits it with the state's shardings).
@@ -109,17 +101,14 @@ class Runner:
                                          else None, params=pretrained() if pretrained is not None else None)
             if self.pipelined:
                 state = state.replace(runner_state=engine.init_pipeline_state(
-                    c.model, state.params, self.mesh, c.train.microbatches, c.train.global_batch_size,
-                    c.data.seq_len, c.pipeline.schedule, c.pipeline.recompute, c.mesh.expert_parallel,
-                    self.weight_versions, stage_rows=self.stage_rows))
+                    c.model, state.params, self.mesh, c.train.global_batch_size, c.data.seq_len, self.options))
             return state
 
         return init
 
     def state_shardings(self, abstract_state):
         if self.pipelined:
-            return engine.state_shardings(abstract_state, self.mesh, self.shapes, self.config.mesh.expert_parallel,
-                                          self.vocab_parallel)
+            return engine.state_shardings(abstract_state, self.mesh, self.shapes, self.options)
         return jax.tree.map(lambda _: state_lib.replicated(self.mesh), abstract_state)
 
     def abstract_state(self, key):
@@ -136,11 +125,9 @@ class Runner:
         c = self.config
         rows = c.train.global_batch_size // c.train.microbatches // self.data_size
         if self.mpmd:
-            return mpmd.MpmdEvalStep(c.model, self.mesh, rows, c.mesh.expert_parallel)
+            return mpmd.MpmdEvalStep(c.model, self.mesh, rows, self.options)
         if self.pipelined:
-            return engine.make_pipeline_eval_step(c.model, self.mesh, self.shapes, rows, c.mesh.expert_parallel,
-                                                  stage_rows=self.stage_rows, chunks=self.chunks,
-                                                  vocab_parallel=self.vocab_parallel)
+            return engine.make_pipeline_eval_step(c.model, self.mesh, self.shapes, rows, self.options)
         return step_lib.make_eval_step(c.model, self.mesh)
 
     def eval_group(self) -> int:
@@ -176,26 +163,33 @@ def build(c, devices) -> Runner:
     # is taken over all of them by the step itself.
     optimizer, schedule = build_optimizer(c.optimizer, c.train.steps, staleness, shapes,
                                           delay_in_chain=not pipelined, clip=not is_mpmd)
+    options = engine_options(c, stage_rows) if pipelined else None
     if is_mpmd:
         versions = None
-        train_step = mpmd.MpmdTrainStep(c.model, optimizer, schedule, mesh, shapes, c.train.microbatches,
-                                        c.pipeline.schedule, c.train.global_batch_size, c.data.seq_len,
-                                        delay_schedule(staleness, c.train.steps), c.optimizer.grad_clip,
-                                        c.mesh.expert_parallel)
+        train_step = mpmd.MpmdTrainStep(c.model, optimizer, schedule, mesh, shapes, options,
+                                        c.train.global_batch_size, c.data.seq_len, c.optimizer.grad_clip)
     elif pipelined:
-        versions = None
-        prediction = weight_prediction(staleness, c.train.steps)
-        train_step = engine.make_pipeline_train_step(
-            c.model, optimizer, schedule, mesh, shapes, c.train.microbatches, c.pipeline.schedule,
-            delay_schedule(staleness, c.train.steps), expert_parallel=c.mesh.expert_parallel,
-            recompute=c.pipeline.recompute, weight_prediction=prediction, stage_rows=stage_rows,
-            virtual_stages=(interleave or (0, 1))[1], vocab_parallel=bool(c.pipeline.get("vocab_parallel", False)))
-        versions = prediction  # the engine keeps δ in its in-flight state, not in a versions tree
+        train_step = engine.make_pipeline_train_step(c.model, optimizer, schedule, mesh, shapes, options)
+        versions = options.weight_prediction  # the engine keeps δ in its in-flight state, not in a versions tree
     else:
         versions = weight_versions(staleness, c.train.steps, shapes)
         prediction = weight_prediction(staleness, c.train.steps)
         train_step = step_lib.make_train_step(c.model, optimizer, schedule, mesh,
                                               delay_schedule(staleness, c.train.steps), versions, prediction)
         versions = versions if prediction is None else prediction
-    return Runner(c, mesh, data_size, pipelined, shapes, optimizer, schedule, train_step, versions, stage_rows,
+    return Runner(c, mesh, data_size, pipelined, shapes, optimizer, schedule, train_step, versions, options,
                   model_shapes)
+
+
+def engine_options(c, stage_rows: tuple | None) -> EngineOptions:
+    """What the pipeline engine is told about a run of config ``c`` (validated), in one object:
+    the only place its schedule's name is read off the config."""
+    staleness = configs.effective_staleness(c)
+    interleave = configs.interleave_of(c)
+    return EngineOptions(
+        schedule=c.pipeline.schedule, stages=c.pipeline.stages, microbatches=c.train.microbatches,
+        virtual_stages=interleave[1] if interleave else 1, recompute=bool(c.pipeline.recompute),
+        vocab_parallel=bool(c.pipeline.get("vocab_parallel", False)), expert_parallel=bool(c.mesh.expert_parallel),
+        placement=c.pipeline.get("placement", "spmd"), stage_rows=stage_rows,
+        delay_schedule=delay_schedule(staleness, c.train.steps),
+        weight_prediction=weight_prediction(staleness, c.train.steps))

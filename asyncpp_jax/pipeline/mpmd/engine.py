@@ -5,21 +5,21 @@ Under ``spmd`` (the default) one ``shard_map`` program runs every stage, so ever
 same shapes: the embedding and the head (whole, or 1/P of each with ``vocab_parallel``), their
 previous version, accumulators and optimizer state sit on the middle stages too, which never
 read them.  Here the state is split into groups that live on the devices that use them
-(:mod:`~asyncpp_jax.pipeline.mpmd_placement`): the embedding on stage 0, the final norm and head
+(:mod:`~asyncpp_jax.pipeline.mpmd.placement`): the embedding on stage 0, the final norm and head
 on stage ``P-1``, a tied table on those two only, the layers on their own stages.  The host
-runs a schedule's program (:mod:`~asyncpp_jax.pipeline.programs`), dispatching each action to
-its stage's compiled program (:mod:`~asyncpp_jax.pipeline.mpmd_stages`) and each activation and
+runs a schedule's program (:mod:`~asyncpp_jax.pipeline.schedules.programs`), dispatching each action to
+its stage's compiled program (:mod:`~asyncpp_jax.pipeline.mpmd.stages`) and each activation and
 cotangent to the next stage's devices with ``jax.device_put``.  Dispatch is asynchronous: the
 host only enqueues, each device runs its actions in the program's order as their inputs arrive,
 and nothing is read back during a step.  The same programs as the ``spmd`` engine, validated the
-same way; the update runs group by group (:mod:`~asyncpp_jax.pipeline.mpmd_update`).
+same way; the update runs group by group (:mod:`~asyncpp_jax.pipeline.mpmd.update`).
 
 Schedules: ``1f1b`` (and ``sync``, the same flushed update) and ``2bw``.  Under ``2bw`` update ``t``
 applies batch ``t-1``'s gradient taken at ``w[t-1]`` (the simulate runner's ``delay(1)``); the
 program never flushes, so the previous batch's unfinished backwards, their stashed activations,
 the cotangents in transit and the partial accumulators cross steps in :class:`MpmdState` (and
 so into checkpoints).  The delay lives in one place, the program's microbatch versions
-(:func:`asyncpp_jax.pipeline.programs.two_bw`): an action on a previous-batch microbatch reads
+(:func:`asyncpp_jax.pipeline.schedules.programs.two_bw`): an action on a previous-batch microbatch reads
 ``prev_params``.  A synchronous start and cooldown (``optim.DelaySchedule``) run the ``1f1b``
 program and drop what is in flight, as the ``spmd`` engine does.
 """
@@ -38,11 +38,12 @@ from jax.sharding import PartitionSpec as P
 from asyncpp_jax import configs
 from asyncpp_jax.models import dense
 from asyncpp_jax.optim.staleness import DelaySchedule
-from asyncpp_jax.pipeline import programs
+from asyncpp_jax.pipeline.options import EngineOptions
+from asyncpp_jax.pipeline.schedules import programs
 from asyncpp_jax.pipeline.layout import to_engine_layout
-from asyncpp_jax.pipeline.mpmd_placement import Placement
-from asyncpp_jax.pipeline.mpmd_stages import StagePrograms
-from asyncpp_jax.pipeline.mpmd_update import GroupedUpdate
+from asyncpp_jax.pipeline.mpmd.placement import Placement
+from asyncpp_jax.pipeline.mpmd.stages import StagePrograms
+from asyncpp_jax.pipeline.mpmd.update import GroupedUpdate
 from asyncpp_jax.train_state import BATCH_SPEC, TrainState
 
 SCHEDULES = configs.MPMD_SCHEDULES  # the config's check reads the same list
@@ -122,12 +123,10 @@ class MpmdTrainStep:
     """``train_step(state, batch) -> (state, metrics)`` of the ``mpmd`` placement (the runners'
     contract), with ``state.opt_state`` a dict of each group's optimizer state."""
 
-    def __init__(self, model_cfg, optimizer, schedule, mesh, params_abstract, microbatches: int,
-                 pipeline_schedule: str, global_batch: int, seq_len: int, delay_schedule: DelaySchedule | None = None,
-                 grad_clip: float = 0.0, expert_parallel: bool = False):
-        if pipeline_schedule not in SCHEDULES:
-            raise ValueError(f"config.pipeline.placement='mpmd' runs config.pipeline.schedule in {SCHEDULES}, "
-                             f"not {pipeline_schedule!r}: use placement='spmd' for it.")
+    def __init__(self, model_cfg, optimizer, schedule, mesh, params_abstract, options: EngineOptions,
+                 global_batch: int, seq_len: int, grad_clip: float = 0.0):
+        # The config's validator admits the schedules in SCHEDULES only.
+        microbatches, expert_parallel = options.microbatches, options.expert_parallel
         self.cfg, self.M = model_cfg, microbatches
         self.placement = pl = Placement(mesh)
         P_ = pl.n_stages
@@ -135,8 +134,8 @@ class MpmdTrainStep:
             raise ValueError(f"the pipeline engine needs config.pipeline.stages >= 2, got {P_}.")
         self.n_stages, self.data = P_, mesh.shape["data"]
         self.rows, self.seq_len, self.global_batch = global_batch // microbatches // self.data, seq_len, global_batch
-        self.is_2bw = pipeline_schedule == "2bw"
-        self.delay_schedule = (delay_schedule or DelaySchedule(1)) if self.is_2bw else None
+        self.is_2bw = options.flushless  # a one-step delay: SCHEDULES' one flushless program
+        self.delay_schedule = options.in_force() if self.is_2bw else None
         self.tied, self.expert_parallel = bool(model_cfg.tie_embeddings), expert_parallel
         self.params_abstract = params_abstract
         self.stages = [StagePrograms(model_cfg, pl, s, microbatches, expert_parallel) for s in range(P_)]
@@ -149,10 +148,10 @@ class MpmdTrainStep:
         self.zero_activation = [jax.jit(functools.partial(jnp.zeros, a.shape, a.dtype), out_shardings=a.sharding)
                                 for a in acts]
         self.update = GroupedUpdate(model_cfg, optimizer, schedule, pl, params_abstract, grad_clip, expert_parallel)
-        self.flushed = programs.validate(programs.generate("1f1b" if self.is_2bw else pipeline_schedule, P_, microbatches))
+        self.flushed = options.transition().program if self.is_2bw else options.program
         self.windows = {"flushed": order(self.flushed, False)}
         if self.is_2bw:
-            self.delayed = programs.validate(programs.generate("2bw", P_, microbatches))
+            self.delayed = options.program
             self.windows.update(fill=order(self.delayed, False), steady=order(self.delayed, True))
             self.carried = carried_keys(self.windows["fill"], P_)
         self._last_step: tuple | None = None  # (the step array this returned, its value): no read back
@@ -266,7 +265,8 @@ class MpmdEvalStep:
     """``eval_step(params, batch[B, T+1]) -> (sum of token losses, token count)``: the forward-only
     program, each stage on its own devices."""
 
-    def __init__(self, model_cfg, mesh, microbatch_rows: int, expert_parallel: bool = False):
+    def __init__(self, model_cfg, mesh, microbatch_rows: int, options: EngineOptions):
+        expert_parallel = options.expert_parallel
         self.placement = pl = Placement(mesh)
         self.rows, self.n_stages, self.tied = microbatch_rows, pl.n_stages, bool(model_cfg.tie_embeddings)
         self.stages = [StagePrograms(model_cfg, pl, s, 1, expert_parallel) for s in range(pl.n_stages)]

@@ -1,10 +1,10 @@
 """A validated program compiled into the static tables the engine's program executor scans.
 
-The executor (:mod:`asyncpp_jax.pipeline.program_executor`) is SPMD: every device runs the same
+The executor (:mod:`asyncpp_jax.pipeline.spmd.loop`) is SPMD: every device runs the same
 code in lock-step slots, each slot at most one backward and one forward per device followed by one
 exchange of activations to the next device and of input gradients to the previous one.  This
-module places a :class:`~asyncpp_jax.pipeline.programs.Program`'s per-device lists into those slots
-(:func:`asyncpp_jax.pipeline.programs.lockstep`'s rule: an action runs in the first slot after
+module places a :class:`~asyncpp_jax.pipeline.schedules.programs.Program`'s per-device lists into those slots
+(:func:`asyncpp_jax.pipeline.schedules.programs.lockstep`'s rule: an action runs in the first slot after
 every action it depends on; paired, a device also runs the action after it in the same slot when
 that one is of the other kind and ready) and assigns every buffer entry statically, so nothing
 about the schedule is decided while tracing:
@@ -26,8 +26,8 @@ as soon as they are read: within a slot the backward runs before the forward, an
 the exchange writes.
 
 A slot lasts as long as its costliest device (:meth:`SlotPlan.step_time`).  One action per slot
-(unpaired) lets a forward-only slot be short; pairing lets a forward hide beside a backward, as
-the tick tables do.  :func:`compile_program` keeps whichever placement is faster at ``B = 2F``.
+(unpaired) lets a forward-only slot be short; pairing lets a forward hide beside a backward (a
+forward and a backward per slot, in the eager and crossing orders).  :func:`compile_program` keeps whichever placement is faster at ``B = 2F``.
 
 A table row (:data:`COLUMNS`) per device and slot: the forward's microbatch (or ``IDLE``), chunk,
 stash entry and ``fwd`` entry; the backward's microbatch (or ``IDLE``), chunk, stash entry, ``fwd``
@@ -41,7 +41,7 @@ import dataclasses
 
 import numpy as np
 
-from asyncpp_jax.pipeline import programs
+from asyncpp_jax.pipeline.schedules import programs
 
 IDLE = np.iinfo(np.int32).min  # no forward (or no backward) in this slot
 COLUMNS = ("f", "f_chunk", "f_stash", "f_fwd", "b", "b_chunk", "b_stash", "b_fwd", "b_bwd", "fwd_store", "bwd_store",
@@ -155,7 +155,7 @@ class _Pool:
 
 def place(program: programs.Program, paired: bool = False) -> list[list[list]]:
     """The program's actions in lock-step slots: ``slots[k][d]`` lists device ``d``'s actions at
-    slot ``k`` (:class:`~asyncpp_jax.pipeline.programs.Op`: none, one, or with ``paired`` one
+    slot ``k`` (:class:`~asyncpp_jax.pipeline.schedules.programs.Op`: none, one, or with ``paired`` one
     backward and one forward).  The last virtual stage's ``F`` computes nothing (its ``B`` runs the
     fused vjp), so it takes no slot: it is done as soon as its input has arrived.  A flushless
     program is placed in its steady state: the window of step ``delay`` (every batch it touches

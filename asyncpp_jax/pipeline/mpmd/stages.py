@@ -7,7 +7,7 @@ the embedding, stage ``P-1``'s the final norm and head, the middle stages' their
 
 Arrays that differ per device (activations, cotangents, accumulators, loss sums) carry leading
 ``[data, 1]`` axes (``mpmd_placement.DEVICE``); the accumulators are each replica's own, summed
-over ``data`` once per update (:mod:`asyncpp_jax.pipeline.mpmd_update`).  The backward recomputes
+over ``data`` once per update (:mod:`asyncpp_jax.pipeline.mpmd.update`).  The backward recomputes
 its block from the stashed input (``config.pipeline.recompute=True``), so the stash holds one
 activation per microbatch and no weights.  With expert parallelism a routed expert's weights (and
 their accumulators) are split over ``data`` on the stage's devices, and the MoE layers exchange
@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from asyncpp_jax.models import dense
 from asyncpp_jax.models.moe import is_expert_weight, with_expert_parallel
 from asyncpp_jax.pipeline.collectives import vary
-from asyncpp_jax.pipeline.mpmd_placement import DEVICE, Placement
+from asyncpp_jax.pipeline.mpmd.placement import DEVICE, Placement
 from asyncpp_jax.pipeline.stage import (ResidualTemplate, StageFns, head_of, lookup_transpose_add, split_params,
                                         stat_names)
 

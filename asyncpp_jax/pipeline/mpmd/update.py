@@ -1,7 +1,7 @@
 """The update of the ``mpmd`` placement: each parameter group updated on its own devices.
 
 One jitted program cannot take arrays that live on different device sets, so the update is one
-program per group (:mod:`asyncpp_jax.pipeline.mpmd_placement`): the layers over the whole mesh,
+program per group (:mod:`asyncpp_jax.pipeline.mpmd.placement`): the layers over the whole mesh,
 the embedding on stage 0, the head on stage ``P-1``, a tied table on both.  Each group's
 optimizer state is its own, ``opt_state[group] = optimizer.init(params[group])``; every optimizer
 here is elementwise or per matrix, so this is the same update as one chain over the whole tree.
@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from asyncpp_jax.models import dense
 from asyncpp_jax.models.moe import is_expert_weight
-from asyncpp_jax.pipeline.mpmd_placement import DEVICE, Placement, split_groups
+from asyncpp_jax.pipeline.mpmd.placement import DEVICE, Placement, split_groups
 
 
 def opt_shardings(placement: Placement, group: str, opt_abstract, n_rows: int, expert_shapes=frozenset()):
@@ -62,7 +62,9 @@ class GroupedUpdate:
         self.opt_shardings = {g: opt_shardings(placement, g, jax.eval_shape(optimizer.init, self.abstract[g]),
                                                self.n_rows, experts) for g in self.groups}
         scalar = {g: NamedSharding(placement.group_mesh(g), P()) for g in self.groups}
-        self.reduce_fns = {g: jax.jit(getattr(self, f"_reduce_{g}"), out_shardings=(self.param_shardings[g], scalar[g]))
+        reduce = {"layers": self._reduce_layers, "first": self._reduce_first, "last": self._reduce_last,
+                  "ends": self._reduce_ends}  # each group's reduction over its devices
+        self.reduce_fns = {g: jax.jit(reduce[g], out_shardings=(self.param_shardings[g], scalar[g]))
                            for g in self.groups}
         outs = {g: (self.param_shardings[g], self.opt_shardings[g], scalar[g]) for g in self.groups}
         self.apply_fns = {g: jax.jit(self._apply_fn, donate_argnums=(0, 1), out_shardings=outs[g])

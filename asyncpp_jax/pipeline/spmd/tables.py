@@ -1,23 +1,30 @@
-"""The program slots with the vocabulary-sized tables split over ``stage``
-(``config.pipeline.vocab_parallel``; :mod:`asyncpp_jax.pipeline.vocab_parallel` has the algebra).
+"""Where the vocabulary-sized tables live, as a layout the slot loop reads.
 
-:class:`VocabSlotLoop` runs any program's slots as
-:class:`~asyncpp_jax.pipeline.program_executor.SlotLoop` does, except where a table is read, which
-every device now joins (a collective cannot run inside one device's cond).  In a slot:
+The embedding and the head (a tied table is one ``[D, V]`` matrix for both) are read at two points
+of a program: the first virtual stage's lookup and the last one's head and loss.  Everything else
+a slot does is the same whatever the tables' layout; :class:`~asyncpp_jax.pipeline.spmd.loop.SlotLoop`
+asks its ``tables`` what to do at those points:
 
-1. the first virtual stage's forward input (and, recomputing, its backward's) is looked up by
-   every device from its vocabulary block and summed over ``stage``;
-2. the stages' backward and forward run under their conds, as without the split;
-3. the last virtual stage runs its block's forward under its cond, the block output is broadcast,
-   every device applies the final norm, its head block and its share of the loss and its
-   gradient (:func:`~asyncpp_jax.pipeline.vocab_parallel.head_loss_grads`), and the last stage runs
-   the block's backward (or, for a split backward, its input gradient: :func:`last_input`, its
-   ``W`` later from the ``save`` ring) from the summed cotangent under a second cond;
-4. the first stage's input cotangent is broadcast and every device adds it to its block's rows.
+* :class:`WholeTables` (the default): each table whole on every device, read by the device that
+  runs the first or last virtual stage, under that device's cond; the gradients are reduced over
+  ``stage`` at the end of the step.
+* :class:`SplitTables` (``config.pipeline.vocab_parallel``; :mod:`asyncpp_jax.pipeline.vocab_parallel`
+  has the algebra): each table split along its vocabulary over ``stage``, so every device joins
+  every read (a collective cannot run inside one device's cond).  In a slot:
 
-Each table's gradient is then whole on its block's device: nothing is reduced over ``stage``.
-Which microbatch the first and last virtual stages work on is carried on every device's row
-(:func:`vocab_columns`).
+  1. the first virtual stage's forward input (and, recomputing, its backward's) is looked up by
+     every device from its vocabulary block and summed over ``stage``;
+  2. the stages' backward and forward run under their conds, as with whole tables;
+  3. the last virtual stage runs its block's forward under its cond, the block output is broadcast,
+     every device applies the final norm, its head block and its share of the loss and its
+     gradient (:func:`~asyncpp_jax.pipeline.vocab_parallel.head_loss_grads`), and the last stage runs
+     the block's backward (or, for a split backward, its input gradient: :func:`last_input`, its
+     ``W`` later from the ``save`` ring) from the summed cotangent under a second cond;
+  4. the first stage's input cotangent is broadcast and every device adds it to its block's rows.
+
+  Each table's gradient is then whole on its block's device: nothing is reduced over ``stage``.
+  Which microbatch the first and last virtual stages work on is carried on every device's row
+  (:func:`vocab_columns`).
 """
 
 from __future__ import annotations
@@ -30,10 +37,9 @@ import numpy as np
 
 from asyncpp_jax.pipeline import vocab_parallel as vp
 from asyncpp_jax.pipeline.collectives import vary
-from asyncpp_jax.pipeline import slot_plan
-from asyncpp_jax.pipeline.executor import Device, add_at, put, scoped
-from asyncpp_jax.pipeline.program_executor import SlotLoop
-from asyncpp_jax.pipeline.stage import stat_names
+from asyncpp_jax.pipeline.schedules import slot_plan
+from asyncpp_jax.pipeline.spmd.executor import Device, add_at, put, scoped
+from asyncpp_jax.pipeline.stage import lookup_transpose_add, stat_names, table_size
 
 
 def _zeros_like_tree(tree):
@@ -45,7 +51,7 @@ def embedded(dev: Device, j):
     tokens = dev.tokens_of(j)[:, :-1]
     b, T = tokens.shape
     zero = vary(jnp.zeros((b, T, dev.fns.cfg.d_model), dev.act_dtype))
-    # The predicate is the same on every device (a tick-table entry), so all of them take the
+    # The predicate is the same on every device (the slot's row names it everywhere), so all of them take the
     # branch with the collective.
     return jax.lax.cond(dev.is_live(j),
                         lambda: vary(dev.run(j, lambda top: vp.lookup(dev.fns.cfg, top, tokens), 1)
@@ -154,30 +160,105 @@ def vocab_columns(plan: slot_plan.SlotPlan) -> np.ndarray:
     return np.broadcast_to(out[:, None], (rows.shape[0], rows.shape[1], len(VOCAB_COLUMNS)))
 
 
+def ran_first_backward(dev: Device, r: dict):
+    """Whether this device ran the first virtual stage's ``B`` (or ``I``) in the slot."""
+    return dev.first(r["b_chunk"]) & dev.is_live(r["b"])
+
+
+def _first_cotangent(dev: Device, r: dict, g_x):
+    """This device's input cotangent where it ran the first virtual stage's ``B``, else zeros."""
+    return jnp.where(ran_first_backward(dev, r), g_x, jnp.zeros_like(g_x)).astype(jnp.float32)
+
+
 @dataclasses.dataclass(frozen=True)
-class VocabSlotLoop(SlotLoop):
-    """:class:`~asyncpp_jax.pipeline.program_executor.SlotLoop` (``1f1b``, ``interleaved``,
-    ``zb-h1``) with the tables split over ``stage``: each row carries the slot's
+class WholeTables:
+    """Each table whole on every device, read only by the first and last virtual stages."""
+
+    split = False
+    columns = ()  # nothing added to a slot's row
+
+    @staticmethod
+    def rows(plan: slot_plan.SlotPlan) -> np.ndarray:
+        return plan.rows
+
+    @staticmethod
+    def embedded(dev: Device, r: dict):
+        """The first virtual stage's looked-up input for the slot's forward and backward; ``None``:
+        each looks its tokens up under its own cond."""
+        return None, None
+
+    @staticmethod
+    def embedding_cotangent(dev: Device, r: dict, g_x):
+        """``(ct, j)``: the cotangent of the embedding's output for microbatch ``j`` (``IDLE``:
+        none), this device's ``g_x`` where it ran the first virtual stage's ``B``, else zeros."""
+        return _first_cotangent(dev, r, g_x), r["b"]
+
+    @staticmethod
+    def lookup_transpose_add(acc, tokens, ct, i, axis: int, tied: bool, keep):
+        """The lookup's transpose into accumulator ``i`` (``axis``: the accumulator axis).  Only
+        where ``keep`` (this device ran the first stage's backward; ``ct`` is zeros elsewhere): the
+        ids of the others point past the table and are dropped, so they skip the scatter's strided
+        writes (~1 ms per call into ``[D, V]`` on a CPU core)."""
+        return lookup_transpose_add(acc, jnp.where(keep, tokens, table_size(acc, tied, i, axis)), ct, tied, i, axis)
+
+    @staticmethod
+    def final_backward(dev: Device, r, stash, fwd, acc_l, acc_t, sums, g_x):
+        """The last virtual stage's ``B``: block, head and loss as one fused vjp under its cond."""
+        jb, has_b = r["b"], dev.is_live(r["b"])
+        return jax.lax.cond(has_b & dev.final(r["b_chunk"]),
+                            lambda al, at, su, _: dev.last(jb, fwd[r["b_fwd"]], al, at, su),
+                            lambda *a: a, acc_l, acc_t, sums, g_x)
+
+    @staticmethod
+    def final_input_grad(dev: Device, r, stash, fwd, acc_t, sums, save, g_x):
+        """The last virtual stage's ``I``: the fused vjp with respect to the head, input and taps."""
+        jb, has_b = r["b"], dev.is_live(r["b"])
+        return jax.lax.cond(
+            has_b & dev.final(r["b_chunk"]),
+            lambda at, su, sv, _: dev.last_input(jb, fwd[r["b_fwd"]], at, su, sv, r["b_save"]),
+            lambda *a: a, acc_t, sums, save, g_x)
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitTables:
+    """Each table split along its vocabulary over ``stage``: every row carries the slot's
     :data:`VOCAB_COLUMNS`, so every device joins the first virtual stage's lookups and the last
     one's head and loss in the slots that have them; the stages' blocks run under their conds."""
 
-    vocab_parallel = True
-    columns = slot_plan.COLUMNS + VOCAB_COLUMNS
+    split = True
+    columns = VOCAB_COLUMNS
 
-    def rows(self) -> np.ndarray:
-        return np.concatenate([self.plan.rows, vocab_columns(self.plan)], axis=-1)
+    @staticmethod
+    def rows(plan: slot_plan.SlotPlan) -> np.ndarray:
+        return np.concatenate([plan.rows, vocab_columns(plan)], axis=-1)
 
-    def embedded(self, dev, r):
+    @staticmethod
+    def embedded(dev: Device, r: dict):
         x_b = embedded(dev, r["first_b"]) if dev.fns.recompute else None
         return embedded(dev, r["first_f"]), x_b
 
-    def embedding_cotangent(self, dev, r, g_x):
+    @staticmethod
+    def embedding_cotangent(dev: Device, r: dict, g_x):
         # Every device adds its shard's rows, so the device that ran the B shares its cotangent.
-        ct, _ = super().embedding_cotangent(dev, r, g_x)
-        return jax.lax.psum(ct, "stage"), r["first_b"]
+        return jax.lax.psum(_first_cotangent(dev, r, g_x), "stage"), r["first_b"]
 
-    def final_backward(self, dev, r, stash, fwd, acc_l, acc_t, sums, g_x):
+    @staticmethod
+    def lookup_transpose_add(acc, tokens, ct, i, axis: int, tied: bool, keep):
+        """Every device adds its own block's tokens (``keep`` unused: the cotangent is everyone's)."""
+        return vp.lookup_transpose_add(acc, tokens, ct, i, axis, tied)
+
+    @staticmethod
+    def final_backward(dev: Device, r, stash, fwd, acc_l, acc_t, sums, g_x):
         return last(dev, r["last_b"], fwd[r["b_fwd"]], stash, acc_l, acc_t, sums, g_x)
 
-    def final_input_grad(self, dev, r, stash, fwd, acc_t, sums, save, g_x):
+    @staticmethod
+    def final_input_grad(dev: Device, r, stash, fwd, acc_t, sums, save, g_x):
         return last_input(dev, r["last_b"], fwd[r["b_fwd"]], stash, acc_t, sums, save, r["b_save"], g_x)
+
+
+Tables = WholeTables | SplitTables
+
+
+def tables_of(vocab_parallel: bool) -> Tables:
+    """The layout ``config.pipeline.vocab_parallel`` names."""
+    return SplitTables() if vocab_parallel else WholeTables()

@@ -60,9 +60,9 @@ dependencies and the weight update as a collective at each step's end, from per-
 :func:`bubble_fraction`, :func:`buffers` (peak messages in transit per channel) and
 :func:`min_microbatches` (the smallest ``M`` whose generated program validates).
 
-The engine executes every valid program: :mod:`asyncpp_jax.pipeline.slot_plan` places it into
+The engine executes every valid program: :mod:`asyncpp_jax.pipeline.schedules.slot_plan` places it into
 lock-step slots and assigns every buffer entry (a flushless program's entries are kept across
-steps, in the checkpointed state), :mod:`asyncpp_jax.pipeline.program_executor` runs the rows.
+steps, in the checkpointed state), :mod:`asyncpp_jax.pipeline.spmd.loop` runs the rows.
 Flushed programs run ``F`` with ``B``, or with ``I`` and ``W``, on any number of chunks per device;
 flushless ones ``F`` and ``B`` on one chunk per device.  docs/design.md, section 6.1, says what
 constrains the lock-step executor (slots last as long as their costliest action,
@@ -318,7 +318,7 @@ GENERATORS = {
 
 def register(name: str, generator) -> None:
     """Add schedule ``name``: ``generator(P, M, v=1) -> Program``.  The engine runs it as it runs the
-    built-in ones (``config.pipeline.schedule=name``, or ``engine.make_pipeline_train_step``): a new
+    built-in ones (``config.pipeline.schedule=name``, or ``EngineOptions(schedule=name, ...)``): a new
     schedule is a generator and nothing else (docs/pipeline.md, "Add a schedule")."""
     if name in GENERATORS:
         raise ProgramError(f"a schedule named {name!r} exists already; pick another name")
@@ -341,7 +341,7 @@ class Offsets:
 
     Stage ``u``'s gradient of batch ``t + k`` (``k <= 0``, the batch offset of its microbatch) is
     applied at update ``t + k + d_u`` (:attr:`Program.delays`), offset ``k + d_u``: 0 now,
-    ``a > 0`` carried ``a`` steps in :class:`~asyncpp_jax.pipeline.state.PipelineState`.  Each group
+    ``a > 0`` carried ``a`` steps in :class:`~asyncpp_jax.pipeline.spmd.state.PipelineState`.  Each group
     of leaves has its own delay: the layer rows their stage's, the embedding table the first
     stage's (a tied table both of its uses, as the simulate runner's per-leaf delays give it), the
     final norm and an untied head the last stage's; the loss sums are logged with the batch

@@ -13,10 +13,10 @@ from jax.sharding import PartitionSpec as P
 
 from asyncpp_jax.models import dense
 from asyncpp_jax.models.moe import with_expert_parallel
-from asyncpp_jax.optim.prediction import WeightPrediction, WeightPredictionState
+from asyncpp_jax.optim.prediction import WeightPredictionState
 from asyncpp_jax.pipeline.collectives import vary
-from asyncpp_jax.pipeline import slot_plan
-from asyncpp_jax.pipeline.programs import Offsets
+from asyncpp_jax.pipeline.options import EngineOptions
+from asyncpp_jax.pipeline.schedules.programs import Offsets
 from asyncpp_jax.pipeline.layout import DEVICE, local_over_data, param_specs, partial_specs, update_specs
 from asyncpp_jax.pipeline.stage import StageFns, residual_shapes, save_shapes, split_params, stat_names
 from asyncpp_jax.train_state import BATCH_SPEC, TrainState, from_host
@@ -64,23 +64,22 @@ def ring_shapes(model_cfg, mesh, params_abstract, microbatch_rows: int, seq_len:
     return [jax.ShapeDtypeStruct(o.shape[2:], o.dtype) for o in out]
 
 
-def init_pipeline_state(model_cfg, params, mesh, microbatches: int, global_batch: int, seq_len: int,
-                        schedule: str = "2bw", recompute: bool = True, expert_parallel: bool = False,
-                        weight_prediction: WeightPrediction | None = None, stage_rows: tuple | None = None):
-    """The in-flight state of a fresh run of ``schedule``'s program: ``None`` for a flushed one
+def init_pipeline_state(model_cfg, params, mesh, global_batch: int, seq_len: int, options: EngineOptions):
+    """The in-flight state of a fresh run of the options' program: ``None`` for a flushed one
     (nothing crosses steps).  ``params`` in the engine's layout (padded by :func:`pad_layers` when
-    ``stage_rows`` is set)."""
-    plan = slot_plan.compile_schedule(schedule, mesh.shape["stage"], microbatches, recompute)
-    program = plan.program
+    ``options.stage_rows`` is set)."""
+    plan, program = options.plan, options.program
     if not program.flushless:
         return None
+    expert_parallel, weight_prediction = options.expert_parallel, options.weight_prediction
     data, n_stages, M, D = mesh.shape["data"], mesh.shape["stage"], program.microbatches, program.delay
     if expert_parallel:
         model_cfg = with_expert_parallel(model_cfg, "data", data)
     b = global_batch // M // data
     depth = plan.depth
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    entry = ring_shapes(model_cfg, mesh, abstract, b, seq_len, recompute, expert_parallel, stage_rows)
+    entry = ring_shapes(model_cfg, mesh, abstract, b, seq_len, options.recompute, expert_parallel,
+                        options.stage_rows)
     act = lambda n: jnp.zeros((data, n_stages, n, b, seq_len, model_cfg.d_model),  # noqa: E731
                               dense.dtype_of(model_cfg.compute_dtype))
     offsets = Offsets.of(program, model_cfg.tie_embeddings)
@@ -102,10 +101,11 @@ def init_pipeline_state(model_cfg, params, mesh, microbatches: int, global_batch
     )
 
 
-def pipeline_state_specs(params, pstate: PipelineState | None, expert_parallel: bool = False,
-                         vocab_parallel: bool = False):
+def pipeline_state_specs(params, pstate: PipelineState | None, options: EngineOptions):
+    """Where each part of the in-flight state lives (None: a flushed program carries none)."""
     if pstate is None:
         return None
+    expert_parallel, vocab_parallel = options.expert_parallel, options.vocab_parallel
     n_stages = pstate.fwd_buf.shape[1]
     pspecs = param_specs(params, expert_parallel, vocab_parallel)
     partial = partial_specs(params, n_stages, expert_parallel, vocab_parallel)
@@ -117,10 +117,11 @@ def pipeline_state_specs(params, pstate: PipelineState | None, expert_parallel: 
             count=P(), velocity=param_specs(params, expert_parallel, vocab_parallel)))
 
 
-def state_shardings(state, mesh, params_abstract, expert_parallel: bool = False, vocab_parallel: bool = False):
+def state_shardings(state, mesh, params_abstract, options: EngineOptions):
     """NamedShardings for a (possibly abstract) pipeline TrainState: layers and their optimizer
     moments over ``stage`` (experts also over ``data`` with expert parallelism), the in-flight
     state per device, the rest replicated."""
+    expert_parallel, vocab_parallel = options.expert_parallel, options.vocab_parallel
     shard = functools.partial(NamedSharding, mesh)
     pspecs = param_specs(params_abstract, expert_parallel, vocab_parallel)
     n_layers = {x.shape[0] for x in jax.tree.leaves(params_abstract["layers"])}.pop()
@@ -142,16 +143,13 @@ def state_shardings(state, mesh, params_abstract, expert_parallel: bool = False,
 
     return TrainState(step=shard(P()), params=jax.tree.map(shard, pspecs),
                       opt_state=jax.tree.map(opt_leaf, state.opt_state),
-                      runner_state=jax.tree.map(shard, pipeline_state_specs(params_abstract, state.runner_state,
-                                                                            expert_parallel, vocab_parallel)))
+                      runner_state=jax.tree.map(shard, pipeline_state_specs(params_abstract, state.runner_state, options)))
 
 
-def place_state(state: TrainState, mesh, params_abstract, expert_parallel: bool = False,
-                vocab_parallel: bool = False) -> TrainState:
+def place_state(state: TrainState, mesh, params_abstract, options: EngineOptions) -> TrainState:
     """Put a fresh state, which every process holds whole, on the pipeline mesh (layers over
     ``stage``); in a job of several processes each one supplies only its own devices' shards."""
-    return jax.tree.map(from_host, state_shardings(state, mesh, params_abstract, expert_parallel, vocab_parallel),
-                        state)
+    return jax.tree.map(from_host, state_shardings(state, mesh, params_abstract, options), state)
 
 
 def global_batch_sharding(mesh) -> NamedSharding:

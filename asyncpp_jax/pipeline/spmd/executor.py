@@ -2,15 +2,15 @@
 accumulates the gradients of the batches in flight, and reduces them at the end of the step
 (:func:`make_grads_fn`).
 
-:mod:`asyncpp_jax.pipeline.slot_plan` compiles a validated program (:mod:`~asyncpp_jax.pipeline.programs`)
-into rows; :class:`asyncpp_jax.pipeline.program_executor.SlotLoop` is the scan body that runs a row
+:mod:`asyncpp_jax.pipeline.schedules.slot_plan` compiles a validated program (:mod:`~asyncpp_jax.pipeline.schedules.programs`)
+into rows; :class:`asyncpp_jax.pipeline.spmd.loop.SlotLoop` is the scan body that runs a row
 with the slot computations of :class:`Device` here.  Everything a schedule decides is read off the
 program: which microbatch a slot runs, which weight version it reads (its batch's: ``w[t+k]`` for
 batch ``t+k``, ``k <= 0``), and which update its gradient joins (stage ``u``'s gradient of batch
 ``t+k`` is applied at update ``t+k+d_u``, ``d_u`` the program's stage delay).  A flushless program's
 buffers (stash, activations and cotangents in transit), its weight versions, the tokens of the
 batches in flight and the partial gradients of later updates cross the step boundary in
-:class:`~asyncpp_jax.pipeline.state.PipelineState`, so they are checkpointed.
+:class:`~asyncpp_jax.pipeline.spmd.state.PipelineState`, so they are checkpointed.
 
 Each slot kind runs under its own ``lax.cond`` (an idle slot computes nothing, so it cannot let a
 NaN through); inside a slot, further conds pick the weight version and the first stage's
@@ -33,15 +33,14 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from asyncpp_jax.models import dense
-from asyncpp_jax.pipeline import vocab_parallel
-from asyncpp_jax.pipeline.programs import Offsets
-from asyncpp_jax.pipeline.slot_plan import IDLE  # no action in this column of a slot
+from asyncpp_jax.pipeline.schedules.programs import Offsets
+from asyncpp_jax.pipeline.schedules.slot_plan import IDLE  # no action in this column of a slot
 from asyncpp_jax.pipeline.collectives import mean_over_data, reduce_top, vary
+from asyncpp_jax.pipeline.options import EngineOptions
 from asyncpp_jax.pipeline.layout import on_data_axis, param_specs, update_specs
 from asyncpp_jax.pipeline.stage import (ResidualTemplate, StageFns, chunk_rows, head_of, is_first_virtual,
-                                        is_last_virtual, join_params, lookup_transpose_add, split_params,
-                                        stat_names, table_size)
-from asyncpp_jax.pipeline.state import pipeline_state_specs
+                                        is_last_virtual, join_params, split_params, stat_names)
+from asyncpp_jax.pipeline.spmd.state import pipeline_state_specs
 from asyncpp_jax.train_state import BATCH_SPEC
 
 
@@ -77,14 +76,6 @@ def put(ring: list, at, entry: list) -> list:
     return [r.at[at].set(e.astype(r.dtype)) for r, e in zip(ring, entry)]
 
 
-def _lookup_transpose_add(acc, tokens, ct, i, axis: int, tied: bool, keep):
-    """:func:`~asyncpp_jax.pipeline.stage.lookup_transpose_add` into accumulator ``i`` of a whole
-    table (``axis``: :func:`_acc_axis`).  Where ``keep`` is false nothing is added: the ids point
-    past the table and are dropped, so a device with no embedding gradient in this slot skips the
-    scatter's strided writes."""
-    return lookup_transpose_add(acc, jnp.where(keep, tokens, table_size(acc, tied, i, axis)), ct, tied, i, axis)
-
-
 def scoped(name: str):
     """Run the function under ``jax.named_scope(name)``: the parts of a step that
     ``asyncpp_jax.train.profile`` times separately (their names are its ``PARTS``)."""
@@ -114,7 +105,7 @@ class Device:
     top_axes: Any  # the replicated leaves' accumulator axes (:func:`_acc_axis`), a tree like their accumulators
     template: ResidualTemplate = dataclasses.field(default_factory=ResidualTemplate)
     chunks: int = 1  # model chunks on this device (interleaved: virtual stage chunk * P + stage)
-    vocab_parallel: bool = False  # the tables split over stage (:mod:`asyncpp_jax.pipeline.vocab_parallel`)
+    tables: Any = None  # where the vocabulary-sized tables live (:mod:`asyncpp_jax.pipeline.spmd.tables`)
 
     @property
     def tied(self) -> bool:
@@ -264,17 +255,13 @@ class Device:
     @scoped("pp_embed_grad")
     def lookup_transpose_add(self, acc_t, tokens, ct, i, keep):
         """Stage 0's embedding gradient, added to accumulator ``i`` (of a tied table: in the head's
-        ``[D, V]`` accumulator, which the last stage also adds to).  Whole tables: only where
-        ``keep`` (this device ran the first stage's backward in this slot; ``ct`` is zeros
-        elsewhere).  Split tables: on every device (``keep`` unused), each its own block's rows."""
-        if self.vocab_parallel:  # split over its vocabulary, every device adds its own block's tokens
-            add = vocab_parallel.lookup_transpose_add
-        else:  # whole tables: the scatter's column writes into [D, V] cost ~1 ms per call on a CPU core
-            add = functools.partial(_lookup_transpose_add, keep=keep)
+        ``[D, V]`` accumulator, which the last stage also adds to), as the tables' layout adds it
+        (``keep``: whether this device ran the first stage's backward in this slot)."""
+        add = self.tables.lookup_transpose_add
         if self.tied:
-            w = add(acc_t["head"]["w"], tokens, ct, i, self.top_axes["head"]["w"], True)
+            w = add(acc_t["head"]["w"], tokens, ct, i, self.top_axes["head"]["w"], True, keep)
             return {**acc_t, "head": {**acc_t["head"], "w": w}}
-        table = add(acc_t["embed"]["embedding"], tokens, ct, i, self.top_axes["embed"]["embedding"], False)
+        table = add(acc_t["embed"]["embedding"], tokens, ct, i, self.top_axes["embed"]["embedding"], False, keep)
         return {**acc_t, "embed": {"embedding": table}}
 
 
@@ -288,23 +275,24 @@ def _versions(model_cfg, params):
 
 
 
-def make_grads_fn(model_cfg, mesh, loop, params_abstract, carries_state: bool, expert_parallel: bool = False,
-                  recompute: bool = True, stage_rows: tuple | None = None):
+def make_grads_fn(model_cfg, mesh, loop, params_abstract, options: EngineOptions, carries_state: bool):
     """``shard_map``-ped ``(versions, batch, pstate, live, step) -> (grads, stats, pstate)``.
 
-    ``loop`` (:class:`asyncpp_jax.pipeline.program_executor.SlotLoop`) is a compiled program: its
+    ``loop`` (:class:`asyncpp_jax.pipeline.spmd.loop.SlotLoop`) is a compiled program: its
     ``rows()`` are scanned, each device taking its column (every device's, when
-    ``loop.whole_rows``), through ``body(dev)``.  ``versions``: ``w[t], ..., w[t-D]`` (``D`` the
+    through ``body(dev)``.  ``versions``: ``w[t], ..., w[t-D]`` (``D`` the
     program's delay), in the engine's layout; ``live``: bool ``[D + 1]``, whether step ``t - k``
     ran this program (``optim.DelaySchedule.in_force``).  ``carries_state``: the run hands a
     :class:`PipelineState` from step to step (a flushless program, or a flushed one standing in
-    for it at a synchronous start or cooldown).  With ``loop.vocab_parallel`` the
-    vocabulary-sized tables are split over ``stage`` and the specs and reductions follow it."""
+    for it at a synchronous start or cooldown).  ``options``: the recompute, the uneven split and
+    expert parallelism; ``loop.tables``: where the vocabulary-sized tables live, which the specs
+    and reductions follow."""
     program = loop.plan.program
     n_stages, M, flushless = program.devices, program.microbatches, program.flushless
-    fns = StageFns(model_cfg, M, recompute, stage_rows, split=loop.split)
+    expert_parallel = options.expert_parallel
+    fns = StageFns(model_cfg, M, options.recompute, options.stage_rows, split=loop.split)
     act_dtype = dense.dtype_of(model_cfg.compute_dtype)
-    split_tables = loop.vocab_parallel
+    split_tables = loop.tables.split
     offsets = Offsets.of(program, model_cfg.tie_embeddings)
     pspec = param_specs(params_abstract, expert_parallel, split_tables)
     uspec = update_specs(params_abstract, n_stages, expert_parallel, split_tables)
@@ -339,16 +327,16 @@ def make_grads_fn(model_cfg, mesh, loop, params_abstract, carries_state: bool, e
         acc_t = vary(jax.tree.map(lambda n, x, ax: jax.tree.map(lambda y, a: stacked(y, a, n), x, ax),
                                   top_counts, top_acc, top_axes))
         dev = Device(fns, s, n_stages, versions_v, batches, live, offsets, act_dtype, top_axes,
-                     chunks=program.chunks, vocab_parallel=split_tables)
+                     chunks=program.chunks, tables=loop.tables)
         sums0 = vary({k: jnp.zeros((offsets.count("stats"),), jnp.float32) for k in stat_names(model_cfg)})
         carry = (stash, fwd_buf, bwd_buf, acc_l, acc_t, sums0)
-        xs = rows if loop.whole_rows else jnp.take(rows, s, axis=1)
+        xs = jnp.take(rows, s, axis=1)
         carry, _ = jax.lax.scan(loop.body(dev, step), carry, xs)
         return _finish(model_cfg, carry, pstate, offsets, live, flushless, carries_state, top_specs, top_axes,
                        expert_parallel, split_tables)
 
     def grads_fn(versions, batch, pstate, live, step):
-        sspec = pipeline_state_specs(params_abstract, pstate, expert_parallel, split_tables)
+        sspec = pipeline_state_specs(params_abstract, pstate, options)
         vspec = tuple(pspec for _ in versions)
         fn = jax.shard_map(local, mesh=mesh, in_specs=(vspec, BATCH_SPEC, sspec, P(), P()),
                            out_specs=(uspec, P(), sspec))

@@ -3,18 +3,18 @@ lock-step slots of the schedule's program.
 
 The engine is split by concern:
 
-* :mod:`~asyncpp_jax.pipeline.programs`: every schedule as a program (per-device action lists),
+* :mod:`~asyncpp_jax.pipeline.schedules.programs`: every schedule as a program (per-device action lists),
   its generator, validator and simulator, and the delays: which weight version an action reads
   and which update its gradient joins (the one place the engine's delay lives);
-* :mod:`~asyncpp_jax.pipeline.slot_plan`: a program compiled into lock-step slots and buffer
+* :mod:`~asyncpp_jax.pipeline.schedules.slot_plan`: a program compiled into lock-step slots and buffer
   entries (a flushless program's entries kept across steps);
-* :mod:`~asyncpp_jax.pipeline.program_executor` and :mod:`~asyncpp_jax.pipeline.executor`: the
+* :mod:`~asyncpp_jax.pipeline.spmd.loop` and :mod:`~asyncpp_jax.pipeline.spmd.executor`: the
   one loop that runs any compiled program, and the reduction of its gradients;
 * :mod:`~asyncpp_jax.pipeline.layout`: the mesh, where each leaf lives, the engine's parameter
   layout and the padded layer stack of an uneven split;
-* :mod:`~asyncpp_jax.pipeline.state`: what a flushless program carries between steps, and the
+* :mod:`~asyncpp_jax.pipeline.spmd.state`: what a flushless program carries between steps, and the
   state's shardings;
-* :mod:`~asyncpp_jax.pipeline.eval_step`: the forward-only eval step (a forward-only program);
+* :mod:`~asyncpp_jax.pipeline.spmd.eval_step`: the forward-only eval step (a forward-only program);
 * this module: the train step (which program runs when, and the update), and the names the
   rest of the package imports.
 
@@ -23,7 +23,7 @@ leading axis over ``stage``); the embedding, final norm and head are replicated,
 runs the embedding and only stage ``P-1`` the final norm, head and loss
 (:mod:`asyncpp_jax.pipeline.stage` says what each slot computes).  With
 ``config.pipeline.vocab_parallel`` the vocabulary-sized tables are split over ``stage`` instead
-and every device joins the lookup and the loss (:mod:`~asyncpp_jax.pipeline.vocab_loop`).  The
+and every device joins the lookup and the loss (:mod:`~asyncpp_jax.pipeline.spmd.tables`).  The
 params are held in the engine's layout (:func:`to_engine_layout`): a tied embedding table as the
 head's ``[D, V]`` matrix, so nothing vocabulary-sized is ever transposed.
 
@@ -51,73 +51,62 @@ import optax
 from jax.sharding import NamedSharding
 
 from asyncpp_jax.models.moe import with_expert_parallel
-from asyncpp_jax.optim.prediction import WeightPrediction
-from asyncpp_jax.optim.staleness import DelaySchedule
-from asyncpp_jax.pipeline import slot_plan
+from asyncpp_jax.pipeline.options import EngineOptions
 # The engine's public surface, from the modules that hold it (one concern each).
-from asyncpp_jax.pipeline.eval_step import make_pipeline_eval_step  # noqa: F401
-from asyncpp_jax.pipeline.executor import make_grads_fn
+from asyncpp_jax.pipeline.spmd.eval_step import make_pipeline_eval_step  # noqa: F401
+from asyncpp_jax.pipeline.spmd.executor import make_grads_fn
 from asyncpp_jax.pipeline.layout import (check_layout, engine_layout, make_pipeline_mesh, pad_layers,  # noqa: F401
                                          padding_of, param_specs, stage_split, to_engine_layout, to_model_layout,
                                          unpad_layers, update_specs)
-from asyncpp_jax.pipeline.state import (PipelineState, global_batch_sharding, init_pipeline_state,  # noqa: F401
+from asyncpp_jax.pipeline.spmd.state import (PipelineState, global_batch_sharding, init_pipeline_state,  # noqa: F401
                                         place_state, state_shardings)
-from asyncpp_jax.pipeline.program_executor import SlotLoop
-from asyncpp_jax.pipeline.vocab_loop import VocabSlotLoop
+from asyncpp_jax.pipeline.spmd.loop import SlotLoop
+from asyncpp_jax.pipeline.spmd.tables import tables_of
 from asyncpp_jax.train_state import TrainState, apply_update
 
-TRANSITION_SCHEDULE = "1f1b"  # the flushed program a flushless run steps with at a synchronous start or cooldown
-
-
-def compile_loop(pipeline_schedule: str, n_stages: int, microbatches: int, recompute: bool = True,
-                 virtual_stages: int = 1, vocab_parallel: bool = False) -> SlotLoop:
-    """The loop of a schedule: its program (``programs.generate``, ``virtual_stages`` chunks per
-    device under ``interleaved``) compiled into lock-step slots; with ``vocab_parallel``, the same
-    loop with the tables split over ``stage`` (:mod:`asyncpp_jax.pipeline.vocab_loop`).  Raises
-    ``programs.ProgramError`` for a program that breaks a rule."""
-    plan = slot_plan.compile_schedule(pipeline_schedule, n_stages, microbatches, recompute, virtual_stages)
-    return (VocabSlotLoop if vocab_parallel else SlotLoop)(plan)
+def compile_loop(options: EngineOptions) -> SlotLoop:
+    """The loop of the options' program: compiled into lock-step slots (``options.plan``), with the
+    tables laid out as ``options.vocab_parallel`` says (:mod:`asyncpp_jax.pipeline.spmd.tables`).
+    Raises ``programs.ProgramError`` for a program that breaks a rule."""
+    return SlotLoop(options.plan, tables_of(options.vocab_parallel))
 
 
 def make_pipeline_train_step(model_cfg, optimizer, schedule: optax.Schedule, mesh, params_abstract,
-                             microbatches: int, pipeline_schedule: str, delay_schedule: DelaySchedule | None = None,
-                             expert_parallel: bool = False, recompute: bool = True,
-                             weight_prediction: WeightPrediction | None = None, stage_rows: tuple | None = None,
-                             virtual_stages: int = 1, vocab_parallel: bool = False):
+                             options: EngineOptions):
     """Jitted ``train_step(state, batch) -> (state, metrics)`` with ``state.runner_state`` a
-    :class:`PipelineState` (a flushless program) or ``None`` (a flushed one).  Under a flushless
-    program the ``delay_schedule`` (``optim.delay_schedule``) says which updates are synchronous
-    (start, cooldown): those run the flushed ``1f1b`` program and drop what is in flight, as
-    ``delay`` does.
+    :class:`PipelineState` (a flushless program) or ``None`` (a flushed one).  ``schedule``: the
+    learning rate's; ``options`` (:class:`~asyncpp_jax.pipeline.options.EngineOptions`): the
+    program and everything else the engine is told.  Under a flushless program
+    ``options.delay_schedule`` says which updates are synchronous (start, cooldown): those run the
+    flushed ``1f1b`` program and drop what is in flight, as ``delay`` does.
 
-    With ``weight_prediction`` (SpecTrain / PipeMare, :mod:`asyncpp_jax.optim.prediction`; ``2bw``)
-    batch ``t``'s microbatches run their forward and backward slots at ``ŵ_t = w_t + δ_t`` instead
-    of ``w_t`` (the version carried is then ``ŵ_t``), so update ``t+1`` applies
-    ``∇L(ŵ_t; batch t)``, exactly the simulate runner's ``delay(1)`` with the same prediction.
+    With ``options.weight_prediction`` (SpecTrain / PipeMare,
+    :mod:`asyncpp_jax.optim.prediction`; ``2bw``) batch ``t``'s microbatches run their forward
+    and backward slots at ``ŵ_t = w_t + δ_t`` instead of ``w_t`` (the version carried is then
+    ``ŵ_t``), so update ``t+1`` applies ``∇L(ŵ_t; batch t)``, exactly the simulate runner's
+    ``delay(1)`` with the same prediction.
 
-    ``stage_rows`` (:func:`stage_split`): an uneven split, with ``params_abstract`` and the state
-    in the padded layout of :func:`pad_layers`.  ``virtual_stages``: chunks per device of the
-    ``interleaved`` schedule, with the params' layer stack in that order
-    (``to_engine_layout(..., interleave=(P, virtual_stages))``).  ``vocab_parallel``: each
-    vocabulary-sized table split along its vocabulary over ``stage``
-    (:mod:`asyncpp_jax.pipeline.vocab_parallel`), under every schedule.  The settings are checked
-    by the config's validator (``configs.validate``) and the program's (``programs.validate``)."""
+    ``params_abstract`` is in the engine's layout: padded (:func:`pad_layers`) for an uneven split
+    (``options.stage_rows``), and with the layer stack in virtual-stage order under
+    ``interleaved`` (``to_engine_layout(..., interleave=(P, virtual_stages))``).  The settings are
+    checked by the config's validator (``configs.validate``) and the program's
+    (``programs.validate``)."""
     n_stages = mesh.shape["stage"]
-    check_layout(model_cfg, params_abstract, n_stages, stage_rows)
+    expert_parallel, vocab_parallel = options.expert_parallel, options.vocab_parallel
+    weight_prediction = options.weight_prediction
+    check_layout(model_cfg, params_abstract, n_stages, options.stage_rows)
     if expert_parallel:  # experts sharded over ``data``: the MoE layers exchange tokens with all_to_all
         model_cfg = with_expert_parallel(model_cfg, "data", mesh.shape["data"])
-    loop = compile_loop(pipeline_schedule, n_stages, microbatches, recompute, virtual_stages, vocab_parallel)
-    program = loop.plan.program
-    flushless, D = program.flushless, program.delay
-    kw = dict(params_abstract=params_abstract, expert_parallel=expert_parallel, recompute=recompute,
-              stage_rows=stage_rows)
+    loop = compile_loop(options)
+    flushless, D = options.flushless, options.delay
     if flushless:
-        delayed_fn = make_grads_fn(model_cfg, mesh, loop, carries_state=True, **kw)
-        flushed = compile_loop(TRANSITION_SCHEDULE, n_stages, microbatches, recompute, 1, vocab_parallel)
-        flushed_fn = make_grads_fn(model_cfg, mesh, flushed, carries_state=True, **kw)
-        delay_schedule = delay_schedule or DelaySchedule(D)
+        delayed_fn = make_grads_fn(model_cfg, mesh, loop, params_abstract, options, carries_state=True)
+        flushed_fn = make_grads_fn(model_cfg, mesh, compile_loop(options.transition()), params_abstract, options,
+                                   carries_state=True)
+        delay_schedule = options.in_force()
     else:
-        flushed_fn = make_grads_fn(model_cfg, mesh, loop, carries_state=False, **kw)
+        flushed_fn = make_grads_fn(model_cfg, mesh, loop, params_abstract, options, carries_state=False)
+        delay_schedule = options.delay_schedule
 
     update_shardings = jax.tree.map(functools.partial(NamedSharding, mesh),
                                     update_specs(params_abstract, n_stages, expert_parallel, vocab_parallel))
@@ -151,8 +140,7 @@ def make_pipeline_train_step(model_cfg, optimizer, schedule: optax.Schedule, mes
                 prediction=weight_prediction.push(old_params, state.params, velocity)))
         # Keep the layout fixed across steps: weights where the stages read them, the optimizer
         # state of the replicated leaves split over ``stage`` (:func:`update_specs`).
-        return jax.lax.with_sharding_constraint(state, state_shardings(state, mesh, params_abstract,
-                                                                       expert_parallel, vocab_parallel)), metrics
+        return jax.lax.with_sharding_constraint(state, state_shardings(state, mesh, params_abstract, options)), metrics
 
     if flushless and weight_prediction is None:  # the version carried is the weights read: w[t] by reference
         return ShiftByReference(train_step)

@@ -28,9 +28,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from asyncpp_jax.pipeline import mpmd, programs
-from asyncpp_jax.pipeline.mpmd_placement import DEVICE, bytes_on_devices, split_groups
-from asyncpp_jax.pipeline.mpmd_stages import TOKENS
+from asyncpp_jax.pipeline.mpmd import engine as mpmd
+from asyncpp_jax.pipeline.schedules import programs
+from asyncpp_jax.pipeline.mpmd.placement import DEVICE, bytes_on_devices, split_groups
+from asyncpp_jax.pipeline.mpmd.stages import TOKENS
 
 
 def _nbytes(tree) -> int:

@@ -8,31 +8,34 @@ from jax.sharding import PartitionSpec as P
 
 from asyncpp_jax.models import dense
 from asyncpp_jax.models.moe import with_expert_parallel
-from asyncpp_jax.pipeline import programs, slot_plan
+from asyncpp_jax.pipeline.schedules import programs
+from asyncpp_jax.pipeline.schedules import slot_plan
 from asyncpp_jax.pipeline import vocab_parallel as vp
 from asyncpp_jax.pipeline.collectives import hop_perms, vary
 from asyncpp_jax.pipeline.layout import check_layout, param_specs
+from asyncpp_jax.pipeline.options import EngineOptions
 from asyncpp_jax.pipeline.stage import (chunk_rows, head_of, is_first_virtual, is_last_virtual, lookup,
                                         split_params)
 
 
-def make_pipeline_eval_step(model_cfg, mesh, params_abstract, microbatch_rows: int, expert_parallel: bool = False,
-                            stage_rows: tuple | None = None, chunks: int = 1, vocab_parallel: bool = False):
+def make_pipeline_eval_step(model_cfg, mesh, params_abstract, microbatch_rows: int, options: EngineOptions):
     """Jitted ``eval_step(params, batch[B, T+1]) -> (sum of token losses, token count)`` on the
     pipeline mesh: forward only, each stage with its own layers (the model is never gathered).
 
     Each data replica's rows are cut into microbatches of ``microbatch_rows`` (the training
     microbatch, so activations match what training holds) and streamed through the stages as the
-    forward-only program (:func:`asyncpp_jax.pipeline.programs.forward_only`) compiled into
-    lock-step slots (:mod:`asyncpp_jax.pipeline.slot_plan`: stage ``s`` runs microbatch ``m`` at
+    forward-only program (:func:`asyncpp_jax.pipeline.schedules.programs.forward_only`) compiled into
+    lock-step slots (:mod:`asyncpp_jax.pipeline.schedules.slot_plan`: stage ``s`` runs microbatch ``m`` at
     slot ``m + s``; each activation lands in the entry its row names): stage 0 embeds, stage
     ``P-1`` applies the head and sums the token losses.  Idle slots compute nothing, nor do padded
-    layer rows (``stage_rows``, :func:`stage_split`).  With ``chunks`` per device (the
-    ``interleaved`` layout) each microbatch passes every device ``chunks`` times, the last device's
-    chunk ``c`` feeding device 0's chunk ``c + 1``.  With ``vocab_parallel`` (the tables split over
-    ``stage``) every device joins stage 0's lookup and the last stage's loss in each slot
-    (:func:`_vocab_parallel_slot`).
+    layer rows (``options.stage_rows``, :func:`stage_split`).  With ``c`` chunks per device (the
+    ``interleaved`` layout, ``options.virtual_stages``) each microbatch passes every device ``c`` times, the
+    last device's chunk ``k`` feeding device 0's chunk ``k + 1``.  With ``options.vocab_parallel``
+    (the tables split over ``stage``) every device joins stage 0's lookup and the last stage's loss
+    in each slot (:func:`_vocab_parallel_slot`).
     """
+    expert_parallel, vocab_parallel = options.expert_parallel, options.vocab_parallel
+    stage_rows, chunks = options.stage_rows, options.virtual_stages
     n_stages = mesh.shape["stage"]
     check_layout(model_cfg, params_abstract, n_stages, stage_rows)
     if expert_parallel:

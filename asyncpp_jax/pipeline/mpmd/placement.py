@@ -2,7 +2,7 @@
 
 One SPMD program gives every device the same shapes, so a table the first stage reads is held
 (whole, or 1/P of it with ``vocab_parallel``) by every stage.  Under ``mpmd`` each stage runs its
-own programs (:mod:`asyncpp_jax.pipeline.mpmd`) and the state is split into four groups, each
+own programs (:mod:`asyncpp_jax.pipeline.mpmd.engine`) and the state is split into four groups, each
 on the devices that use it:
 
 * ``layers``: the stacked layer leaves, over the whole ``('data', 'stage')`` mesh, sharded over

@@ -2,7 +2,7 @@
 
 Why it matters: XLA:GPU runs a ``lax.cond`` / ``lax.switch`` as a conditional thunk that copies
 its predicate to the host before choosing the branch, so each one executed is a device-host
-synchronization that this CPU machine does not show as a cost.  The engine's tick loop runs its
+synchronization that a CPU does not show as a cost.  The engine's slot loop runs its
 slots under conditionals; the benchmark (``experiments/bench_pipeline.py conditionals``) prints
 this count per update.
 

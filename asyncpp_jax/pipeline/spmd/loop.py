@@ -1,10 +1,10 @@
-"""The engine's one loop: any schedule, given as a program (:mod:`asyncpp_jax.pipeline.programs`).
+"""The engine's one loop: any schedule, given as a program (:mod:`asyncpp_jax.pipeline.schedules.programs`).
 
-:func:`asyncpp_jax.pipeline.slot_plan.compile_program` places the program's actions in lock-step
+:func:`asyncpp_jax.pipeline.schedules.slot_plan.compile_program` places the program's actions in lock-step
 slots and assigns every buffer entry; :class:`SlotLoop` is the loop body that
-:func:`asyncpp_jax.pipeline.executor.make_grads_fn` scans over those slots.  In a slot each device
+:func:`asyncpp_jax.pipeline.spmd.executor.make_grads_fn` scans over those slots.  In a slot each device
 runs its row's backward, then its forward (either may be absent), with the slot computations of
-:class:`~asyncpp_jax.pipeline.executor.Device`; an action of a batch that did not run this
+:class:`~asyncpp_jax.pipeline.spmd.executor.Device`; an action of a batch that did not run this
 program (a flushless program's first steps, or after a synchronous start) is skipped:
 
 * ``F`` on stages ``0..P-2``: the block on the embedded tokens (stage 0) or on the activation in
@@ -12,7 +12,7 @@ program (a flushless program's first steps, or after a synchronous start) is ski
 * ``B`` on stages ``0..P-2``: the block's vjp from the stash entry and the cotangent in its ``bwd``
   entry; stage 0 adds its input cotangent to the embedding's gradient rows;
 * ``F`` on the last stage computes nothing (its input waits in its ``fwd`` entry); its ``B`` runs
-  the fused block + head + loss vjp, as the tick loop's last slot does.
+  the fused block + head + loss vjp.
 
 With ``v`` chunks per device (``interleaved``) an action runs on the layer rows of the chunk its
 row names (``stage.chunk_rows``), "stage 0" and "the last stage" mean the first and last virtual
@@ -33,8 +33,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from asyncpp_jax.pipeline import slot_plan
+from asyncpp_jax.pipeline.schedules import slot_plan
 from asyncpp_jax.pipeline.collectives import hop_perms, vary
+from asyncpp_jax.pipeline.spmd.tables import Tables, ran_first_backward
 from asyncpp_jax.pipeline.stage import StageFns, chunk_rows, residual_shapes, save_shapes
 
 ENTRY_COLUMNS = {"stash": ("f_stash", "b_stash"), "fwd": ("f_fwd", "b_fwd", "fwd_store"),
@@ -43,11 +44,10 @@ ENTRY_COLUMNS = {"stash": ("f_stash", "b_stash"), "fwd": ("f_fwd", "b_fwd", "fwd
 
 @dataclasses.dataclass(frozen=True)
 class SlotLoop:
-    """A compiled program as :func:`~asyncpp_jax.pipeline.executor.make_grads_fn`'s loop."""
+    """A compiled program as :func:`~asyncpp_jax.pipeline.spmd.executor.make_grads_fn`'s loop."""
 
     plan: slot_plan.SlotPlan
-    vocab_parallel = False  # the tables whole on their stages (VocabSlotLoop: split over stage)
-    whole_rows = False  # each device scans its own column of the rows
+    tables: Tables  # where the vocabulary-sized tables live: what a slot does where one is read
 
     @property
     def n_stages(self) -> int:
@@ -56,10 +56,6 @@ class SlotLoop:
     @property
     def microbatches(self) -> int:
         return self.plan.program.microbatches
-
-    @property
-    def schedule(self) -> slot_plan.SlotPlan:
-        return self.plan
 
     @property
     def chunks(self) -> int:
@@ -71,7 +67,8 @@ class SlotLoop:
         return self.plan.split
 
     def rows(self) -> np.ndarray:
-        return self.plan.rows
+        """``[slots, devices, columns]``: the plan's rows, with the columns the tables' layout adds."""
+        return self.tables.rows(self.plan)
 
     def buffers(self, fns: StageFns, layers, x):
         """``(stash, fwd, bwd)``, each with the plan's depth of entries; ``x`` one activation.  For
@@ -89,7 +86,10 @@ class SlotLoop:
         """How many of :meth:`buffers`' ``stash`` arrays are the stash (the rest: the ``save`` ring)."""
         return len(residual_shapes(fns, chunk_rows(layers, 0, self.chunks), x))
 
-    columns = slot_plan.COLUMNS  # what a row of :meth:`rows` holds, in order
+    @property
+    def columns(self) -> tuple:
+        """What a row of :meth:`rows` holds, in order."""
+        return slot_plan.COLUMNS + self.tables.columns
 
     def entries(self, r: dict, step) -> dict:
         """A flushless plan's entries as this step finds them (:attr:`slot_plan.SlotPlan.cyclic`):
@@ -125,7 +125,7 @@ class SlotLoop:
             jf, has_f = r["f"], dev.is_live(r["f"])
             x_f = fwd[r["f_fwd"]]
             zeros = jnp.zeros_like(x_f)
-            emb_f, emb_b = self.embedded(dev, r)
+            emb_f, emb_b = self.tables.embedded(dev, r)
             # The backward first: the stash entry it reads may be the one the forward writes.
             acc_l, acc_t, sums, save, g_x = backward(dev, r, stash, save, fwd, bwd, acc_l, acc_t, sums, zeros, emb_b)
             stash, sums, h_out = jax.lax.cond(
@@ -141,45 +141,14 @@ class SlotLoop:
 
         return slot
 
-    def embedded(self, dev, r):
-        """The first virtual stage's looked-up input for the slot's forward and backward; ``None``:
-        each looks its tokens up under its own cond."""
-        return None, None
-
-    def embedding_cotangent(self, dev, r, g_x):
-        """``(ct, j)``: the cotangent of the embedding's output for microbatch ``j`` (``IDLE``:
-        none), this device's ``g_x`` where it ran the first virtual stage's ``B``, else zeros."""
-        ct = jnp.where(self.ran_first_backward(dev, r), g_x, jnp.zeros_like(g_x))
-        return ct.astype(jnp.float32), r["b"]
-
-    @staticmethod
-    def ran_first_backward(dev, r):
-        """Whether this device ran the first virtual stage's ``B`` (or ``I``) in the slot."""
-        return dev.first(r["b_chunk"]) & dev.is_live(r["b"])
-
     def embedding_grad(self, dev, r, acc_t, g_x):
         """The first virtual stage's input cotangent into the embedding's gradient rows, outside
         the conds: updated inside a cond branch, XLA copies the whole vocabulary-sized accumulator
         at every backward slot."""
-        ct, jb = self.embedding_cotangent(dev, r, g_x)
+        ct, jb = self.tables.embedding_cotangent(dev, r, g_x)
         jb_live = jnp.where(jb != slot_plan.IDLE, jb, 0)
         return dev.lookup_transpose_add(acc_t, dev.tokens_of(jb_live)[:, :-1], ct,
-                                        dev.offset(jb_live, dev.offsets.delays[0]), self.ran_first_backward(dev, r))
-
-    def final_backward(self, dev, r, stash, fwd, acc_l, acc_t, sums, g_x):
-        """The last virtual stage's ``B``: block, head and loss as one fused vjp under its cond."""
-        jb, has_b = r["b"], dev.is_live(r["b"])
-        return jax.lax.cond(has_b & dev.final(r["b_chunk"]),
-                            lambda al, at, su, _: dev.last(jb, fwd[r["b_fwd"]], al, at, su),
-                            lambda *a: a, acc_l, acc_t, sums, g_x)
-
-    def final_input_grad(self, dev, r, stash, fwd, acc_t, sums, save, g_x):
-        """The last virtual stage's ``I``: the fused vjp with respect to the head, input and taps."""
-        jb, has_b = r["b"], dev.is_live(r["b"])
-        return jax.lax.cond(
-            has_b & dev.final(r["b_chunk"]),
-            lambda at, su, sv, _: dev.last_input(jb, fwd[r["b_fwd"]], at, su, sv, r["b_save"]),
-            lambda *a: a, acc_t, sums, save, g_x)
+                                        dev.offset(jb_live, dev.offsets.delays[0]), ran_first_backward(dev, r))
 
     def _backward(self, dev, r, stash, save, fwd, bwd, acc_l, acc_t, sums, zeros, embedded):
         """A slot's ``B``: the block's vjp (stages ``0..P-2``), or the last stage's."""
@@ -188,7 +157,7 @@ class SlotLoop:
             has_b & ~b_last,
             lambda al: dev.backward(jb, bwd[r["b_bwd"]], r["b_stash"], stash, al, r["b_chunk"], embedded=embedded),
             lambda al: (al, zeros), acc_l)
-        acc_l, acc_t, sums, g_x = self.final_backward(dev, r, stash, fwd, acc_l, acc_t, sums, g_x)
+        acc_l, acc_t, sums, g_x = self.tables.final_backward(dev, r, stash, fwd, acc_l, acc_t, sums, g_x)
         return acc_l, acc_t, sums, save, g_x
 
     def _split_backward(self, dev, r, stash, save, fwd, bwd, acc_l, acc_t, sums, zeros, embedded):
@@ -200,7 +169,7 @@ class SlotLoop:
             lambda sv: dev.input_grad(jb, bwd[r["b_bwd"]], r["b_stash"], stash, sv, r["b_save"], r["b_chunk"],
                                       embedded=embedded),
             lambda sv: (sv, zeros), save)
-        acc_t, sums, save, g_x = self.final_input_grad(dev, r, stash, fwd, acc_t, sums, save, g_x)
+        acc_t, sums, save, g_x = self.tables.final_input_grad(dev, r, stash, fwd, acc_t, sums, save, g_x)
         jw = r["w"]
         acc_l = jax.lax.cond(dev.is_live(jw), lambda al: dev.weight_grad(jw, save, r["w_save"], al, r["w_chunk"]),
                              lambda al: al, acc_l)
