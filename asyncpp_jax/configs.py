@@ -26,7 +26,7 @@ ATTENTION_KERNELS = ("auto", "xla", "dot_product", "splash")  # models/layers.py
 SPLASH_SEQ_MULTIPLE = 128  # splash attention's blocks are multiples of 128 tokens
 RUNNERS = ("auto", "simulate", "pipeline")
 PLACEMENTS = ("spmd", "mpmd")
-MPMD_SCHEDULES = ("sync", "1f1b", "2bw")  # what config.pipeline.placement='mpmd' runs (asyncpp_jax.pipeline.mpmd.engine)
+MPMD_SCHEDULES = ("sync", "1f1b", "2bw", "pipedream")  # what config.pipeline.placement='mpmd' runs (asyncpp_jax.pipeline.mpmd.engine)
 PIPEDREAM_GRADIENTS = ("mixed", "per_leaf")
 STALENESS_MODES = ("sync", "2bw", "pipedream")
 MITIGATIONS = ("none", "ef", "taylor")

@@ -175,7 +175,7 @@ BAD = [
      "does not apply"),
     ("train.microbatches", 2, {"pipeline.stages": 4, "pipeline.schedule": "2bw", "pipeline.placement": "mpmd"},
      "it runs from config.train.microbatches=3"),
-    ("pipeline.schedule", "pipedream", {"pipeline.stages": 2, "pipeline.placement": "mpmd"}, "placement='spmd'"),
+    ("pipeline.schedule", "interleaved", {"pipeline.stages": 2, "pipeline.placement": "mpmd"}, "placement='spmd'"),
     # mesh
     ("mesh.data", 0, {}, "-1"),
     ("mesh.data", -2, {}, "-1"),

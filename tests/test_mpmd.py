@@ -237,15 +237,24 @@ def test_eval_equals_simulate():
 
 def test_carried_keys_follow_the_program():
     """What a 2bw window leaves in flight, derived from the program: stage s keeps the inputs of
-    its last P-1-s forwards, and each channel s+1 -> s one cotangent."""
+    its last P-1-s forwards, and each channel s+1 -> s one cotangent.  Under pipedream stage s
+    keeps every input of the P-1-s batches whose backwards are still to come, and nothing is in
+    transit between steps but the cotangents its backwards wait for."""
     P, M = 4, 4
-    window = mpmd.order(programs.two_bw(P, M), steady=False)
-    keys = mpmd.carried_keys(window, P)
-    stash = sorted((s, m) for kind, s, m in keys if kind == "stash")
-    ct = sorted((s, m) for kind, s, m in keys if kind == "ct")
+    window = mpmd.order(programs.two_bw(P, M))
+    keys = mpmd.carried_keys(window, P, 1)
+    assert {b for _, _, b, _ in keys} == {0}  # the previous batch's are all consumed
+    stash = sorted((s, m) for kind, s, _, m in keys if kind == "stash")
+    ct = sorted((s, m) for kind, s, _, m in keys if kind == "ct")
     assert stash == [(s, m) for s in range(1, P - 1) for m in range(M - (P - 1 - s), M)]
     assert ct == [(s, M - P + 1 + s) for s in range(P - 1)]
     assert not [k for k in keys if k[0] == "fwd"]
+    window = mpmd.order(programs.generate("pipedream", P, M))
+    keys = mpmd.carried_keys(window, P, P - 1)
+    for s in range(1, P - 1):  # the last stage's backward runs in the step of its forward
+        assert sorted((b, m) for kind, st, b, m in keys if kind == "stash" and st == s) == [
+            (b, m) for b in range(-(P - 2 - s), 1) for m in range(M)]
+    assert not [k for k in keys if k[0] == "stash" and k[1] == P - 1]
 
 
 @pytest.mark.needs_devices(4)

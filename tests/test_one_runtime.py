@@ -65,6 +65,27 @@ def test_pipedream_parity_across_sync_start_and_cooldown(tie):
     assert [int(m["skipped_batches"]) for m in metrics] == [0] * (n - C) + [P - 1] + [0] * (C - 1)
 
 
+@pytest.mark.needs_devices(4)
+@pytest.mark.parametrize("tie", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_pipedream_under_mpmd_equals_simulate_across_sync_start_and_cooldown(tie):
+    """The same program dispatched stage by stage from the host (one compiled program per stage
+    and action): the weight versions, the cotangents crossing steps, the tied table's gradient
+    carried P-1 updates, the fills and the cooldown switch, as the simulate runner's per-leaf delays."""
+    from test_mpmd import run_mpmd
+
+    P, K, C, n = 4, 2, 2, 9
+    cfg, data = model_cfg(), batches(n, 2, 4, seed=23)
+    cfg.tie_embeddings = tie
+    kw = dict(sync_start_steps=K, sync_cooldown_steps=C, total_steps=n)
+    ef = lambda: optax.chain(muon_opt(), error_feedback(1.0, leaf_delays=leaf_delays(cfg, P), **kw))  # noqa: E731
+    want, want_m = pipedream_reference(cfg, ef(), data, P, **kw)
+    got, metrics, _ = run_mpmd(cfg, ef(), data, P, "pipedream", dsched=DelaySchedule(P - 1, K, C, n))
+    assert_params_close(engine.to_model_layout(cfg, got.params), want.params)
+    assert [int(m["delay"]) for m in metrics] == [0] * K + [P - 1] * (n - K - C) + [0] * C
+    np.testing.assert_allclose([m["loss"] for m in metrics], [m["loss"] for m in want_m], rtol=1e-5)
+    assert len(got.runner_state.weight_versions) == P - 1
+
+
 def muon_opt():
     return make_opt("muon")
 
@@ -142,9 +163,10 @@ def test_the_validator_rejects_a_stale_version():
 
 @pytest.mark.needs_devices(4)
 @pytest.mark.slow  # each compiles the engine twice over; the split tables' loop is tested under 2bw by default
-@pytest.mark.parametrize("variant", ["split_tables", "moe_data_parallel"])
+@pytest.mark.parametrize("variant", ["split_tables", "moe_data_parallel", "mpmd_moe_data_parallel"])
 def test_pipedream_variants_equal_simulate(variant):
-    """The vocabulary split over stage (a layout the same loop reads), and MoE with data parallel."""
+    """The vocabulary split over stage (a layout the same loop reads), and MoE with data parallel
+    under both placements."""
     cfg = model_cfg()
     if variant == "split_tables":
         P, data_size, cfg.vocab_size = 4, 1, 32
@@ -155,8 +177,13 @@ def test_pipedream_variants_equal_simulate(variant):
         data = batches(5, 2, 8, seed=27)
     want, _ = run_simulate(cfg, optax.chain(delay(leaf_delays=leaf_delays(cfg, P)), make_opt("adamw")), data,
                            data_size=data_size)
-    got, _ = run_pipeline(cfg, make_opt("adamw"), data, P, "pipedream", data_size=data_size,
-                          vocab_parallel=variant == "split_tables")
+    if variant.startswith("mpmd"):
+        from test_mpmd import run_mpmd
+
+        got, _, _ = run_mpmd(cfg, make_opt("adamw"), data, P, "pipedream", data_size=data_size)
+    else:
+        got, _ = run_pipeline(cfg, make_opt("adamw"), data, P, "pipedream", data_size=data_size,
+                              vocab_parallel=variant == "split_tables")
     assert_params_close(engine.to_model_layout(cfg, got.params), want.params)
 
 

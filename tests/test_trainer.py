@@ -287,6 +287,7 @@ def test_staleness_modes_train_and_log_the_delay(cache_dir, tmp_path, mode, miti
 @pytest.mark.parametrize("runner", ["pipedream_mixed", pytest.param("pipeline_2bw", marks=pytest.mark.slow),
                                     pytest.param("pipeline_2bw_vocab_parallel", marks=pytest.mark.slow),
                                     pytest.param("pipeline_pipedream", marks=pytest.mark.slow),
+                                    pytest.param("pipeline_pipedream_mpmd", marks=pytest.mark.slow),
                                     "pipeline_2bw_mpmd",
                                     pytest.param("weight_prediction", marks=pytest.mark.slow)])
 def test_runner_state_resumes_exactly(cache_dir, tmp_path, runner):
@@ -299,7 +300,7 @@ def test_runner_state_resumes_exactly(cache_dir, tmp_path, runner):
     elif runner == "weight_prediction":
         cfg.staleness.update(mode="2bw", weight_prediction=True, weight_prediction_smoothing=0.5, nesterov=True)
     else:
-        cfg.pipeline.update(stages=2, schedule="pipedream" if runner.endswith("pipedream") else "2bw",
+        cfg.pipeline.update(stages=2, schedule="pipedream" if "pipedream" in runner else "2bw",
                             vocab_parallel=runner.endswith("vocab_parallel"),
                             placement="mpmd" if runner.endswith("mpmd") else "spmd")
         cfg.staleness.update(mitigation="ef", sync_start_steps=1)

@@ -178,13 +178,18 @@ class LeafRings:
         self.leaf_delays = leaf_delays
 
     def delays(self, tree) -> tuple[list, Any, list[LeafDelay]]:
-        """``(leaves, treedef, [LeafDelay per leaf])`` of a params-shaped tree."""
+        """``(leaves, treedef, [LeafDelay per leaf])`` of a params-shaped tree, or of a group of its
+        top-level entries (a dict with some of the params' keys: the ``mpmd`` placement updates each
+        parameter group on its own devices)."""
         leaves, treedef = jax.tree.flatten(tree)
         if self.leaf_delays is None:
             steps = self.schedule.steps
             return leaves, treedef, [LeafDelay(steps, steps)] * len(leaves)
+        leaf_delays = self.leaf_delays
+        if isinstance(tree, dict) and isinstance(leaf_delays, dict) and set(tree) < set(leaf_delays):
+            leaf_delays = {k: leaf_delays[k] for k in tree}
         try:
-            delays = treedef.flatten_up_to(self.leaf_delays)
+            delays = treedef.flatten_up_to(leaf_delays)
         except (ValueError, TypeError) as e:
             raise ValueError(f"leaf_delays must have the tree structure of the params: {e}") from e
         return leaves, treedef, [_leaf_delay(d, x) for d, x in zip(delays, leaves)]

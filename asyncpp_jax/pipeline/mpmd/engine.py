@@ -14,14 +14,17 @@ host only enqueues, each device runs its actions in the program's order as their
 and nothing is read back during a step.  The same programs as the ``spmd`` engine, validated the
 same way; the update runs group by group (:mod:`~asyncpp_jax.pipeline.mpmd.update`).
 
-Schedules: ``1f1b`` (and ``sync``, the same flushed update) and ``2bw``.  Under ``2bw`` update ``t``
-applies batch ``t-1``'s gradient taken at ``w[t-1]`` (the simulate runner's ``delay(1)``); the
-program never flushes, so the previous batch's unfinished backwards, their stashed activations,
-the cotangents in transit and the partial accumulators cross steps in :class:`MpmdState` (and
-so into checkpoints).  The delay lives in one place, the program's microbatch versions
-(:func:`asyncpp_jax.pipeline.schedules.programs.two_bw`): an action on a previous-batch microbatch reads
-``prev_params``.  A synchronous start and cooldown (``optim.DelaySchedule``) run the ``1f1b``
-program and drop what is in flight, as the ``spmd`` engine does.
+Schedules: ``sync`` and ``1f1b`` (the same flushed update), and the flushless ``2bw`` and
+``pipedream``.  A flushless program never drains: under ``2bw`` update ``t`` applies batch
+``t-1``'s gradient taken at ``w[t-1]`` (the simulate runner's ``delay(1)``), under ``pipedream``
+stage ``s``'s gradient of batch ``t-(P-1-s)`` taken at that batch's weights (``delay`` with
+PipeDream's per-leaf delays).  The delay lives in one place, the program: an action on batch
+``t+b`` reads ``w[t+b]``, and stage ``s``'s gradient of it joins update ``t+b+d_s``
+(:func:`part_delays`).  What the batches in flight still need crosses steps in
+:class:`MpmdState` (and so into checkpoints): their weight versions and tokens, their stashed
+activations and the cotangents in transit, and the partial gradients and loss sums of later
+updates.  A synchronous start and cooldown (``optim.DelaySchedule``) run the ``1f1b`` program
+and drop what is in flight, as the ``spmd`` engine does.
 """
 
 from __future__ import annotations
@@ -50,13 +53,14 @@ SCHEDULES = configs.MPMD_SCHEDULES  # the config's check reads the same list
 
 
 class MpmdState(NamedTuple):
-    """What crosses ``train_step`` calls under ``2bw``; every leaf on the stage that uses it."""
+    """What crosses ``train_step`` calls under a flushless program (``2bw``, ``pipedream``); every
+    leaf on the stage that uses it."""
 
-    prev_params: Any  # w[t-1], placed like the params
-    inflight: dict  # "stash/s/m", "ct/s/m": the in-flight batch's activations and cotangents on stage s
-    acc: dict  # "s<k>": stage k's accumulators of the in-flight batch (its replica's own)
-    sums: dict  # "s<k>": stage k's loss sums of the in-flight batch
-    prev_batch: jax.Array  # [M, B, T+1]: the in-flight batch's tokens
+    weight_versions: tuple  # w[t-1], ..., w[t-D]: the versions the batches in flight read, placed like the params
+    inflight: dict  # "stash/s/b/m", "fwd/s/b/m", "ct/s/b/m": batch t+b's activations and cotangents on stage s
+    acc: dict  # "a<k>/s<s>": stage s's partial gradients of update t+k (the parts that reach it), per replica
+    sums: dict  # "a<k>/s<s>": stage s's loss sums of update t+k
+    batches: jax.Array  # [D, M, B, T+1]: the tokens of batches t-1, ..., t-D
 
 
 def in_force(ds: DelaySchedule | None, t: int) -> bool:
@@ -66,12 +70,12 @@ def in_force(ds: DelaySchedule | None, t: int) -> bool:
     return ds.cooldown_start is None or t < ds.cooldown_start
 
 
-def order(program: programs.Program, steady: bool) -> list[tuple]:
+def order(program: programs.Program) -> list[tuple]:
     """The program's actions of one window as ``(stage, kind, batch, microbatch)`` in an order the
     host can dispatch (each after everything it reads): by start time in the program's own
-    simulation.  ``steady``: a delayed program's window after a live one (its previous-batch
-    actions included); else the first window (or a flushed step)."""
-    steps = 2 if steady and program.delay else 1
+    simulation, in the steady state (after ``delay`` earlier windows) of a flushless program.
+    ``batch`` is step-relative: ``-k`` for batch ``t-k``."""
+    steps = program.delay + 1
     run = programs.simulate(program, steps=steps)
     M = program.microbatches
     ops = [(run.start[(d, i)], d, i, op) for d, ops in enumerate(run.lists) for i, op in enumerate(ops)
@@ -80,25 +84,32 @@ def order(program: programs.Program, steady: bool) -> list[tuple]:
     return [(op.stage, op.kind, op.action.microbatch // M, op.action.microbatch % M) for *_, op in ops]
 
 
-def carried_keys(window: list[tuple], n_stages: int) -> list[tuple]:
-    """``(kind, stage, microbatch)`` of what a window leaves in flight of its own batch: the same
-    moves as :meth:`MpmdTrainStep._run` makes, on keys only."""
-    live: set = set()
+def _moves(store: set, window: list[tuple], n_stages: int) -> set:
+    """The keys ``(kind, stage, batch, microbatch)`` in transit or stashed after ``window`` runs
+    on ``store``: the same moves as :meth:`MpmdTrainStep._run` makes, on keys only."""
+    live = set(store)
     for s, kind, b, m in window:
-        if b != 0:
-            continue
         if kind == "F":
             if s > 0:
-                live.discard(("fwd", s, m))
-                live.add(("stash", s, m))
+                live.discard(("fwd", s, b, m))
+                live.add(("stash", s, b, m))
             if s < n_stages - 1:
-                live.add(("fwd", s + 1, m))
+                live.add(("fwd", s + 1, b, m))
         else:
             if s > 0:
-                live.discard(("stash", s, m))
-                live.add(("ct", s - 1, m))
+                live.discard(("stash", s, b, m))
+                live.add(("ct", s - 1, b, m))
             if s < n_stages - 1:
-                live.discard(("ct", s, m))
+                live.discard(("ct", s, b, m))
+    return live
+
+
+def carried_keys(window: list[tuple], n_stages: int, delay: int) -> list[tuple]:
+    """``(kind, stage, batch, microbatch)`` of what a steady window leaves in flight, ``batch``
+    relative to the step that ends (the next step finds it as ``batch - 1``)."""
+    live: set = set()
+    for _ in range(delay + 1):  # from an empty pipeline to the steady state
+        live = _moves({(k, s, b - 1, m) for k, s, b, m in live}, window, n_stages)
     return sorted(live)
 
 
@@ -115,8 +126,39 @@ def stage_params(placement: Placement, tied: bool, params: dict, s: int) -> dict
             for k in stage_keys(placement.n_stages, tied, s)}
 
 
-def _key(kind: str, s: int, m: int) -> str:
-    return f"{kind}/{s}/{m}"
+def _key(kind: str, s: int, b: int, m: int) -> str:
+    return f"{kind}/{s}/{b}/{m}"
+
+
+def part_delays(program: programs.Program, tied: bool, s: int) -> dict:
+    """Each accumulator part of stage ``s`` -> its delay: a gradient of batch ``t+b`` joins update
+    ``t + b + delay`` (each part's group's, :meth:`~asyncpp_jax.pipeline.schedules.programs.Offsets.delay`:
+    a tied table's head gradient takes the first stage's, as its lookup's does)."""
+    offsets = programs.Offsets.of(program, tied)
+    out = {"layers": offsets.delay("layers", s)}
+    if s == 0:
+        out["table"] = offsets.delay("embed")
+    if s == program.devices - 1:
+        out.update({f"head/{k}": offsets.delay(g) for k, g in offsets.head_groups().items()})
+    return out
+
+
+def _get(tree: dict, part: str):
+    for k in part.split("/"):
+        tree = tree[k]
+    return tree
+
+
+def _join(parts: dict) -> dict:
+    """``{"layers": x, "head/w": y, ...}`` -> the nested accumulator tree."""
+    out: dict = {}
+    for part, v in parts.items():
+        *outer, leaf = part.split("/")
+        node = out
+        for k in outer:
+            node = node.setdefault(k, {})
+        node[leaf] = v
+    return out
 
 
 class MpmdTrainStep:
@@ -130,12 +172,11 @@ class MpmdTrainStep:
         self.cfg, self.M = model_cfg, microbatches
         self.placement = pl = Placement(mesh)
         P_ = pl.n_stages
-        if P_ < 2:
-            raise ValueError(f"the pipeline engine needs config.pipeline.stages >= 2, got {P_}.")
         self.n_stages, self.data = P_, mesh.shape["data"]
         self.rows, self.seq_len, self.global_batch = global_batch // microbatches // self.data, seq_len, global_batch
-        self.is_2bw = options.flushless  # a one-step delay: SCHEDULES' one flushless program
-        self.delay_schedule = options.in_force() if self.is_2bw else None
+        self.flushless = options.flushless
+        self.D = options.delay
+        self.delay_schedule = options.in_force() if self.flushless else None
         self.tied, self.expert_parallel = bool(model_cfg.tie_embeddings), expert_parallel
         self.params_abstract = params_abstract
         self.stages = [StagePrograms(model_cfg, pl, s, microbatches, expert_parallel) for s in range(P_)]
@@ -148,12 +189,25 @@ class MpmdTrainStep:
         self.zero_activation = [jax.jit(functools.partial(jnp.zeros, a.shape, a.dtype), out_shardings=a.sharding)
                                 for a in acts]
         self.update = GroupedUpdate(model_cfg, optimizer, schedule, pl, params_abstract, grad_clip, expert_parallel)
-        self.flushed = options.transition().program if self.is_2bw else options.program
-        self.windows = {"flushed": order(self.flushed, False)}
-        if self.is_2bw:
+        self.flushed = options.transition().program if self.flushless else options.program
+        self.windows = {"flushed": order(self.flushed)}
+        self.reach: list[dict] = [{p: 0 for p in part_delays(self.flushed, self.tied, s)} for s in range(P_)]
+        self.stats_reach = 0
+        batches = NamedSharding(mesh, P(None, None, "data"))  # [D, M, B, T+1]: the batches in flight
+        self._shift = jax.jit(lambda b, held: jnp.concatenate([b[None], held[:-1]]), out_shardings=batches)
+        self._batch_at = jax.jit(lambda held, k: held[k], static_argnums=1,
+                                 out_shardings=NamedSharding(mesh, BATCH_SPEC))
+        if self.flushless:
             self.delayed = options.program
-            self.windows.update(fill=order(self.delayed, False), steady=order(self.delayed, True))
-            self.carried = carried_keys(self.windows["fill"], P_)
+            self.windows["delayed"] = order(self.delayed)
+            self.carried = carried_keys(self.windows["delayed"], P_, self.D)
+            # The latest update each part's gradient joins, relative to the step that made it: what
+            # crosses steps is the partial gradients of updates t+1 .. t+reach.
+            self.reach = [{p: max([b + d for st, kind, b, _ in self.windows["delayed"] if st == s and kind == "B"],
+                                  default=0)
+                           for p, d in part_delays(self.delayed, self.tied, s).items()} for s in range(P_)]
+            d_stats = programs.Offsets.of(self.delayed, self.tied).delay("stats")
+            self.stats_reach = max(b + d_stats for *_, b, _ in self.windows["delayed"])
         self._last_step: tuple | None = None  # (the step array this returned, its value): no read back
 
     # ------------------------------------------------------------------------------ views
@@ -168,97 +222,143 @@ class MpmdTrainStep:
     # ------------------------------------------------------------------------------ step
     def __call__(self, state: TrainState, batch: jax.Array):
         t = self._host_step(state)
-        delayed = self.is_2bw and in_force(self.delay_schedule, t)
-        prev_live = delayed and in_force(self.delay_schedule, t - 1)
-        window = self.windows["flushed" if not delayed else "steady" if prev_live else "fill"]
-        versions, batches, acc, sums, store = self._inputs(state, batch, prev_live)
-        self._run(window, versions, batches, store, acc, sums)
-        applied = -1 if delayed else 0
-        if applied not in acc:  # the first delayed update: no batch finished (the fill)
-            acc[-1], sums[-1] = zip(*[self.zeros[s]() for s in range(self.n_stages)])
-        grads, sqs = self.update.reduce(list(acc[applied]))
+        delayed = self.flushless and in_force(self.delay_schedule, t)
+        # Whether batch t-k ran this program (else its actions are skipped: the fill, as optim.delay).
+        live = [True] + [delayed and in_force(self.delay_schedule, t - k) for k in range(1, self.D + 1)]
+        program = self.delayed if delayed else self.flushed
+        window = [a for a in self.windows["delayed" if delayed else "flushed"] if live[-a[2]]]
         rs = state.runner_state
-        params, opt_state, norm = self.update.apply(state.params, state.opt_state, grads, sqs,
-                                                    rs.prev_params if self.is_2bw else None)
-        metrics = self.update.metrics(list(sums[applied]), norm, t, self.delay_schedule)
+        versions, batches, store = self._inputs(state, batch, live)
+        acc, sums = self._accumulators(rs if delayed else None)
+        self._run(window, program, versions, batches, store, acc, sums)
+        grads, sqs = self.update.reduce([_join(acc[0][s]) for s in range(self.n_stages)])
+        retired = rs.weight_versions[-1] if self.flushless else None  # no batch reads it any more
+        params, opt_state, norm = self.update.apply(state.params, state.opt_state, grads, sqs, retired)
+        metrics = self.update.metrics([sums[0][s] for s in range(self.n_stages)], norm, t, self.delay_schedule)
         new_rs = None
-        if self.is_2bw and delayed:
-            inflight = {_key(kind, s, m): store.pop((kind, s, 0, m)) for kind, s, m in self.carried}
-            new_rs = MpmdState(state.params, inflight, {f"s{s}": a for s, a in enumerate(acc[0])},
-                               {f"s{s}": x for s, x in enumerate(sums[0])}, batch)
-        elif self.is_2bw:  # a synchronous update: nothing in flight
-            new_rs = self._empty_runner_state(state.params, batch)
+        if self.flushless:
+            versions_next = (state.params,) + tuple(rs.weight_versions[:-1])
+            batches_next = self._shift(batch, rs.batches)
+            new_rs = self._runner_state(versions_next, store if delayed else {}, acc if delayed else None,
+                                        sums if delayed else None, batches_next)
         step = jax.device_put(np.int32(t + 1), NamedSharding(self.placement.mesh, P()))
         self._last_step = (step, t + 1)
         return TrainState(step=step, params=params, opt_state=opt_state, runner_state=new_rs), metrics
 
-    def _inputs(self, state: TrainState, batch, prev_live: bool) -> tuple:
-        """Per batch in the window (0: this step's, -1: the one in flight), each stage's weight
-        version, tokens, accumulators and loss sums; and what the previous window left in flight."""
+    def _inputs(self, state: TrainState, batch, live: list) -> tuple:
+        """Per live batch ``b`` in the window (0: this step's, ``-k``: batch ``t-k``), each stage's
+        weight version and tokens; and what the previous window left in flight."""
         P_, pl, rs = self.n_stages, self.placement, state.runner_state
         versions = {0: [self.stage_params(state.params, s) for s in range(P_)]}
         batches = {0: [pl.view(batch, s) for s in range(P_)]}
-        acc, sums = map(list, zip(*[self.zeros[s]() for s in range(P_)]))
-        acc, sums, store = {0: acc}, {0: sums}, {}
-        if prev_live:
-            versions[-1] = [self.stage_params(rs.prev_params, s) for s in range(P_)]
-            batches[-1] = [pl.view(rs.prev_batch, s) for s in range(P_)]
-            acc[-1] = [rs.acc[f"s{s}"] for s in range(P_)]
-            sums[-1] = [rs.sums[f"s{s}"] for s in range(P_)]
-            store = {(kind, s, -1, m): rs.inflight[_key(kind, s, m)] for kind, s, m in self.carried}
-        return versions, batches, acc, sums, store
+        store = {}
+        for k in range(1, self.D + 1):
+            if live[k]:
+                versions[-k] = [self.stage_params(rs.weight_versions[k - 1], s) for s in range(P_)]
+                held = self._batch_at(rs.batches, k - 1)
+                batches[-k] = [pl.view(held, s) for s in range(P_)]
+        if live[1:2] == [True]:
+            store = {(kind, s, b - 1, m): rs.inflight[_key(kind, s, b, m)] for kind, s, b, m in self.carried}
+        return versions, batches, store
 
-    def _run(self, window, versions, batches, store, acc, sums) -> None:
+    def _accumulators(self, rs: MpmdState | None) -> tuple[dict, dict]:
+        """``acc[a][s][part]`` and ``sums[a][s]``: stage ``s``'s partial gradient and loss sums of
+        update ``t+a``, from what the previous step carried for them (``rs``; None: zeros)."""
+        acc, sums = {}, {}
+        for s in range(self.n_stages):
+            fresh: dict = {}  # offset -> (zero accumulators, zero sums) of this stage, made once
+
+            def zero(a, s=s, fresh=fresh):
+                if a not in fresh:
+                    fresh[a] = self.zeros[s]()
+                return fresh[a]
+
+            for part, reach in self.reach[s].items():
+                for a in range(reach + 1):
+                    carried = rs.acc.get(f"a{a + 1}/s{s}", {}) if rs is not None else {}
+                    acc.setdefault(a, {}).setdefault(s, {})[part] = (
+                        carried[part] if part in carried else _get(zero(a)[0], part))
+            for a in range(self.stats_reach + 1):
+                key = f"a{a + 1}/s{s}"
+                sums.setdefault(a, {})[s] = rs.sums[key] if rs is not None and key in rs.sums else zero(a)[1]
+        return acc, sums
+
+    def _run(self, window, program, versions, batches, store, acc, sums) -> None:
         """Dispatch one window's actions; ``store`` holds what is in transit or stashed, keyed
-        ``(kind, stage, batch, microbatch)``."""
+        ``(kind, stage, batch, microbatch)``.  A gradient of batch ``b`` on stage ``s`` joins
+        update ``t + b + d`` (``d`` its part's delay, :func:`part_delays`)."""
         last, pl = self.n_stages - 1, self.placement
+        d_stats = programs.Offsets.of(program, self.tied).delay("stats")
+        delays = [part_delays(program, self.tied, s) for s in range(self.n_stages)]
         for s, kind, b, m in window:
             w, tokens, mi = versions[b][s], batches[b][s], np.int32(m)
+            a_s = b + d_stats  # the update whose loss this batch's statistics join
             if kind == "F":
                 if s == 0:
-                    h, sums[b][s] = self.fwd[s](w, tokens, mi, sums[b][s])
+                    h, sums[a_s][s] = self.fwd[s](w, tokens, mi, sums[a_s][s])
                 else:
                     x = store.pop(("fwd", s, b, m))
                     store[("stash", s, b, m)] = x
                     if s == last:
                         continue  # the last stage's forward runs fused with its backward
-                    h, sums[b][s] = self.fwd[s](w, x, sums[b][s])
+                    h, sums[a_s][s] = self.fwd[s](w, x, sums[a_s][s])
                 store[("fwd", s + 1, b, m)] = pl.put(h, s + 1)
-            elif s == last:
-                g_x, acc[b][s], sums[b][s] = self.last(w, store.pop(("stash", s, b, m)), tokens, mi, acc[b][s],
-                                                       sums[b][s])
+                continue
+            into = {part: b + d for part, d in delays[s].items()}  # each part's update offset
+            g = _join({part: acc[a][s][part] for part, a in into.items()})
+            if s == last:
+                g_x, g, sums[a_s][s] = self.last(w, store.pop(("stash", s, b, m)), tokens, mi, g, sums[a_s][s])
                 store[("ct", s - 1, b, m)] = pl.put(g_x, s - 1)
             elif s > 0:
-                g_x, acc[b][s] = self.bwd[s](w, store.pop(("stash", s, b, m)), store.pop(("ct", s, b, m)), acc[b][s])
+                g_x, g = self.bwd[s](w, store.pop(("stash", s, b, m)), store.pop(("ct", s, b, m)), g)
                 store[("ct", s - 1, b, m)] = pl.put(g_x, s - 1)
             else:
-                acc[b][s] = self.bwd[s](w, tokens, mi, store.pop(("ct", s, b, m)), acc[b][s])
+                g = self.bwd[s](w, tokens, mi, store.pop(("ct", s, b, m)), g)
+            for part, a in into.items():
+                acc[a][s][part] = _get(g, part)
 
     # ------------------------------------------------------------------------------ state
-    def _empty_runner_state(self, prev_params, batch) -> MpmdState:
-        inflight = {_key(kind, s, m): self.zero_activation[s]() for kind, s, m in self.carried}
-        made = [self.zeros[s]() for s in range(self.n_stages)]
-        return MpmdState(prev_params, inflight, {f"s{s}": a for s, (a, _) in enumerate(made)},
-                         {f"s{s}": x for s, (_, x) in enumerate(made)}, batch)
+    def _runner_state(self, versions: tuple, store: dict, acc: dict | None, sums: dict | None,
+                      batches) -> MpmdState:
+        """What the next step needs: the weight versions and tokens of the batches in flight, what
+        they left in transit or stashed (zeros where nothing is: a fill, or a synchronous step),
+        and the partial gradients and loss sums of later updates."""
+        inflight = {_key(kind, s, b, m): store[(kind, s, b, m)] if (kind, s, b, m) in store
+                    else self.zero_activation[s]() for kind, s, b, m in self.carried}
+        out_acc, out_sums = {}, {}
+        for s in range(self.n_stages):
+            for a in range(1, max(self.reach[s].values()) + 1):
+                parts = [p for p, r in self.reach[s].items() if r >= a]
+                made = acc[a][s] if acc is not None else self.zeros[s]()[0]
+                out_acc[f"a{a}/s{s}"] = {p: made[p] if acc is not None else _get(made, p) for p in parts}
+            for a in range(1, self.stats_reach + 1):
+                out_sums[f"a{a}/s{s}"] = sums[a][s] if sums is not None else self.zeros[s]()[1]
+        return MpmdState(tuple(versions), inflight, out_acc, out_sums, batches)
 
     def init_runner_state(self, params) -> MpmdState | None:
-        """The in-flight state of a fresh run (``None`` unless ``2bw``)."""
-        if not self.is_2bw:
+        """The in-flight state of a fresh run (``None`` under a flushed program)."""
+        if not self.flushless:
             return None
-        prev = jax.tree.map(jnp.copy, params)
-        batch = jax.device_put(np.zeros((self.M, self.global_batch // self.M, self.seq_len + 1), np.int32),
-                               NamedSharding(self.placement.mesh, BATCH_SPEC))
-        return self._empty_runner_state(prev, batch)
+        versions = tuple(jax.tree.map(jnp.copy, params) for _ in range(self.D))
+        batches = jax.device_put(np.zeros((self.D, self.M, self.global_batch // self.M, self.seq_len + 1), np.int32),
+                                 NamedSharding(self.placement.mesh, P(None, None, "data")))
+        return self._runner_state(versions, {}, None, None, batches)
 
     def abstract_runner_state(self, params_abstract) -> MpmdState | None:
-        if not self.is_2bw:
+        if not self.flushless:
             return None
-        inflight = {_key(kind, s, m): self.stages[s].activation(self.rows, self.seq_len, self.data)
-                    for kind, s, m in self.carried}
-        batch = jax.ShapeDtypeStruct((self.M, self.global_batch // self.M, self.seq_len + 1), jnp.int32,
-                                     sharding=NamedSharding(self.placement.mesh, BATCH_SPEC))
-        return MpmdState(params_abstract, inflight, {f"s{s}": z[0] for s, z in enumerate(self.zeros_abstract)},
-                         {f"s{s}": z[1] for s, z in enumerate(self.zeros_abstract)}, batch)
+        inflight = {_key(kind, s, b, m): self.stages[s].activation(self.rows, self.seq_len, self.data)
+                    for kind, s, b, m in self.carried}
+        acc, sums = {}, {}
+        for s in range(self.n_stages):
+            zero_acc, zero_sums = self.zeros_abstract[s]
+            for a in range(1, max(self.reach[s].values()) + 1):
+                acc[f"a{a}/s{s}"] = {p: _get(zero_acc, p) for p, r in self.reach[s].items() if r >= a}
+            for a in range(1, self.stats_reach + 1):
+                sums[f"a{a}/s{s}"] = zero_sums
+        batches = jax.ShapeDtypeStruct((self.D, self.M, self.global_batch // self.M, self.seq_len + 1), jnp.int32,
+                                       sharding=NamedSharding(self.placement.mesh, P(None, None, "data")))
+        return MpmdState(tuple(params_abstract for _ in range(self.D)), inflight, acc, sums, batches)
 
 
 class MpmdEvalStep:

@@ -1,4 +1,5 @@
-"""Memory per stage of the ``mpmd`` placement, from shapes and compiled programs (the dry run's).
+"""Memory per stage of the ``mpmd`` placement, from shapes and compiled programs: tooling of the dry
+run (``asyncpp_jax.train.dry_run``), which alone imports it; a training step never does.
 
 Each stage runs its own programs, so its peak is its own:
 
@@ -6,8 +7,8 @@ Each stage runs its own programs, so its peak is its own:
 
 * ``state(s)``: the bytes of the train state (params, optimizer state, the in-flight state) on one
   of stage ``s``'s devices, from their shardings: exact;
-* ``accumulators(s)``: one batch's float32 gradient accumulators and loss sums (under ``2bw`` the
-  in-flight batch's are part of the state);
+* ``accumulators(s)``: one batch's float32 gradient accumulators and loss sums (under a flushless
+  program the partial gradients of later updates are part of the state);
 * ``stash(s)``: the program's peak microbatches held by stage ``s`` (``programs.stash_depth``)
   times one activation (``[b, T, D]`` in ``compute_dtype``): the stage input a backward recomputes
   from; stage 0 re-embeds from the tokens and holds none; plus one activation and one cotangent
@@ -125,7 +126,7 @@ def train_memory(step, state) -> list[dict]:
     """Per stage, the terms of its peak (bytes on one of its devices) and the peak itself."""
     held = stage_state_bytes(step, state)
     group_temps = _update_temps(step, state)
-    program = step.delayed if step.is_2bw else step.flushed
+    program = step.delayed if step.flushless else step.flushed
     depth = programs.stash_depth(program)
     out = []
     for s in range(step.n_stages):

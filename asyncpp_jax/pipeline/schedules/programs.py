@@ -376,6 +376,13 @@ class Offsets:
     def count(self, group: str) -> int:
         return dict(self.counts)[group]
 
+    def delay(self, group: str, stage: int | None = None) -> int:
+        """A group's delay: the layer rows' their (virtual) ``stage``'s, the embedding's the first
+        stage's, the final norm's, an untied head's and the loss sums' the last stage's."""
+        if group == "layers":
+            return self.delays[stage]
+        return self.delays[0] if group == "embed" else self.delays[-1]
+
     @property
     def carried(self) -> int:
         """How many later updates' partial gradients a step hands on (0 for a flushed program)."""

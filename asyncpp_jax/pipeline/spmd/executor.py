@@ -179,11 +179,10 @@ class Device:
         return self.offset(j, jnp.asarray(self.offsets.delays, jnp.int32)[chunk * self.n_stages + self.stage])
 
     def head_offsets(self, j) -> dict:
-        d, groups = self.offsets.delays, self.offsets.head_groups()
-        return {k: self.offset(j, d[0] if groups[k] == "embed" else d[-1]) for k in groups}
+        return {k: self.offset(j, self.offsets.delay(g)) for k, g in self.offsets.head_groups().items()}
 
     def stats_offset(self, j):
-        return self.offset(j, self.offsets.delays[-1])
+        return self.offset(j, self.offsets.delay("stats"))
 
     def embed(self, j, tokens):
         return self.run(j, lambda top: self.fns.embed(top, tokens), 1).astype(self.act_dtype)
