@@ -22,7 +22,10 @@ compiled call faults its buffers' pages in afresh, a cost a step pays per device
 * ``overlap``: with one core per stage the stages really run at the same time; ``sync / 2bw``
   is compared with a textbook 1F1B's ceiling ``(M + P - 1)/M`` and with the critical path the
   tick table predicts from the measured per-slot costs (``Σ_ticks max_stages cost``).
-* ``compile``: the scans over layers and ticks keep the program size flat.
+* ``compile``: the scans over layers and slots keep the program size flat (``2bw`` at twice the
+  depth and twice the microbatches); each schedule's compile time at P = 4, M = 8 without
+  recompute; with ``--against CHECKOUT``, each schedule's compile time in this tree over the
+  same in another checkout (an earlier commit), both in fresh processes, alternating rounds.
 * ``schedules``: for ``P`` in {4, 8} and ``M`` in {P, 2P, 4P}, each schedule's program
   (asyncpp_jax.pipeline.schedules.programs: ``1f1b``, ``interleaved`` with v = 2, ``zb-h1``, ``2bw``) is
   validated and simulated from per-action costs (``--costs``, default F=1, B=2, I=W=1): its critical
@@ -116,6 +119,10 @@ def _args():
                     help="leave glibc's allocator as it starts (freed memory handed back to the kernel, so every "
                          "compiled call faults its buffers' pages in afresh) instead of keeping freed memory for "
                          "reuse, as the tests and main on several fake CPU devices do (host_setup.reuse_freed_memory)")
+    ap.add_argument("--against", default="", metavar="CHECKOUT",
+                    help="compile: also time each schedule's compile in this other checkout of the project (e.g. a "
+                         "git worktree of an earlier commit), both in fresh processes in alternating rounds, and "
+                         "print this tree's time over that one's")
     ap.add_argument("--record", default="", metavar="FILE.jsonl",
                     help="work, overlap, processes, compile, schedules: append the table's figures with the command, commit, date and "
                          "hardware as one JSON line to this file (experiments/results/bench/bench_pipeline.jsonl "
@@ -737,7 +744,49 @@ def processes(args) -> None:
             else recomputes, "vocab": args.vocab, "d_model": args.d_model, "rounds": args.rounds, "rows": rows})
 
 
+# Run in a fresh process with the checkout to time as its first argument: that checkout's own
+# bench_pipeline.Pipelined (its engine, its API), so two commits compile the same programs.
+COMPILE_WORKER = """
+import json, os, sys
+tree, schedules = sys.argv[1], sys.argv[2].split(",")
+sys.path.insert(0, tree)
+os.chdir(tree)
+from asyncpp_jax import host_setup
+host_setup.reuse_freed_memory()
+host_setup.add_host_devices(4)
+sys.argv = ["bench_pipeline", "work"]
+import asyncpp_jax
+import experiments.bench_pipeline as bp
+assert os.path.realpath(asyncpp_jax.__file__).startswith(os.path.realpath(tree)), asyncpp_jax.__file__
+from asyncpp_jax import configs
+# the schedules this checkout's config admits (an earlier commit listed them as PIPELINE_SCHEDULES)
+known = configs.pipeline_schedules() if hasattr(configs, "pipeline_schedules") else configs.PIPELINE_SCHEDULES
+args = bp._args()
+print(json.dumps({s: bp.Pipelined(args, 4, 8, s, recompute=False).compile_seconds() for s in schedules if s in known}))
+"""
+
+
+def _compile_in(tree: str, schedules: list) -> dict:
+    """``{schedule: seconds}`` to compile each schedule's train step in checkout ``tree`` (a fresh
+    process on this process's cores)."""
+    import json
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", COMPILE_WORKER, tree, ",".join(schedules)],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _commit_of(tree: str) -> str:
+    import subprocess
+
+    return subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
 def compile_times(args) -> None:
+    import statistics
+
     base = Pipelined(args, 4, 8, "2bw", n_layers=8).compile_seconds()
     deep = Pipelined(args, 4, 8, "2bw", n_layers=16).compile_seconds()
     wide = Pipelined(args, 4, 16, "2bw", n_layers=8).compile_seconds()
@@ -745,8 +794,28 @@ def compile_times(args) -> None:
     print("|---|---|")
     print(f"| 16 layers, M=8 | {deep / base:.2f} |")
     print(f"| 8 layers, M=16 | {wide / base:.2f} |")
-    _record(args, "bench_pipeline_compile", {"schedule": "2bw", "stages": 4, "baseline": "8 layers, M = 8",
-                                              "twice_depth": deep / base, "twice_microbatches": wide / base})
+    figures = {"schedule": "2bw", "stages": 4, "baseline": "8 layers, M = 8", "twice_depth": deep / base,
+               "twice_microbatches": wide / base}
+    if args.against:
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        names = [n for n, _ in SCHEDULES]
+        times: dict = {"here": [], "there": []}
+        for r in range(args.rounds):  # alternating rounds, odd ones in reverse order
+            for who, tree in [("here", here), ("there", args.against)][:: -1 if r % 2 else 1]:
+                times[who].append(_compile_in(tree, names))
+        rows = []
+        for n in names:
+            mine = statistics.median(t[n] for t in times["here"])
+            there = [t[n] for t in times["there"] if n in t]
+            rows.append({"schedule": n, "seconds": mine, "against_seconds": statistics.median(there) if there else None})
+        print(f"\n| schedule (P=4, M=8, no recompute) | compile s here | at {_commit_of(args.against)} | ratio |")
+        print("|---|---|---|---|")
+        for r in rows:
+            a = r["against_seconds"]
+            there, ratio = ("-", "-") if a is None else (f"{a:.1f}", f"{r['seconds'] / a:.2f}")
+            print(f"| {r['schedule']} | {r['seconds']:.1f} | {there} | {ratio} |")
+        figures["against"] = {"commit": _commit_of(args.against), "rounds": args.rounds, "rows": rows}
+    _record(args, "bench_pipeline_compile", figures)
 
 
 def conditionals(args) -> None:
