@@ -10,8 +10,8 @@
 
 The command runs as it is (its output passes through) and is timed end to end. A training run's
 figures come from its workdir (``--workdir``, else ``runs/<config.name>``): ``status.json`` (status,
-step, validation loss, the corpus's unigram baselines) and ``metrics.jsonl`` (median step time and
-tokens/s). A dry run's figures are its report (the lines from ``dry run of`` on) and its compile
+step, validation loss, the corpus's unigram baselines), ``config.json`` (the optimizer, its lr and
+weight decay) and ``metrics.jsonl`` (median step time and tokens/s). A dry run's figures are its report (the lines from ``dry run of`` on) and its compile
 time. Any other command's are its wall time and, when it ran pytest, the counts of pytest's summary
 line. A run that fails is not recorded. See experiments/records.py for the record's fields.
 """
@@ -54,6 +54,12 @@ def figures_from_workdir(workdir: pathlib.Path) -> dict:
         figures["unigram_entropy_train_nats_per_byte"] = unigram["train_entropy"]
     if "val_cross_entropy" in unigram:
         figures["unigram_xent_val_nats_per_byte"] = unigram["val_cross_entropy"]
+    settings = workdir / "config.json"  # the optimizer the run trained with, as the trainer resolved it
+    if settings.exists():
+        optimizer = json.loads(settings.read_text()).get("optimizer", {})
+        figures.update({k: optimizer[k] for k in ("name", "lr", "weight_decay") if k in optimizer})
+        if "name" in figures:
+            figures["optimizer"] = figures.pop("name")
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     for key, name in (("step_time", "s_per_update"), ("tokens_per_sec", "tokens_per_s")):
         values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
