@@ -49,39 +49,30 @@ def test_pipedream_on_the_engine_equals_simulate_with_per_stage_delays():
 
 
 @pytest.mark.needs_devices(4)
+@pytest.mark.parametrize("placement", ["spmd", "mpmd"])
 @pytest.mark.parametrize("tie", [True, pytest.param(False, marks=pytest.mark.slow)])
-def test_pipedream_parity_across_sync_start_and_cooldown(tie):
+def test_pipedream_parity_across_sync_start_and_cooldown(tie, placement):
     """The per-slice fills after the synchronous start, the in-flight batches dropped at the
-    cooldown switch, and error feedback on the same per-leaf schedule."""
+    cooldown switch, and error feedback on the same per-leaf schedule.  Under ``mpmd`` the same
+    program is dispatched stage by stage from the host (one compiled program per stage and action):
+    its weight versions, the cotangents crossing steps and a tied table's head gradient carried
+    P-1 updates live in its own state."""
+    from test_mpmd import run_mpmd
+
     P, K, C, n = 4, 2, 2, 9
     cfg, data = model_cfg(), batches(n, 2, 4, seed=22)
     cfg.tie_embeddings = tie
     kw = dict(sync_start_steps=K, sync_cooldown_steps=C, total_steps=n)
     ef = lambda: optax.chain(muon_opt(), error_feedback(1.0, leaf_delays=leaf_delays(cfg, P), **kw))  # noqa: E731
-    want, _ = pipedream_reference(cfg, ef(), data, P, **kw)
-    got, metrics = run_pipeline(cfg, ef(), data, P, "pipedream", dsched=DelaySchedule(P - 1, K, C, n))
+    want, want_m = pipedream_reference(cfg, ef(), data, P, **kw)
+    dsched = DelaySchedule(P - 1, K, C, n)
+    if placement == "mpmd":
+        got, metrics, _ = run_mpmd(cfg, ef(), data, P, "pipedream", dsched=dsched)
+    else:
+        got, metrics = run_pipeline(cfg, ef(), data, P, "pipedream", dsched=dsched)
     assert_params_close(engine.to_model_layout(cfg, got.params), want.params)
     assert [int(m["delay"]) for m in metrics] == [0] * K + [P - 1] * (n - K - C) + [0] * C
     assert [int(m["skipped_batches"]) for m in metrics] == [0] * (n - C) + [P - 1] + [0] * (C - 1)
-
-
-@pytest.mark.needs_devices(4)
-@pytest.mark.parametrize("tie", [True, pytest.param(False, marks=pytest.mark.slow)])
-def test_pipedream_under_mpmd_equals_simulate_across_sync_start_and_cooldown(tie):
-    """The same program dispatched stage by stage from the host (one compiled program per stage
-    and action): the weight versions, the cotangents crossing steps, the tied table's gradient
-    carried P-1 updates, the fills and the cooldown switch, as the simulate runner's per-leaf delays."""
-    from test_mpmd import run_mpmd
-
-    P, K, C, n = 4, 2, 2, 9
-    cfg, data = model_cfg(), batches(n, 2, 4, seed=23)
-    cfg.tie_embeddings = tie
-    kw = dict(sync_start_steps=K, sync_cooldown_steps=C, total_steps=n)
-    ef = lambda: optax.chain(muon_opt(), error_feedback(1.0, leaf_delays=leaf_delays(cfg, P), **kw))  # noqa: E731
-    want, want_m = pipedream_reference(cfg, ef(), data, P, **kw)
-    got, metrics, _ = run_mpmd(cfg, ef(), data, P, "pipedream", dsched=DelaySchedule(P - 1, K, C, n))
-    assert_params_close(engine.to_model_layout(cfg, got.params), want.params)
-    assert [int(m["delay"]) for m in metrics] == [0] * K + [P - 1] * (n - K - C) + [0] * C
     np.testing.assert_allclose([m["loss"] for m in metrics], [m["loss"] for m in want_m], rtol=1e-5)
     assert len(got.runner_state.weight_versions) == P - 1
 
