@@ -5,6 +5,7 @@ import math
 import pytest
 
 from asyncpp_jax import configs
+from asyncpp_jax.pipeline.options import EngineOptions
 from asyncpp_jax.train import health
 
 LIVE = {"loss": 4.0, "ce": 4.0, "grad_norm": 1.5}
@@ -19,10 +20,24 @@ def config(mode="sync", engine_2bw=False, pipedream_stages=4):
     return c
 
 
-@pytest.mark.parametrize("mode, engine_2bw, want", [("sync", False, (0, 0)), ("2bw", False, (1, 0)),
-                                                    ("sync", True, (1, 1)), ("pipedream", False, (3, 0))])
-def test_window_is_the_delay_and_the_log_lag(mode, engine_2bw, want):
-    assert health.window(config(mode, engine_2bw)) == want
+def engine(schedule):
+    """The runner's options of a 2-stage engine run (what the trainer hands Health)."""
+    return EngineOptions(schedule=schedule, stages=2, microbatches=2)
+
+
+@pytest.mark.parametrize("mode, engine_schedule, want", [
+    ("sync", None, (0, 0)), ("2bw", None, (1, 0)), ("pipedream", None, (3, 0)),
+    # the engine's loss of update t is the batch whose last-stage gradient it applies
+    ("sync", "2bw", (1, 1)), ("sync", "1f1b", (0, 0))])
+def test_window_is_the_delay_and_the_log_lag(mode, engine_schedule, want):
+    c = config(mode, engine_schedule == "2bw")
+    assert health.window(c, engine(engine_schedule) if engine_schedule else None) == want
+
+
+def test_engine_pipedream_logs_this_update_s_loss():
+    c = config()
+    c.pipeline.update(stages=2, schedule="pipedream")
+    assert health.window(c, engine("pipedream"))[1] == 0
 
 
 def test_an_update_is_live_unless_non_finite_zero_gradient_or_uniform():
@@ -49,7 +64,7 @@ def test_sync_checkpoint_is_good_once_the_next_update_is_live():
 
 
 def test_engine_2bw_needs_the_updates_of_its_in_flight_gradient_and_the_log_lag():
-    h = health.Health(config(engine_2bw=True), start=0)
+    h = health.Health(config(engine_2bw=True), start=0, options=engine("2bw"))
     run(h, 5, dead={4, 5})
     # [s - d + 1, s + 1 + lag] = [s, s + 2]: checkpoint 1 needs updates 1..3, checkpoint 2 needs 2..4
     assert h.newest_good([1, 2, 3]) == 1

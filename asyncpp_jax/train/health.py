@@ -21,23 +21,27 @@ from __future__ import annotations
 import math
 
 from asyncpp_jax import configs
+from asyncpp_jax.pipeline.options import EngineOptions
+from asyncpp_jax.pipeline.schedules.programs import Offsets
 
 DEAD_UPDATES = 3  # consecutive dead updates after which a run stops: the model has died
 
 
-def window(c) -> tuple[int, int]:
-    """``(d, lag)``: the largest gradient delay under ``c``, and the lag of the logged loss."""
+def window(c, options: EngineOptions | None = None) -> tuple[int, int]:
+    """``(d, lag)``: the largest gradient delay under ``c``, and the lag of the logged loss: under
+    the pipeline engine (``options``, the runner's) its program's, the logged loss of update ``t``
+    being the batch whose last-stage gradient it applies (``2bw``: ``t - 1``; ``pipedream``: ``t``)."""
     st = configs.effective_staleness(c)
     delay = {"2bw": 1, "pipedream": st.pipedream_stages - 1}.get(st.mode, 0)
-    lag = 1 if configs.uses_pipeline(c) and c.pipeline.schedule == "2bw" else 0
+    lag = 0 if options is None else Offsets.of(options.program, c.model.tie_embeddings).delay("stats")
     return delay, lag
 
 
 class Health:
     """Follows a run's updates: which are live, which checkpoints are good, whether the model died."""
 
-    def __init__(self, c, start: int):
-        self.delay, self.lag = window(c)
+    def __init__(self, c, start: int, options: EngineOptions | None = None):
+        self.delay, self.lag = window(c, options)
         self.start = start
         self.uniform = math.log(c.model.vocab_size)
         self.observed = start  # the last update seen

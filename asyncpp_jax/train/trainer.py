@@ -310,7 +310,7 @@ class Trainer:
         stop_at = c.train.steps if until_step is None else min(until_step, c.train.steps)
         state, iterator = self.restore_or_init()
         p = _Progress(start=int(state.step), step=int(state.step))
-        self.health = health_lib.Health(c, p.start)
+        self.health = health_lib.Health(c, p.start, self.runner.options)
         writer = MetricWriter(self.workdir, configs.loggers(c), resume_step=p.start, config=c)
         if writer.dropped:
             log.info("metrics.jsonl: dropped %d row(s) logged after step %d; those steps are redone",
