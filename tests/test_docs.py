@@ -97,7 +97,7 @@ def test_a_new_measured_record_replaces_the_typed_figures(tmp_path, monkeypatch)
     page = (ROOT / "docs" / "pipeline.md").read_text()
     rendered = render_docs.render(page, ROOT / "docs" / "pipeline.md")
     assert "| twice the depth | 1.23× |" in rendered and "1 measured and written by the script as it ran" in rendered
-    assert "| twice the depth | 1.01× |" in page
+    assert f"| twice the depth | {old['figures']['twice_depth']:.2f}× |" in page  # the record it replaces
     rendered = render_docs.render(README.read_text(), README)
     assert "to 16 min 40 s end to end" in rendered and "loss of 1.250 to" in rendered
 
