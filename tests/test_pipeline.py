@@ -17,7 +17,6 @@ from asyncpp_jax.models import dense
 from asyncpp_jax.optim import DelaySchedule, WeightPrediction, delay, error_feedback, muon
 from asyncpp_jax.pipeline.options import EngineOptions
 from asyncpp_jax.pipeline.spmd import engine
-from asyncpp_jax.pipeline.schedules import slot_plan
 from asyncpp_jax.pipeline.mesh import make_mesh
 from experiments.census import Census, census, subjaxprs
 from asyncpp_jax import train_state as state_lib

@@ -30,7 +30,7 @@ and drop what is in flight, as the ``spmd`` engine does.
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
