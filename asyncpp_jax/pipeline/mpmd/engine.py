@@ -191,8 +191,13 @@ class MpmdTrainStep:
         self.update = GroupedUpdate(model_cfg, optimizer, schedule, pl, params_abstract, grad_clip, expert_parallel)
         self.flushed = options.transition().program if self.flushless else options.program
         self.windows = {"flushed": order(self.flushed)}
-        self.reach: list[dict] = [{p: 0 for p in part_delays(self.flushed, self.tied, s)} for s in range(P_)]
-        self.stats_reach = 0
+        # Per program ("flushed", "delayed"), read off it once: each stage's parts' delays and the
+        # loss statistics' delay (:meth:`_run`), and the latest update each part's gradient and the
+        # loss sums join, relative to the step that made them: what crosses steps is the partial
+        # gradients of updates t+1 .. t+reach.
+        self.delays = {"flushed": self._delays_of(self.flushed)}
+        self.reach = {"flushed": [{p: 0 for p in d} for d in self.delays["flushed"][0]]}
+        self.stats_reach = {"flushed": 0}
         batches = NamedSharding(mesh, P(None, None, "data"))  # [D, M, B, T+1]: the batches in flight
         self._shift = jax.jit(lambda b, held: jnp.concatenate([b[None], held[:-1]]), out_shardings=batches)
         self._batch_at = jax.jit(lambda held, k: held[k], static_argnums=1,
@@ -201,14 +206,18 @@ class MpmdTrainStep:
             self.delayed = options.program
             self.windows["delayed"] = order(self.delayed)
             self.carried = carried_keys(self.windows["delayed"], P_, self.D)
-            # The latest update each part's gradient joins, relative to the step that made it: what
-            # crosses steps is the partial gradients of updates t+1 .. t+reach.
-            self.reach = [{p: max([b + d for st, kind, b, _ in self.windows["delayed"] if st == s and kind == "B"],
-                                  default=0)
-                           for p, d in part_delays(self.delayed, self.tied, s).items()} for s in range(P_)]
-            d_stats = programs.Offsets.of(self.delayed, self.tied).delay("stats")
-            self.stats_reach = max(b + d_stats for *_, b, _ in self.windows["delayed"])
+            parts, d_stats = self.delays["delayed"] = self._delays_of(self.delayed)
+            window = self.windows["delayed"]
+            self.reach["delayed"] = [
+                {p: max([b + d for st, kind, b, _ in window if st == s and kind == "B"], default=0)
+                 for p, d in parts[s].items()} for s in range(P_)]
+            self.stats_reach["delayed"] = max(b + d_stats for *_, b, _ in window)
         self._last_step: tuple | None = None  # (the step array this returned, its value): no read back
+
+    def _delays_of(self, program: programs.Program) -> tuple[list[dict], int]:
+        """Each stage's :func:`part_delays` and the loss statistics' delay under ``program``."""
+        return ([part_delays(program, self.tied, s) for s in range(self.n_stages)],
+                programs.Offsets.of(program, self.tied).delay("stats"))
 
     # ------------------------------------------------------------------------------ views
     def stage_params(self, params: dict, s: int) -> dict:
@@ -225,12 +234,12 @@ class MpmdTrainStep:
         delayed = self.flushless and in_force(self.delay_schedule, t)
         # Whether batch t-k ran this program (else its actions are skipped: the fill, as optim.delay).
         live = [True] + [delayed and in_force(self.delay_schedule, t - k) for k in range(1, self.D + 1)]
-        program = self.delayed if delayed else self.flushed
-        window = [a for a in self.windows["delayed" if delayed else "flushed"] if live[-a[2]]]
+        key = "delayed" if delayed else "flushed"
+        window = [a for a in self.windows[key] if live[-a[2]]]
         rs = state.runner_state
         versions, batches, store = self._inputs(state, batch, live)
-        acc, sums = self._accumulators(rs if delayed else None)
-        self._run(window, program, versions, batches, store, acc, sums)
+        acc, sums = self._accumulators(rs if delayed else None, key)
+        self._run(window, key, versions, batches, store, acc, sums)
         grads, sqs = self.update.reduce([_join(acc[0][s]) for s in range(self.n_stages)])
         retired = rs.weight_versions[-1] if self.flushless else None  # no batch reads it any more
         params, opt_state, norm = self.update.apply(state.params, state.opt_state, grads, sqs, retired)
@@ -257,13 +266,14 @@ class MpmdTrainStep:
                 versions[-k] = [self.stage_params(rs.weight_versions[k - 1], s) for s in range(P_)]
                 held = self._batch_at(rs.batches, k - 1)
                 batches[-k] = [pl.view(held, s) for s in range(P_)]
-        if live[1:2] == [True]:
+        if self.D and live[1]:
             store = {(kind, s, b - 1, m): rs.inflight[_key(kind, s, b, m)] for kind, s, b, m in self.carried}
         return versions, batches, store
 
-    def _accumulators(self, rs: MpmdState | None) -> tuple[dict, dict]:
+    def _accumulators(self, rs: MpmdState | None, key: str) -> tuple[dict, dict]:
         """``acc[a][s][part]`` and ``sums[a][s]``: stage ``s``'s partial gradient and loss sums of
-        update ``t+a``, from what the previous step carried for them (``rs``; None: zeros)."""
+        update ``t+a`` under program ``key``, from what the previous step carried for them (``rs``;
+        None: zeros)."""
         acc, sums = {}, {}
         for s in range(self.n_stages):
             fresh: dict = {}  # offset -> (zero accumulators, zero sums) of this stage, made once
@@ -273,23 +283,22 @@ class MpmdTrainStep:
                     fresh[a] = self.zeros[s]()
                 return fresh[a]
 
-            for part, reach in self.reach[s].items():
+            for part, reach in self.reach[key][s].items():
                 for a in range(reach + 1):
                     carried = rs.acc.get(f"a{a + 1}/s{s}", {}) if rs is not None else {}
                     acc.setdefault(a, {}).setdefault(s, {})[part] = (
                         carried[part] if part in carried else _get(zero(a)[0], part))
-            for a in range(self.stats_reach + 1):
-                key = f"a{a + 1}/s{s}"
-                sums.setdefault(a, {})[s] = rs.sums[key] if rs is not None and key in rs.sums else zero(a)[1]
+            for a in range(self.stats_reach[key] + 1):
+                name = f"a{a + 1}/s{s}"
+                sums.setdefault(a, {})[s] = rs.sums[name] if rs is not None and name in rs.sums else zero(a)[1]
         return acc, sums
 
-    def _run(self, window, program, versions, batches, store, acc, sums) -> None:
-        """Dispatch one window's actions; ``store`` holds what is in transit or stashed, keyed
-        ``(kind, stage, batch, microbatch)``.  A gradient of batch ``b`` on stage ``s`` joins
+    def _run(self, window, key, versions, batches, store, acc, sums) -> None:
+        """Dispatch one window of program ``key``; ``store`` holds what is in transit or stashed,
+        keyed ``(kind, stage, batch, microbatch)``.  A gradient of batch ``b`` on stage ``s`` joins
         update ``t + b + d`` (``d`` its part's delay, :func:`part_delays`)."""
         last, pl = self.n_stages - 1, self.placement
-        d_stats = programs.Offsets.of(program, self.tied).delay("stats")
-        delays = [part_delays(program, self.tied, s) for s in range(self.n_stages)]
+        delays, d_stats = self.delays[key]
         for s, kind, b, m in window:
             w, tokens, mi = versions[b][s], batches[b][s], np.int32(m)
             a_s = b + d_stats  # the update whose loss this batch's statistics join
@@ -326,13 +335,16 @@ class MpmdTrainStep:
         inflight = {_key(kind, s, b, m): store[(kind, s, b, m)] if (kind, s, b, m) in store
                     else self.zero_activation[s]() for kind, s, b, m in self.carried}
         out_acc, out_sums = {}, {}
+        stats_reach = self.stats_reach["delayed"]
         for s in range(self.n_stages):
-            for a in range(1, max(self.reach[s].values()) + 1):
-                parts = [p for p, r in self.reach[s].items() if r >= a]
-                made = acc[a][s] if acc is not None else self.zeros[s]()[0]
-                out_acc[f"a{a}/s{s}"] = {p: made[p] if acc is not None else _get(made, p) for p in parts}
-            for a in range(1, self.stats_reach + 1):
-                out_sums[f"a{a}/s{s}"] = sums[a][s] if sums is not None else self.zeros[s]()[1]
+            reach = self.reach["delayed"][s]
+            for a in range(1, max(max(reach.values()), stats_reach) + 1):
+                zero_acc, zero_sums = self.zeros[s]() if acc is None else (None, None)  # one batch's, once
+                parts = [p for p, r in reach.items() if r >= a]
+                if parts:
+                    out_acc[f"a{a}/s{s}"] = {p: acc[a][s][p] if acc is not None else _get(zero_acc, p) for p in parts}
+                if a <= stats_reach:
+                    out_sums[f"a{a}/s{s}"] = sums[a][s] if sums is not None else zero_sums
         return MpmdState(tuple(versions), inflight, out_acc, out_sums, batches)
 
     def init_runner_state(self, params) -> MpmdState | None:
@@ -352,9 +364,10 @@ class MpmdTrainStep:
         acc, sums = {}, {}
         for s in range(self.n_stages):
             zero_acc, zero_sums = self.zeros_abstract[s]
-            for a in range(1, max(self.reach[s].values()) + 1):
-                acc[f"a{a}/s{s}"] = {p: _get(zero_acc, p) for p, r in self.reach[s].items() if r >= a}
-            for a in range(1, self.stats_reach + 1):
+            reach = self.reach["delayed"][s]
+            for a in range(1, max(reach.values()) + 1):
+                acc[f"a{a}/s{s}"] = {p: _get(zero_acc, p) for p, r in reach.items() if r >= a}
+            for a in range(1, self.stats_reach["delayed"] + 1):
                 sums[f"a{a}/s{s}"] = zero_sums
         batches = jax.ShapeDtypeStruct((self.D, self.M, self.global_batch // self.M, self.seq_len + 1), jnp.int32,
                                        sharding=NamedSharding(self.placement.mesh, P(None, None, "data")))
