@@ -74,6 +74,14 @@ def plot_xy(series: dict[str, list[tuple[float, float, float]]], out: pathlib.Pa
     return out.name
 
 
+def figure(alt: str, series: dict, out: pathlib.Path, *labels, **kw) -> list[str]:
+    """The report's lines embedding :func:`plot_xy` of ``series`` (``labels``: x label, y label,
+    title), under the alt text ``alt``; none when there is no series to plot."""
+    if not series:
+        return []
+    return [f"![{alt}]({plot_xy(series, out, *labels, **kw)})", ""]
+
+
 def md_table(header, rows) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + \
         ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]

@@ -23,7 +23,7 @@ import re
 import numpy as np
 
 from experiments import paper, picks, stats
-from experiments.report_format import SHARE_NOTE, claim, md_table, plot_xy, se_kind, share_text  # noqa: F401
+from experiments.report_format import SHARE_NOTE, claim, figure, md_table, se_kind, share_text  # noqa: F401
 from experiments.report_format import est as _est_with_se
 from experiments.studies.ladder_tune import EXTRA_RUNGS, RUNGS
 
@@ -173,12 +173,10 @@ def analyse(rows, picks: dict, out: pathlib.Path, claims: dict) -> list[str]:
     lines += _ratio_rows(rows, found)
     lines += _trend(rows, found, claims)
     lines += _more_tokens(rows, found)
-    if gap_series:
-        lines.append(f"![gap vs updates]({plot_xy(gap_series, out / 'ladder_gap.png', 'updates (same tokens)', 'delay gap, best vs best', 'delay gap along the ladder', logx=True)})")
-        lines.append("")
-    if share_series:
-        lines.append(f"![EF share vs updates]({plot_xy(share_series, out / 'ladder_ef_share.png', 'updates (same tokens)', 'fraction of the gap EF recovers', 'EF share along the ladder', logx=True)})")
-        lines.append("")
+    lines += figure("gap vs updates", gap_series, out / "ladder_gap.png",
+                    "updates (same tokens)", "delay gap, best vs best", "delay gap along the ladder", logx=True)
+    lines += figure("EF share vs updates", share_series, out / "ladder_ef_share.png",
+                    "updates (same tokens)", "fraction of the gap EF recovers", "EF share along the ladder", logx=True)
     return lines
 
 

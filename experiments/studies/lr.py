@@ -25,7 +25,7 @@ import pathlib
 import numpy as np
 
 from experiments import analysis, picks, stats
-from experiments.report_format import md_table, plot_xy
+from experiments.report_format import figure, md_table
 
 from experiments.studies.common import LR, lr_centre, optimizer, preset
 from experiments.study import Study
@@ -140,9 +140,8 @@ def analyse_lr(rows, out: pathlib.Path, claims: dict) -> list[str]:
     lines += md_table(["optimizer"] + [f"lr {k + 1}" for k in range(width)], table) + [""]
     lines.append("Picks: " + ", ".join(f"{k} {v:g}" for k, v in sorted(chosen.items())) + ".")
     lines.append("")
-    if series:
-        lines.append(f"![val vs lr]({plot_xy(series, out / 'lr_val.png', 'peak learning rate', 'final val loss (nats/byte)', 'sync loss vs learning rate', logx=True, zero=False)})")
-        lines.append("")
+    lines += figure("val vs lr", series, out / "lr_val.png",
+                    "peak learning rate", "final val loss (nats/byte)", "sync loss vs learning rate", logx=True, zero=False)
     return lines
 
 

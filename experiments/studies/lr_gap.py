@@ -7,7 +7,7 @@ are the ``lr`` study's runs, copied by the sweep when that study has been run un
 import pathlib
 
 from experiments import analysis, stats
-from experiments.report_format import est, md_table, plot_xy, se_kind
+from experiments.report_format import est, figure, md_table, se_kind
 from experiments.studies import lr
 from experiments.studies.common import preset
 from experiments.study import Study
@@ -43,12 +43,10 @@ def analyse_lr_gap(rows, out: pathlib.Path) -> list[str]:
         lines += ["### Delay gap and EF recovery per learning rate", "",
                   "Gap = 2bw - sync, EF gap = 2bw+EF - sync, recovered = 1 - EF gap / gap (delta method).", ""]
         lines += md_table(["optimizer", "lr", "delay gap", "EF gap", "EF recovers", "standard errors"], table) + [""]
-    if gap_series:
-        lines.append(f"![gap vs lr]({plot_xy(gap_series, out / 'lr_gap.png', 'peak learning rate', 'delay gap 2bw - sync', 'delay gap vs learning rate', logx=True)})")
-        lines.append("")
-    if frac_series:
-        lines.append(f"![EF recovery vs lr]({plot_xy(frac_series, out / 'lr_ef_recovered.png', 'peak learning rate', 'fraction of the gap EF recovers', 'EF recovery vs learning rate', logx=True)})")
-        lines.append("")
+    lines += figure("gap vs lr", gap_series, out / "lr_gap.png",
+                    "peak learning rate", "delay gap 2bw - sync", "delay gap vs learning rate", logx=True)
+    lines += figure("EF recovery vs lr", frac_series, out / "lr_ef_recovered.png",
+                    "peak learning rate", "fraction of the gap EF recovers", "EF recovery vs learning rate", logx=True)
     return lines
 
 

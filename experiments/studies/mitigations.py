@@ -11,7 +11,7 @@ import collections
 import pathlib
 
 from experiments import analysis, stats
-from experiments.report_format import est, md_table, plot_xy, se_kind
+from experiments.report_format import est, figure, md_table, se_kind
 from experiments.studies.common import optimizer, preset
 from experiments.studies import tuned
 from experiments.study import Study
@@ -61,10 +61,9 @@ def analyse_mitigations(rows, out: pathlib.Path, claims: dict) -> list[str]:
                           "-" if vs is None else f"{vs.value:+.0%} ± {vs.se:.0%}", se_kind(f)))
         analysis.ef_claim(claims, arms, opt, f"{opt}/ef", none, sync, "`mitigations`")
     lines += md_table(["optimizer", "rank", "mitigation", "gap vs sync", "fraction of the gap recovered",
-                     "minus EF's fraction", "standard errors"], table) + [""]
-    if series:
-        lines.append(f"![recovered]({plot_xy(series, out / 'mitigations_recovered.png', 'mitigation', 'fraction recovered', 'gap recovered', bars=True)})")
-        lines.append("")
+                    "minus EF's fraction", "standard errors"], table) + [""]
+    lines += figure("recovered", series, out / "mitigations_recovered.png",
+                    "mitigation", "fraction recovered", "gap recovered", bars=True)
     pairs = [(f"{opt} {arm}", f"{opt}/{arm}", f"{opt}/sync") for opt in ("adamw", "muon") for arm in ("none", "ef")]
     lines += analysis.analyse_gap_over_time("mitigations", rows, pairs, out, claims,
                                    {"adamw": "adamw none", "muon": "muon none"}, prefer=False)
