@@ -26,6 +26,9 @@ compiled call faults its buffers' pages in afresh, a cost a step pays per device
   depth and twice the microbatches); each schedule's compile time at P = 4, M = 8 without
   recompute; with ``--against CHECKOUT``, each schedule's compile time in this tree over the
   same in another checkout (an earlier commit), both in fresh processes, alternating rounds.
+  ``work --against CHECKOUT`` likewise times each schedule's step (no recompute) in both trees,
+  each beside its own tree's simulate step, two fresh processes per tree: the engine's own change
+  between two commits, apart from a change of the model that moves the simulate step as well.
 * ``schedules``: for ``P`` in {4, 8} and ``M`` in {P, 2P, 4P}, each schedule's program
   (asyncpp_jax.pipeline.schedules.programs: ``1f1b``, ``interleaved`` with v = 2, ``zb-h1``, ``2bw``) is
   validated and simulated from per-action costs (``--costs``, default F=1, B=2, I=W=1): its critical
@@ -120,7 +123,7 @@ def _args():
                          "compiled call faults its buffers' pages in afresh) instead of keeping freed memory for "
                          "reuse, as the tests and main on several fake CPU devices do (host_setup.reuse_freed_memory)")
     ap.add_argument("--against", default="", metavar="CHECKOUT",
-                    help="compile: also time each schedule's compile in this other checkout of the project (e.g. a "
+                    help="compile, work: also time each schedule's compile (compile) or step (work, without recompute) in this other checkout of the project (e.g. a "
                          "git worktree of an earlier commit), both in fresh processes in alternating rounds, and "
                          "print this tree's time over that one's")
     ap.add_argument("--record", default="", metavar="FILE.jsonl",
@@ -607,6 +610,8 @@ def work_runs(args, P: int, M: int, recompute: bool) -> dict:
 
 
 def work(args) -> None:
+    if args.against:
+        return work_against(args)
     P, M = 4, 8
     rows = []
     split = split_of(args, P)
@@ -766,15 +771,85 @@ print(json.dumps({s: bp.Pipelined(args, 4, 8, s, recompute=False).compile_second
 """
 
 
-def _compile_in(tree: str, schedules: list) -> dict:
-    """``{schedule: seconds}`` to compile each schedule's train step in checkout ``tree`` (a fresh
-    process on this process's cores)."""
+# ``work --against``'s worker: the checkout's own engine and simulate step, without recompute, each
+# engine step timed back to back with a simulate step in every round (odd rounds reversed).
+WORK_WORKER = COMPILE_WORKER.rsplit("print(", 1)[0].replace(
+    'sys.argv = ["bench_pipeline", "work"]',
+    'rounds, steps = int(sys.argv[3]), int(sys.argv[4])\nsys.argv = ["bench_pipeline", "work", *sys.argv[5:]]') + """
+runs = {"simulate": bp.Simulated(args, 8)}
+runs.update({s: bp.Pipelined(args, 4, 8, s, recompute=False) for s in schedules if s in known})
+for r in runs.values():
+    r.run(1)
+times = {s: {"engine": [], "simulate": []} for s in runs if s != "simulate"}
+for k in range(rounds):
+    for s in list(times)[::-1 if k % 2 else 1]:
+        pair = ("simulate", s)[::-1 if k % 2 else 1]
+        t = {n: runs[n].run(steps) for n in pair}
+        times[s]["engine"].append(t[s])
+        times[s]["simulate"].append(t["simulate"])
+print(json.dumps(times))
+"""
+
+
+def _in_tree(worker: str, tree: str, schedules: list, *extra) -> dict:
+    """The JSON a worker prints, run in checkout ``tree`` (a fresh process on this process's cores)."""
     import json
     import subprocess
 
-    out = subprocess.run([sys.executable, "-c", COMPILE_WORKER, tree, ",".join(schedules)],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", worker, tree, ",".join(schedules), *map(str, extra)],
+                         capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"bench_pipeline: the worker in {tree} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _compile_in(tree: str, schedules: list) -> dict:
+    """``{schedule: seconds}`` to compile each schedule's train step in checkout ``tree``."""
+    return _in_tree(COMPILE_WORKER, tree, schedules)
+
+
+def work_against(args) -> None:
+    """Each schedule's engine step (P = 4, M = 8, no recompute) in this tree and in ``--against``,
+    each beside its own tree's simulate step: two fresh processes per tree in the order here, there,
+    there, here, every one pinned to the same core.  A change elsewhere (the model's attention, say)
+    moves the simulate step too; *engine here / engine there* is the engine's own change."""
+    import statistics
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    names = [n.strip() for n in args.schedules.split(",")] if args.schedules else list(WORK_SCHEDULES)
+    model_flags = [f"--{k}={getattr(args, k)}" for k in ("vocab", "layers", "d_model", "seq", "rows")]
+    runs: dict = {"here": [], "there": []}
+    for who, tree in (("here", here), ("there", args.against), ("there", args.against), ("here", here)):
+        runs[who].append(_in_tree(WORK_WORKER, tree, names, args.rounds, args.steps, *model_flags))
+        print(f"  timed {who} ({tree})", flush=True)
+
+    def pooled(who, s, key):
+        return [x for t in runs[who] if s in t for x in t[s][key]]
+
+    rows = []
+    for s in names:
+        row = {"schedule": s}
+        for who in ("here", "there"):
+            eng, sim = pooled(who, s, "engine"), pooled(who, s, "simulate")
+            row[who] = eng and {"engine_s": statistics.median(eng), "simulate_s": statistics.median(sim),
+                                "engine_over_simulate": statistics.median(e / m for e, m in zip(eng, sim))}
+        if row["there"]:
+            row["engine_here_over_there"] = row["here"]["engine_s"] / row["there"]["engine_s"]
+            row["simulate_here_over_there"] = row["here"]["simulate_s"] / row["there"]["simulate_s"]
+        rows.append(row)
+    commit = _commit_of(args.against)
+    print(f"\n| schedule (P=4, M=8, no recompute) | engine / simulate here | at {commit} "
+          "| engine here / there | simulate here / there |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        there = r["there"]
+        print(f"| {r['schedule']} | {r['here']['engine_over_simulate']:.3f} | "
+              + (f"{there['engine_over_simulate']:.3f} | {r['engine_here_over_there']:.3f} | "
+                 f"{r['simulate_here_over_there']:.3f} |" if there else "– | – | – |"))
+    _record(args, "bench_pipeline_work_against", {
+        "commit_against": commit, "stages": 4, "microbatches": 8, "recompute": False, "layers": args.layers,
+        "vocab": args.vocab, "d_model": args.d_model, "rows_per_microbatch": args.rows, "seq": args.seq,
+        "rounds": args.rounds, "processes_per_tree": 2, "rows": rows})
 
 
 def _commit_of(tree: str) -> str:

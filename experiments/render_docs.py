@@ -339,6 +339,26 @@ def bench_pipeline_processes(doc: pathlib.Path) -> str:
     return "\n".join(lines)
 
 
+def bench_pipeline_work_against(doc: pathlib.Path) -> str:
+    """The newest ``work --against`` record: each schedule's engine step here and at an earlier
+    commit, each over its own tree's simulate step, and the engine's time here over there."""
+    rows = records.load("bench_pipeline", "bench_pipeline_work_against")[-1:]
+    if not rows:
+        return "No `bench_pipeline work --against` record yet."
+    f = rows[0]["figures"]
+    lines = [f"| schedule (P = {f['stages']}, M = {f['microbatches']}, no recompute) | engine / simulate here "
+             f"| engine / simulate at {f['commit_against']} | engine here / engine at {f['commit_against']} "
+             f"| simulate here / simulate at {f['commit_against']} |", "|---|---|---|---|---|"]
+    for r in f["rows"]:
+        there = r["there"]
+        lines.append(f"| {r['schedule']} | {r['here']['engine_over_simulate']:.3f} | "
+                     + (f"{there['engine_over_simulate']:.3f} | **{r['engine_here_over_there']:.3f}** | "
+                        f"{r['simulate_here_over_there']:.3f} |" if there else "– (not at that commit) | – | – |"))
+    return "\n".join(lines + ["", f"{f['rounds']} paired rounds in each of {f['processes_per_tree']} fresh processes "
+                                  f"per tree. Command: `{rows[0]['command']}`. Hardware: {_hw(rows)}. "
+                              + _provenance(rows, [BENCH_LINK / "bench_pipeline.jsonl"], doc)])
+
+
 def bench_pipeline_compile(doc: pathlib.Path) -> str:
     rows = records.load("bench_pipeline", "bench_pipeline_compile")[-1:]
     f = rows[0]["figures"]
@@ -1046,7 +1066,7 @@ def accelerator_status(doc: pathlib.Path) -> str:
 
 
 RENDERERS = {f.__name__: f for f in (factors_pilot, cpu_lr_gap, cpu_mitigations, regime_run_counts, paper_regime, paper_optimizers, paper_summary, factors_answer, gpu_plan, bench_small_updates, bench_prepare, notebooks, glance, main_job, main_job_summary, tiny_optimizers, bench_optimizers, optimizers_study,
-                                      bench_pipeline_work, bench_pipeline_processes, bench_pipeline_compile, bench_pipeline_conditionals, bench_pipeline_schedules,
+                                      bench_pipeline_work, bench_pipeline_work_against, bench_pipeline_processes, bench_pipeline_compile, bench_pipeline_conditionals, bench_pipeline_schedules,
                                       moe10b_dry_run, llama3_8b_dry_run, mpmd_dry_run, vocab_parallel_table, fit_table,
                                       ci, accelerator_checks, accelerator_status)}
 
