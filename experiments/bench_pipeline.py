@@ -749,17 +749,19 @@ def processes(args) -> None:
             else recomputes, "vocab": args.vocab, "d_model": args.d_model, "rounds": args.rounds, "rows": rows})
 
 
-# Run in a fresh process with the checkout to time as its first argument: that checkout's own
-# bench_pipeline.Pipelined (its engine, its API), so two commits compile the same programs.
-COMPILE_WORKER = """
+# A worker runs in a fresh process with the checkout to time as its first argument and the schedules
+# as its second: that checkout's own bench_pipeline (its engine, its API), so two commits build the
+# same programs.  Arguments after the fourth are bench_pipeline flags (the model's shape).
+_WORKER_PRELUDE = """
 import json, os, sys
-tree, schedules = sys.argv[1], sys.argv[2].split(",")
+argv = sys.argv[1:]
+tree, schedules = argv[0], argv[1].split(",")
 sys.path.insert(0, tree)
 os.chdir(tree)
 from asyncpp_jax import host_setup
 host_setup.reuse_freed_memory()
 host_setup.add_host_devices(4)
-sys.argv = ["bench_pipeline", "work"]
+sys.argv = ["bench_pipeline", "work", *argv[4:]]
 import asyncpp_jax
 import experiments.bench_pipeline as bp
 assert os.path.realpath(asyncpp_jax.__file__).startswith(os.path.realpath(tree)), asyncpp_jax.__file__
@@ -767,15 +769,17 @@ from asyncpp_jax import configs
 # the schedules this checkout's config admits (an earlier commit listed them as PIPELINE_SCHEDULES)
 known = configs.pipeline_schedules() if hasattr(configs, "pipeline_schedules") else configs.PIPELINE_SCHEDULES
 args = bp._args()
+"""
+
+COMPILE_WORKER = _WORKER_PRELUDE + """
 print(json.dumps({s: bp.Pipelined(args, 4, 8, s, recompute=False).compile_seconds() for s in schedules if s in known}))
 """
 
-
-# ``work --against``'s worker: the checkout's own engine and simulate step, without recompute, each
-# engine step timed back to back with a simulate step in every round (odd rounds reversed).
-WORK_WORKER = COMPILE_WORKER.rsplit("print(", 1)[0].replace(
-    'sys.argv = ["bench_pipeline", "work"]',
-    'rounds, steps = int(sys.argv[3]), int(sys.argv[4])\nsys.argv = ["bench_pipeline", "work", *sys.argv[5:]]') + """
+# ``work --against``'s worker (third and fourth arguments: rounds, updates a round): the checkout's
+# engine and simulate step, without recompute, each engine step timed back to back with a simulate
+# step in every round (odd rounds reversed).
+WORK_WORKER = _WORKER_PRELUDE + """
+rounds, steps = int(argv[2]), int(argv[3])
 runs = {"simulate": bp.Simulated(args, 8)}
 runs.update({s: bp.Pipelined(args, 4, 8, s, recompute=False) for s in schedules if s in known})
 for r in runs.values():
