@@ -831,7 +831,7 @@ def factors_answer(doc: pathlib.Path) -> str:
     from experiments.studies import factors
 
     lines = [report_factors.progress(tune, measured), ""]
-    lines += report_factors.cell_table(measured, factors.QUEUE)
+    lines += report_factors.cell_table(measured, factors.ORDER)
     table, _ = report_factors.axis_table(measured)
     lines += table + report_factors.conclusion(measured)
     return "\n".join(lines) + f"\n\n_Generated from {_link(REGIME_RESULTS, doc)}._"
@@ -924,7 +924,8 @@ PLAN_GROWTH, PLAN_MORE_SEED_SHARE = 1, 0.5
 
 
 def factors_pilot(doc: pathlib.Path) -> str:
-    """The factor screen's pilot (320 updates at widths 128 and 512, one core) and the cost it implies."""
+    """The factor screen's pilot (each cell's first run cut to a few hundred updates, ``--jobs 2``),
+    the cost per cell it implies, and which cells the budget keeps."""
     import re as re_lib
 
     from experiments import protocol
@@ -935,31 +936,55 @@ def factors_pilot(doc: pathlib.Path) -> str:
         return "_No pilot recorded yet (`experiments/results/bench/factors_pilot.jsonl`)._"
     latest = {}
     for rec in records.load("factors_pilot"):
+        # the first records predate the pilot's `cell` field and name only their width
         m = re_lib.search(r"--config\.model\.d_model=(\d+)", rec["command"])
-        if m:
-            latest[int(m.group(1))] = rec
-    lines = ["| width | s per update (median) | pilot's wall time (320 updates, 2 evaluations, startup) | "
-             "minutes per 3,200-update run, training only | cell | planned runs | job-hours |", "|---|---|---|---|---|---|---|"]
-    total = 0.0
-    for d, rec in sorted(latest.items()):
+        cell = rec.get("cell") or (f"width={m.group(1)}" if m else None)
+        if cell in factors.CELLS:
+            latest[cell] = rec
+    lines = ["| cell | s per update (median) | pilot: updates, wall time | minutes per run | tuning seeds | "
+             "planned runs | job-hours | runs committed | screen |", "|---|---|---|---|---|---|---|---|---|"]
+    committed: dict = {}
+    for r in _regime_rows():
+        if r["study"] in ("factors_tune", "factors"):
+            cell = r["variant"].split("/")[0]
+            committed[cell] = committed.get(cell, 0) + 1
+    queued = cut = 0.0
+    used = []
+    for cell in factors.ORDER:
+        rec = latest.get(cell)
+        if rec is None:
+            lines.append(f"| `{cell}` | - | not piloted | - | - | - | - | {committed.get(cell, 0)} | "
+                         f"{'cut' if cell in factors.CUT else 'queued'} |")
+            continue
+        used.append(rec)
         f = rec["figures"]
-        minutes = f["s_per_update"] * 3200 / 60
-        cell = f"width={d}"
-        seeds = len(factors.CELLS[cell][1]) if cell in factors.CELLS else len(protocol.TUNE_SEEDS)
+        seeds = len(factors.CELLS[cell][1])
+        # a whole run: the pilot's wall time (startup, 10 validations, the test split and its updates)
+        # plus the updates the pilot did not do
+        minutes = (f["wall_s"] + (factors.CELLS[cell][0]["train.steps"] - f["updates"]) * f["s_per_update"]) / 60
         per_opt = (len(factors.ARMS) * (3 + PLAN_GROWTH) * seeds + len(factors.ARMS) * len(protocol.MEASURE_SEEDS)
                    + PLAN_MORE_SEED_SHARE * len(factors.ARMS) * len(protocol.MORE_SEEDS))
         runs = per_opt * len(factors.OPTIMIZERS)
-        hours = runs * (minutes + f["wall_s"] / 60 - f["s_per_update"] * 320 / 60) / 60
-        total += hours
-        lines.append(f"| {d} | {f['s_per_update']:.3f} | {f['wall_s']:.0f} s | {minutes:.1f} | `{cell}` | {runs:.0f} | "
-                     f"{hours:.1f} |")
-    note = (f"Planned runs per cell: {len(factors.OPTIMIZERS)} optimizers x {len(factors.ARMS)} arms, each tuned on "
-            f"3 + {PLAN_GROWTH} learning rates at the cell's tuning seeds, measured at {len(protocol.MEASURE_SEEDS)} "
-            f"seeds, and at {len(protocol.MORE_SEEDS)} more for {PLAN_MORE_SEED_SHARE:.0%} of them; a run's time is "
-            f"its training plus the pilot's overhead (startup and evaluations). These two cells: {total:.0f} "
-            f"job-hours, {total / 2:.0f} hours of wall time with `--jobs 2` at the pilot's speed; the pilot ran while "
-            f"other jobs shared the cores, so on free cores it takes less. Hardware: {_hw(list(latest.values()))}. " + _provenance(list(latest.values()), [path], doc))
-    return "\n".join(lines + ["", f"_{note}_"])
+        hours = runs * minutes / 60
+        if cell in factors.CUT:
+            cut += hours
+        else:
+            queued += hours
+        lines.append(f"| `{cell}` | {f['s_per_update']:.3f} | {f['updates']}, {f['wall_s']:.0f} s | {minutes:.1f} | "
+                     f"{seeds} | {runs:.0f} | {hours:.1f} | {committed.get(cell, 0)} | "
+                     f"{'**cut**' if cell in factors.CUT else 'queued'} |")
+    reasons = "; ".join(f"`{c}`: {why}" for c, why in factors.CUT.items())
+    note = (f"A pilot is the cell's first run (AdamW, sync, seed 0) cut to its first {max(r['figures']['updates'] for r in used)} "
+            f"updates or fewer, with its 10 validations and its test split, run two at a time on their own cores as the "
+            f"screen runs them; a run's minutes are the pilot's wall time plus the updates it did not do. Planned runs: "
+            f"{len(factors.OPTIMIZERS)} optimizers x {len(factors.ARMS)} arms, each tuned on 3 + {PLAN_GROWTH} learning "
+            f"rates at the cell's tuning seeds, measured at {len(protocol.MEASURE_SEEDS)} seeds, and at "
+            f"{len(protocol.MORE_SEEDS)} more for {PLAN_MORE_SEED_SHARE:.0%} of them; runs committed: the cell's rows in "
+            f"the cpu_regime results. The queued cells: {queued:.0f} "
+            f"job-hours, {queued / 2:.0f} hours of wall time with `--jobs 2`, against a budget of about "
+            f"{factors.SCREEN_HOURS} (the cut cells would add {cut / 2:.0f}). Cut: {reasons}. "
+            f"Hardware: {_hw(used)}.")
+    return "\n".join(lines + ["", f"_{note}_", "", _provenance(used, [path], doc)])
 
 
 def bench_small_updates(doc: pathlib.Path) -> str:

@@ -189,14 +189,18 @@ def conclusion(rows) -> list[str]:
 
 
 def progress(tune_rows, rows) -> str:
-
-    done = sorted({r["variant"].split("/")[0] for r in rows}, key=factors.QUEUE.index)
-    tuned = sorted({r["variant"].split("/")[0] for r in tune_rows}, key=factors.QUEUE.index)
-    cut = [c for c in factors.QUEUE if c not in done and c not in tuned]
+    """Which cells are measured, tuning, not started and cut, from the rows (the cut ones from
+    :data:`factors.CUT`, with the pilot's costs in docs/studies.md)."""
+    order = factors.ORDER
+    done = sorted({r["variant"].split("/")[0] for r in rows}, key=order.index)
+    tuned = sorted({r["variant"].split("/")[0] for r in tune_rows} - set(done), key=order.index)
+    waiting = [c for c in factors.QUEUE if c not in done and c not in tuned]
+    cut = [c for c in factors.CUT if c not in done and c not in tuned]
     return (f"{len(tune_rows)} tuning runs (seeds {sorted({r['seed'] for r in tune_rows})}) and {len(rows)} "
             f"measured runs (seeds {sorted({r['seed'] for r in rows})}) committed. Cells measured: "
-            f"{', '.join(done) or 'none'}; tuned or tuning: {', '.join(tuned) or 'none'}; not started (the "
-            f"queue runs in this order, width first): {', '.join(cut) or 'none'}.")
+            f"{', '.join(done) or 'none'}; tuning: {', '.join(tuned) or 'none'}; not started (the "
+            f"queue runs in this order, width first): {', '.join(waiting) or 'none'}; cut to fit the screen's "
+            f"budget of about {factors.SCREEN_HOURS} hours on 2 cores: {', '.join(cut) or 'none'}.")
 
 
 def grid_table(tune_rows) -> list[str]:
@@ -204,7 +208,7 @@ def grid_table(tune_rows) -> list[str]:
     points only), the pick in bold once the grid has bracketed it (:func:`experiments.protocol.tune_state`)."""
 
     body = []
-    for cell in factors.QUEUE:
+    for cell in factors.ORDER:
         for opt in factors.OPTIMIZERS:
             for arm in factors.ARMS:
                 means = factors.tune_means(tune_rows, cell, opt, arm, factors.CELLS[cell][1])
@@ -234,7 +238,7 @@ def analyse(tune_rows, rows, claims) -> list[str]:
               "nats/byte on the 256 validation windows and on the test split (512 other windows, never used to "
               "pick); " + SHARE_NOTE + f" {RATIO_LABEL}: the point and its 90% Fieller interval "
               "(none where Muon's gap is unresolved).", ""]
-    lines += cell_table(rows, factors.QUEUE)
+    lines += cell_table(rows, factors.ORDER)
     table, _ = axis_table(rows)
     lines += ["### Along each axis", ""] + table + conclusion(rows) + [""]
     return lines

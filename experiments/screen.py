@@ -2,6 +2,7 @@
 (:mod:`experiments.protocol`), resumably, the most informative cells first.
 
     python -m experiments.screen [--out runs/studies] [--jobs 2] [--cells REGEX] [--list]
+    python -m experiments.screen --pilot [--jobs 2] [--cells REGEX]   # price every cell first
 
 A scheduler, not a fixed list: what may run next depends on the runs already done (an arm is
 measured once its tuning grid has bracketed a pick; its seeds 3-4 once the gap at seeds 0-2 is
@@ -27,7 +28,7 @@ import shutil
 import subprocess
 import time
 
-from experiments import protocol, stats, sweep
+from experiments import protocol, records, stats, sweep
 from experiments.studies import factors
 from experiments.study import Run, Study
 
@@ -199,11 +200,82 @@ def execute(out: pathlib.Path, cells, jobs: int, log=print, runner=None, envs=No
     log(f"[screen] nothing left to run ({len(failed)} failed); rows in {out / TUNE} and {out / MEASURE}")
 
 
+PILOT_UPDATES = 320
+PILOT_RECORDS = records.BENCH_DIR / "factors_pilot.jsonl"
+
+
+def pilot_run(cell: str) -> tuple[Study, Run]:
+    """The pilot of ``cell``: its first run (AdamW, sync, at the grid's centre, seed 0) cut to
+    :data:`PILOT_UPDATES` updates (fewer if the cell has fewer), with the run's evaluations scaled
+    with it (10 validations and the test split), so its wall time is a whole run's overhead plus
+    ``PILOT_UPDATES`` updates."""
+    base = factors.CELLS[cell][0]
+    updates = min(PILOT_UPDATES, base["train.steps"])
+    o = {**factors.overrides(cell, "adamw", "sync", factors.centre(cell, "adamw")), "train.steps": updates,
+         "optimizer.warmup_steps": updates // 10, "train.eval_every": updates // 10, "train.checkpoint_every": updates}
+    study = Study("factors_pilot", factors.CONFIG, {cell: o}, seeds=(0,))
+    return study, sweep.expand(study)[0]
+
+
+def _run_command(cmd: list[str], workdir: pathlib.Path, env: dict) -> int:
+    with open(workdir / "run.log", "w") as f:
+        return subprocess.run(cmd, cwd=sweep.REPO_ROOT, env={**os.environ, **env}, stdout=f,
+                              stderr=subprocess.STDOUT).returncode
+
+
+def run_pilots(cells, jobs: int, out: pathlib.Path, records_path: pathlib.Path = PILOT_RECORDS, log=print,
+               runner=None, envs=None, prepare=None) -> None:
+    """Run every cell's pilot (:func:`pilot_run`), ``jobs`` at a time each on its own core as the screen
+    runs them, and append one ``factors_pilot`` record per cell to ``records_path``.  ``runner(cmd,
+    workdir, env) -> returncode``, ``envs`` and ``prepare`` as in :func:`execute` (tests inject them)."""
+    from experiments.record_run import figures_from_workdir
+
+    runner, prepare = runner or _run_command, prepare or sweep.prepare_corpora
+    envs = envs if envs is not None else sweep.job_envs(*sweep.accelerators(), max(jobs, 1))
+
+    def one(cell: str, env: dict) -> None:
+        study, run = pilot_run(cell)
+        if factors.CELLS[cell][0].get("data.tokenizer") == "BPE":
+            factors.bpe_tokenizer(log)
+        prepare(study, log)
+        workdir = out / "factors_pilot" / run.run_id
+        shutil.rmtree(workdir, ignore_errors=True)
+        workdir.mkdir(parents=True)
+        cmd = sweep.command(study, run, workdir)
+        t0 = time.perf_counter()
+        code = runner(cmd, workdir, env)
+        wall = time.perf_counter() - t0
+        if code != 0:
+            log(f"[pilot] {cell}: failed with exit code {code}; its log is {workdir / 'run.log'}")
+            return
+        figures = {"wall_s": round(wall, 1), **figures_from_workdir(workdir), "jobs": len(envs)}
+        records.append(records_path, records.make("factors_pilot", figures, command=" ".join(
+            ["python", "-m", "asyncpp_jax.main", *cmd[3:]]), cell=cell))
+        log(f"[pilot] {cell}: {figures['updates']} updates in {wall:.0f} s, {figures.get('s_per_update', 0):.3f} s "
+            "per update (median)")
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(envs)) as pool:
+        free, pending = list(envs), list(cells)
+        running = {}
+        while pending or running:
+            while free and pending:
+                env = free.pop(0)
+                running[pool.submit(one, pending.pop(0), env)] = env
+            done, _ = concurrent.futures.wait(list(running), return_when=concurrent.futures.FIRST_COMPLETED)
+            for future in done:
+                future.result()
+                free.append(running.pop(future))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="runs/studies")
     ap.add_argument("--jobs", type=int, default=1)
-    ap.add_argument("--cells", metavar="REGEX", default=None, help="only the cells whose name matches")
+    ap.add_argument("--cells", metavar="REGEX", default=None,
+                    help="only the cells whose name matches (a cut cell, factors.CUT, runs only when named here)")
+    ap.add_argument("--pilot", action="store_true",
+                    help=f"run each cell's {PILOT_UPDATES}-update pilot (every cell, cut ones included, unless "
+                    "--cells) and record its cost in experiments/results/bench/factors_pilot.jsonl, then exit")
     ap.add_argument("--list", action="store_true", help="print the runs the done rows call for next, and exit")
     ap.add_argument("--restore", metavar="RESULTS", nargs="*", default=(),
                     help="results.jsonl files whose done factors rows stand for their runs")
@@ -211,10 +283,21 @@ def main(argv=None):
                     help="write the rows done so far under --out into RESULTS (e.g. experiments/results/"
                     "cpu_regime/results.jsonl), in place of its factors rows, and exit (runs nothing)")
     a = ap.parse_args(argv)
-    cells = [c for c in factors.QUEUE if a.cells is None or re.search(a.cells, c)]
+    every = factors.ORDER
+    if a.cells is not None:
+        cells = [c for c in every if re.search(a.cells, c)]
+    else:
+        cells = list(every if a.pilot else factors.QUEUE)
     if not cells:
-        ap.error(f"--cells {a.cells!r} matches no cell of {', '.join(factors.QUEUE)}")
+        ap.error(f"--cells {a.cells!r} matches no cell of {', '.join(every)}")
     out = pathlib.Path(a.out)
+    if a.pilot:
+        try:
+            sweep.job_envs(*sweep.accelerators(), max(a.jobs, 1))
+        except ValueError as e:
+            ap.error(str(e))
+        run_pilots(cells, a.jobs, out)
+        return
     if a.restore:
         restore(out, cells, [json.loads(line) for p in a.restore for line in pathlib.Path(p).read_text().splitlines()
                              if line.strip()])

@@ -248,3 +248,48 @@ def test_the_headline_arms_run_first_and_are_measured_before_efs_arm_is_tuned():
     measured = [i for i, k in enumerate(kinds) if k[0] == "factors"]
     ef_tuning = [i for i, k in enumerate(kinds) if k == ("factors_tune", "ef")]
     assert measured and ef_tuning and max(measured) < min(ef_tuning)
+
+
+def test_pilot_prices_every_cell_and_the_cut_cells_leave_the_queue(tmp_path):
+    """Each cell's pilot is its first run at the pilot's length (the cell's other settings kept) and
+    leaves one record naming its cell; a cut cell is priced but never queued."""
+    import json
+
+    from experiments import records
+
+    assert not set(factors.CUT) & set(factors.QUEUE) and set(factors.ORDER) == set(factors.CELLS)
+    commands = {}
+
+    def runner(cmd, workdir, env):
+        flags = dict(a[len("--config."):].split("=", 1) for a in cmd if a.startswith("--config."))
+        commands[workdir.name.split("__")[0]] = flags
+        steps = int(flags["train.steps"])
+        (workdir / "status.json").write_text(json.dumps({"status": "finished", "step": steps, "val_loss": 2.0,
+                                                         "val_loss_per_byte": 2.0}))
+        (workdir / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "step_time": 0.5, "tokens_per_sec": 1.0})
+                                                       + "\n" for s in range(10, steps + 1, 10)))
+        return 0
+
+    out = tmp_path / "pilot.jsonl"
+    cells = ["width=128", "updates=200", "seqs=32"]
+    screen.run_pilots(cells, 2, tmp_path, out, log=lambda *_: None, runner=runner, envs=[{}, {}],
+                      prepare=lambda study, log: None)
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["cell"] for r in recs) == sorted(cells) and all(r["kind"] == "factors_pilot" for r in recs)
+    for cell in cells:
+        base = factors.CELLS[cell][0]
+        flags = commands[cell]
+        updates = min(screen.PILOT_UPDATES, base["train.steps"])
+        assert int(flags["train.steps"]) == updates and int(flags["train.eval_every"]) == updates // 10
+        assert int(flags["train.global_batch_size"]) == base["train.global_batch_size"]
+        assert int(flags["model.d_model"]) == base["model.d_model"] and flags["staleness.mode"] == "sync"
+    assert all(set(records.KEYS) <= set(r) and r["figures"]["s_per_update"] == 0.5 for r in recs)
+
+
+def test_a_cut_cell_runs_only_when_named(tmp_path, capsys):
+    screen.main(["--out", str(tmp_path), "--list"])
+    default = capsys.readouterr().out.split()
+    assert default and not any(line.split("/")[1].startswith(tuple(factors.CUT)) for line in default)
+    screen.main(["--out", str(tmp_path), "--list", "--cells", "width=512"])
+    named = capsys.readouterr().out.split()
+    assert named and all(line.split("/")[1].startswith("width=512-") for line in named)
