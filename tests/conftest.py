@@ -9,6 +9,11 @@ Platform rule (set here, before JAX starts):
 * On an accelerator, float32 matmuls run at full precision (``JAX_DEFAULT_MATMUL_PRECISION=highest``
   unless set), as the NumPy references assume.
 
+Compiled programs are shared through JAX's persistent compilation cache, in a directory of this
+run's own (``JAX_COMPILATION_CACHE_DIR`` unless set; removed when the run ends): many tests compile
+the same step (a reference runner, a trainer built again to resume), and the xdist workers and the
+CLI subprocesses that tests start inherit the directory, so each program compiles once per run.
+
 On the CPU, XLA is asked for 4 fake devices (unless ``XLA_FLAGS`` already says how many), so the
 data-parallel and pipeline tests have a mesh.  Tests that need more devices than the platform has
 declare it with ``@pytest.mark.needs_devices(n)`` and are skipped, with the reason, where fewer are
@@ -17,6 +22,8 @@ in their child processes, so they run on any host.
 """
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -24,12 +31,33 @@ from asyncpp_jax import host_setup  # no JAX import
 
 FAKE_CPU_DEVICES = 4
 
+# Set before JAX starts, in the first process that imports this file (pytest itself, or xdist's
+# controller, whose workers inherit it), so every worker and subprocess of the run shares the one
+# directory; every program is cached (no minimum compile time or size).
+_XLA_CACHE_ENV = "ASYNCPP_TEST_XLA_CACHE"
+if _XLA_CACHE_ENV not in os.environ and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ[_XLA_CACHE_ENV] = tempfile.mkdtemp(prefix="asyncpp-jax-tests-xla-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ[_XLA_CACHE_ENV]
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    # No size bound: a bound turns on eviction, which rescans the whole directory on every write,
+    # quadratic over a run's thousands of programs.  Without its locks, an entry read while another
+    # process writes it fails to decompress, and JAX warns and compiles the program instead.
+    _OWNS_XLA_CACHE = True
+else:
+    _OWNS_XLA_CACHE = False
+
 if host_setup.cpu_only_host():
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     host_setup.reuse_freed_memory()  # as `main` does on a CPU host: no fresh pages per compiled call
 else:  # the references are float32/float64 NumPy: no TF32 or bf16 passes in an accelerator's f32 matmuls
     os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 host_setup.add_host_devices(FAKE_CPU_DEVICES)  # affects the CPU backend only
+
+
+def pytest_unconfigure(config):
+    if _OWNS_XLA_CACHE:
+        shutil.rmtree(os.environ[_XLA_CACHE_ENV], ignore_errors=True)
 
 
 @pytest.hookimpl(tryfirst=True)  # before fixtures build a mesh the platform cannot hold
