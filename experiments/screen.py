@@ -24,6 +24,7 @@ import json
 import os
 import pathlib
 import re
+import shlex
 import shutil
 import subprocess
 import time
@@ -249,7 +250,7 @@ def run_pilots(cells, jobs: int, out: pathlib.Path, records_path: pathlib.Path =
             log(f"[pilot] {cell}: failed with exit code {code}; its log is {workdir / 'run.log'}")
             return
         figures = {"wall_s": round(wall, 1), **figures_from_workdir(workdir), "jobs": len(envs)}
-        records.append(records_path, records.make("factors_pilot", figures, command=" ".join(
+        records.append(records_path, records.make("factors_pilot", figures, command=shlex.join(
             ["python", "-m", "asyncpp_jax.main", *cmd[3:]]), cell=cell))
         log(f"[pilot] {cell}: {figures['updates']} updates in {wall:.0f} s, {figures.get('s_per_update', 0):.3f} s "
             "per update (median)")

@@ -119,14 +119,14 @@ CELLS = {
 }
 # The screen's budget: about this many hours of wall time on 2 cores (`--jobs 2`), all cells
 # together.  The pilot (`python -m experiments.screen --pilot`, rendered in docs/studies.md) prices
-# every cell; a cell whose runs alone would take most of the budget is cut and stays defined, so
+# every cell; the cells that do not fit beside the queue are cut and stay defined, so
 # `--cells` can still run it where more CPU is at hand.
 SCREEN_HOURS = 12
 CUT = {
     "width=512": "with the queued cells it would take the screen well past its budget; model size is left to "
                  "the GPU plan, which prices it at the paper's scale",
-    "seqs=32": "its runs are the screen's costliest (16x width=128's tokens), so the cell alone would take "
-               "most of the budget",
+    "seqs=32": "its runs are the screen's costliest (16x width=128's tokens): the cell alone would take more "
+               "than the whole budget",
 }
 # The order the screen runs the cells in: the width axis first (the hypothesis), then the ladder under
 # this protocol, tokens per update, vocabulary.
