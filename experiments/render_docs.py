@@ -924,8 +924,8 @@ PLAN_GROWTH, PLAN_MORE_SEED_SHARE = 1, 0.5
 
 
 def factors_pilot(doc: pathlib.Path) -> str:
-    """The factor screen's pilot (each cell's first run cut to a few hundred updates, ``--jobs 2``),
-    the cost per cell it implies, and which cells the budget keeps."""
+    """The factor screen's pilots (each cell's sync run of each optimizer cut to a few hundred
+    updates, ``--jobs 2``), the cost per cell they imply, and which cells the budget keeps."""
     import re as re_lib
 
     from experiments import protocol
@@ -934,56 +934,68 @@ def factors_pilot(doc: pathlib.Path) -> str:
     path = BENCH_LINK / "factors_pilot.jsonl"
     if not path.is_file():
         return "_No pilot recorded yet (`experiments/results/bench/factors_pilot.jsonl`)._"
-    latest = {}
+    latest: dict = {}  # (cell, optimizer) -> newest record
     for rec in records.load("factors_pilot"):
         # the first records predate the pilot's `cell` field and name only their width
         m = re_lib.search(r"--config\.model\.d_model=(\d+)", rec["command"])
         cell = rec.get("cell") or (f"width={m.group(1)}" if m else None)
         if cell in factors.CELLS:
-            latest[cell] = rec
-    lines = ["| cell | s per update (median) | pilot: updates, wall time | minutes per run | tuning seeds | "
-             "planned runs | job-hours | runs committed | screen |", "|---|---|---|---|---|---|---|---|---|"]
+            latest[(cell, rec["figures"].get("optimizer", "adamw"))] = rec
     committed: dict = {}
     for r in _regime_rows():
         if r["study"] in ("factors_tune", "factors"):
             cell = r["variant"].split("/")[0]
             committed[cell] = committed.get(cell, 0) + 1
+    names = {"adamw": "AdamW", "muon": "Muon"}
+    lines = ["| cell | " + " | ".join(f"{names.get(o, o)}: s per update, minutes per run" for o in factors.OPTIMIZERS)
+             + " | tuning seeds | planned runs | job-hours | runs committed | screen |",
+             "|---|" + "---|" * (len(factors.OPTIMIZERS) + 5)]
     queued = cut = 0.0
-    used = []
+    used, partial = [], []
+    per_opt = (len(factors.ARMS) * (3 + PLAN_GROWTH) * 1 + len(factors.ARMS) * len(protocol.MEASURE_SEEDS)
+               + PLAN_MORE_SEED_SHARE * len(factors.ARMS) * len(protocol.MORE_SEEDS))
     for cell in factors.ORDER:
-        rec = latest.get(cell)
-        if rec is None:
-            lines.append(f"| `{cell}` | - | not piloted | - | - | - | - | {committed.get(cell, 0)} | "
-                         f"{'cut' if cell in factors.CUT else 'queued'} |")
-            continue
-        used.append(rec)
-        f = rec["figures"]
         seeds = len(factors.CELLS[cell][1])
-        # a whole run: the pilot's wall time (startup, 10 validations, the test split and its updates)
-        # plus the updates the pilot did not do
-        minutes = (f["wall_s"] + (factors.CELLS[cell][0]["train.steps"] - f["updates"]) * f["s_per_update"]) / 60
-        per_opt = (len(factors.ARMS) * (3 + PLAN_GROWTH) * seeds + len(factors.ARMS) * len(protocol.MEASURE_SEEDS)
-                   + PLAN_MORE_SEED_SHARE * len(factors.ARMS) * len(protocol.MORE_SEEDS))
-        runs = per_opt * len(factors.OPTIMIZERS)
-        hours = runs * minutes / 60
+        runs_per_opt = per_opt + len(factors.ARMS) * (3 + PLAN_GROWTH) * (seeds - 1)
+        minutes, shown = {}, []
+        for opt in factors.OPTIMIZERS:
+            rec = latest.get((cell, opt))
+            if rec is None:
+                shown.append("not piloted")
+                continue
+            used.append(rec)
+            f = rec["figures"]
+            # a whole run: the pilot's wall time (startup, 10 validations, the test split and its
+            # updates) plus the updates the pilot did not do
+            minutes[opt] = (f["wall_s"] + (factors.CELLS[cell][0]["train.steps"] - f["updates"]) * f["s_per_update"]) / 60
+            shown.append(f"{f['s_per_update']:.3f} s, {minutes[opt]:.1f}")
+        status = "**cut**" if cell in factors.CUT else "queued"
+        if not minutes:
+            lines.append(f"| `{cell}` | " + " | ".join(shown) + f" | {seeds} | - | - | {committed.get(cell, 0)} | {status} |")
+            continue
+        if len(minutes) < len(factors.OPTIMIZERS):
+            partial.append(cell)
+        # an optimizer not piloted is priced as the mean of those that were
+        mean = sum(minutes.values()) / len(minutes)
+        hours = runs_per_opt * sum(minutes.get(o, mean) for o in factors.OPTIMIZERS) / 60
         if cell in factors.CUT:
             cut += hours
         else:
             queued += hours
-        lines.append(f"| `{cell}` | {f['s_per_update']:.3f} | {f['updates']}, {f['wall_s']:.0f} s | {minutes:.1f} | "
-                     f"{seeds} | {runs:.0f} | {hours:.1f} | {committed.get(cell, 0)} | "
-                     f"{'**cut**' if cell in factors.CUT else 'queued'} |")
+        lines.append(f"| `{cell}` | " + " | ".join(shown) + f" | {seeds} | {runs_per_opt * len(factors.OPTIMIZERS):.0f} | "
+                     f"{hours:.1f} | {committed.get(cell, 0)} | {status} |")
     reasons = "; ".join(f"`{c}`: {why}" for c, why in factors.CUT.items())
-    note = (f"A pilot is the cell's first run (AdamW, sync, seed 0) cut to its first {max(r['figures']['updates'] for r in used)} "
-            f"updates or fewer, with its 10 validations and its test split, run two at a time on their own cores as the "
-            f"screen runs them; a run's minutes are the pilot's wall time plus the updates it did not do. Planned runs: "
-            f"{len(factors.OPTIMIZERS)} optimizers x {len(factors.ARMS)} arms, each tuned on 3 + {PLAN_GROWTH} learning "
-            f"rates at the cell's tuning seeds, measured at {len(protocol.MEASURE_SEEDS)} seeds, and at "
-            f"{len(protocol.MORE_SEEDS)} more for {PLAN_MORE_SEED_SHARE:.0%} of them; runs committed: the cell's rows in "
-            f"the cpu_regime results. The queued cells: {queued:.0f} "
-            f"job-hours, {queued / 2:.0f} hours of wall time with `--jobs 2`, against a budget of about "
-            f"{factors.SCREEN_HOURS} (the cut cells would add {cut / 2:.0f}). Cut: {reasons}. "
-            f"Hardware: {_hw(used)}.")
+    note = (f"A pilot is the cell's sync run of one optimizer (seed 0, at the centre of its grid) cut to its first "
+            f"{max(r['figures']['updates'] for r in used)} updates or fewer, with its 10 validations and its test split, "
+            f"run two at a time on their own cores as the screen runs them; a run's minutes are the pilot's wall time "
+            f"plus the updates it did not do. Planned runs: {len(factors.OPTIMIZERS)} optimizers x {len(factors.ARMS)} "
+            f"arms, each tuned on 3 + {PLAN_GROWTH} learning rates at the cell's tuning seeds, measured at "
+            f"{len(protocol.MEASURE_SEEDS)} seeds, and at {len(protocol.MORE_SEEDS)} more for "
+            f"{PLAN_MORE_SEED_SHARE:.0%} of them; runs committed: the cell's rows in the cpu_regime results. The queued "
+            f"cells: {queued:.0f} job-hours, {queued / 2:.0f} hours of wall time with `--jobs 2`, against a budget of "
+            f"about {factors.SCREEN_HOURS} (the cut cells would add {cut / 2:.0f}). Cut: {reasons}."
+            + (f" Priced from one optimizer's pilot only: {', '.join(partial)}." if partial else "")
+            + f" Hardware: {_hw(used)}.")
     return "\n".join(lines + ["", f"_{note}_", "", _provenance(used, [path], doc)])
 
 

@@ -205,16 +205,16 @@ PILOT_UPDATES = 320
 PILOT_RECORDS = records.BENCH_DIR / "factors_pilot.jsonl"
 
 
-def pilot_run(cell: str) -> tuple[Study, Run]:
-    """The pilot of ``cell``: its first run (AdamW, sync, at the grid's centre, seed 0) cut to
-    :data:`PILOT_UPDATES` updates (fewer if the cell has fewer), with the run's evaluations scaled
-    with it (10 validations and the test split), so its wall time is a whole run's overhead plus
-    ``PILOT_UPDATES`` updates."""
+def pilot_run(cell: str, opt: str = "adamw") -> tuple[Study, Run]:
+    """The pilot of ``cell`` for ``opt``: the cell's sync run of ``opt`` at the grid's centre, seed 0,
+    cut to :data:`PILOT_UPDATES` updates (fewer if the cell has fewer), with the run's evaluations
+    scaled with it (10 validations and the test split), so its wall time is a whole run's overhead
+    plus ``PILOT_UPDATES`` updates."""
     base = factors.CELLS[cell][0]
     updates = min(PILOT_UPDATES, base["train.steps"])
-    o = {**factors.overrides(cell, "adamw", "sync", factors.centre(cell, "adamw")), "train.steps": updates,
+    o = {**factors.overrides(cell, opt, "sync", factors.centre(cell, opt)), "train.steps": updates,
          "optimizer.warmup_steps": updates // 10, "train.eval_every": updates // 10, "train.checkpoint_every": updates}
-    study = Study("factors_pilot", factors.CONFIG, {cell: o}, seeds=(0,))
+    study = Study("factors_pilot", factors.CONFIG, {f"{cell}/{opt}": o}, seeds=(0,))
     return study, sweep.expand(study)[0]
 
 
@@ -225,17 +225,18 @@ def _run_command(cmd: list[str], workdir: pathlib.Path, env: dict) -> int:
 
 
 def run_pilots(cells, jobs: int, out: pathlib.Path, records_path: pathlib.Path = PILOT_RECORDS, log=print,
-               runner=None, envs=None, prepare=None) -> None:
-    """Run every cell's pilot (:func:`pilot_run`), ``jobs`` at a time each on its own core as the screen
-    runs them, and append one ``factors_pilot`` record per cell to ``records_path``.  ``runner(cmd,
-    workdir, env) -> returncode``, ``envs`` and ``prepare`` as in :func:`execute` (tests inject them)."""
+               runner=None, envs=None, prepare=None, optimizers=None) -> None:
+    """Run every cell's pilots (:func:`pilot_run`, one per optimizer of the screen: Muon's step costs
+    more than AdamW's on a CPU), ``jobs`` at a time each on its own core as the screen runs them, and
+    append one ``factors_pilot`` record per pilot to ``records_path``.  ``runner(cmd, workdir, env)
+    -> returncode``, ``envs`` and ``prepare`` as in :func:`execute` (tests inject them)."""
     from experiments.record_run import figures_from_workdir
 
     runner, prepare = runner or _run_command, prepare or sweep.prepare_corpora
     envs = envs if envs is not None else sweep.job_envs(*sweep.accelerators(), max(jobs, 1))
 
-    def one(cell: str, env: dict) -> None:
-        study, run = pilot_run(cell)
+    def one(cell: str, opt: str, env: dict) -> None:
+        study, run = pilot_run(cell, opt)
         if factors.CELLS[cell][0].get("data.tokenizer") == "BPE":
             factors.bpe_tokenizer(log)
         prepare(study, log)
@@ -247,21 +248,21 @@ def run_pilots(cells, jobs: int, out: pathlib.Path, records_path: pathlib.Path =
         code = runner(cmd, workdir, env)
         wall = time.perf_counter() - t0
         if code != 0:
-            log(f"[pilot] {cell}: failed with exit code {code}; its log is {workdir / 'run.log'}")
+            log(f"[pilot] {cell} {opt}: failed with exit code {code}; its log is {workdir / 'run.log'}")
             return
         figures = {"wall_s": round(wall, 1), **figures_from_workdir(workdir), "jobs": len(envs)}
         records.append(records_path, records.make("factors_pilot", figures, command=shlex.join(
             ["python", "-m", "asyncpp_jax.main", *cmd[3:]]), cell=cell))
-        log(f"[pilot] {cell}: {figures['updates']} updates in {wall:.0f} s, {figures.get('s_per_update', 0):.3f} s "
-            "per update (median)")
+        log(f"[pilot] {cell} {opt}: {figures['updates']} updates in {wall:.0f} s, "
+            f"{figures.get('s_per_update', 0):.3f} s per update (median)")
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(envs)) as pool:
-        free, pending = list(envs), list(cells)
+        free, pending = list(envs), [(c, o) for c in cells for o in (optimizers or factors.OPTIMIZERS)]
         running = {}
         while pending or running:
             while free and pending:
                 env = free.pop(0)
-                running[pool.submit(one, pending.pop(0), env)] = env
+                running[pool.submit(one, *pending.pop(0), env)] = env
             done, _ = concurrent.futures.wait(list(running), return_when=concurrent.futures.FIRST_COMPLETED)
             for future in done:
                 future.result()
@@ -275,8 +276,10 @@ def main(argv=None):
     ap.add_argument("--cells", metavar="REGEX", default=None,
                     help="only the cells whose name matches (a cut cell, factors.CUT, runs only when named here)")
     ap.add_argument("--pilot", action="store_true",
-                    help=f"run each cell's {PILOT_UPDATES}-update pilot (every cell, cut ones included, unless "
-                    "--cells) and record its cost in experiments/results/bench/factors_pilot.jsonl, then exit")
+                    help=f"run each cell's {PILOT_UPDATES}-update pilots (every cell, cut ones included, unless "
+                    "--cells) and record their cost in experiments/results/bench/factors_pilot.jsonl, then exit")
+    ap.add_argument("--pilot_optimizers", metavar="NAMES", default=",".join(factors.OPTIMIZERS),
+                    help="the optimizers to pilot, comma separated (default: the screen's)")
     ap.add_argument("--list", action="store_true", help="print the runs the done rows call for next, and exit")
     ap.add_argument("--restore", metavar="RESULTS", nargs="*", default=(),
                     help="results.jsonl files whose done factors rows stand for their runs")
@@ -297,7 +300,10 @@ def main(argv=None):
             sweep.job_envs(*sweep.accelerators(), max(a.jobs, 1))
         except ValueError as e:
             ap.error(str(e))
-        run_pilots(cells, a.jobs, out)
+        opts = [o for o in a.pilot_optimizers.split(",") if o]
+        if not opts or set(opts) - set(factors.OPTIMIZERS):
+            ap.error(f"--pilot_optimizers {a.pilot_optimizers!r}: choose from {', '.join(factors.OPTIMIZERS)}")
+        run_pilots(cells, a.jobs, out, optimizers=opts)
         return
     if a.restore:
         restore(out, cells, [json.loads(line) for p in a.restore for line in pathlib.Path(p).read_text().splitlines()

@@ -251,8 +251,8 @@ def test_the_headline_arms_run_first_and_are_measured_before_efs_arm_is_tuned():
 
 
 def test_pilot_prices_every_cell_and_the_cut_cells_leave_the_queue(tmp_path):
-    """Each cell's pilot is its first run at the pilot's length (the cell's other settings kept) and
-    leaves one record naming its cell; a cut cell is priced but never queued."""
+    """Each cell's pilots are its sync runs of each optimizer at the pilot's length (the cell's other
+    settings kept) and leave one record each naming the cell; a cut cell is priced but never queued."""
     import json
 
     from experiments import records
@@ -266,6 +266,7 @@ def test_pilot_prices_every_cell_and_the_cut_cells_leave_the_queue(tmp_path):
         steps = int(flags["train.steps"])
         (workdir / "status.json").write_text(json.dumps({"status": "finished", "step": steps, "val_loss": 2.0,
                                                          "val_loss_per_byte": 2.0}))
+        (workdir / "config.json").write_text(json.dumps({"optimizer": {"name": flags["optimizer.name"]}}))
         (workdir / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "step_time": 0.5, "tokens_per_sec": 1.0})
                                                        + "\n" for s in range(10, steps + 1, 10)))
         return 0
@@ -275,14 +276,17 @@ def test_pilot_prices_every_cell_and_the_cut_cells_leave_the_queue(tmp_path):
     screen.run_pilots(cells, 2, tmp_path, out, log=lambda *_: None, runner=runner, envs=[{}, {}],
                       prepare=lambda study, log: None)
     recs = [json.loads(line) for line in out.read_text().splitlines()]
-    assert sorted(r["cell"] for r in recs) == sorted(cells) and all(r["kind"] == "factors_pilot" for r in recs)
+    assert sorted((r["cell"], r["figures"]["optimizer"]) for r in recs) == sorted(
+        (c, o) for c in cells for o in factors.OPTIMIZERS)
     for cell in cells:
         base = factors.CELLS[cell][0]
-        flags = commands[cell]
-        updates = min(screen.PILOT_UPDATES, base["train.steps"])
-        assert int(flags["train.steps"]) == updates and int(flags["train.eval_every"]) == updates // 10
-        assert int(flags["train.global_batch_size"]) == base["train.global_batch_size"]
-        assert int(flags["model.d_model"]) == base["model.d_model"] and flags["staleness.mode"] == "sync"
+        for opt in factors.OPTIMIZERS:
+            flags = commands[f"{cell}-{opt}"]
+            updates = min(screen.PILOT_UPDATES, base["train.steps"])
+            assert int(flags["train.steps"]) == updates and int(flags["train.eval_every"]) == updates // 10
+            assert int(flags["train.global_batch_size"]) == base["train.global_batch_size"]
+            assert int(flags["model.d_model"]) == base["model.d_model"] and flags["staleness.mode"] == "sync"
+            assert flags["optimizer.name"] == opt and float(flags["optimizer.lr"]) == factors.centre(cell, opt)
     assert all(set(records.KEYS) <= set(r) and r["figures"]["s_per_update"] == 0.5 for r in recs)
 
 
