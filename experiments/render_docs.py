@@ -927,21 +927,16 @@ PLAN_GROWTH, PLAN_MORE_SEED_SHARE = 1, 0.5
 def factors_pilot(doc: pathlib.Path) -> str:
     """The factor screen's pilots (each cell's sync run of each optimizer cut to a few hundred
     updates, ``--jobs 2``), the cost per cell they imply, and which cells the budget keeps."""
-    import re as re_lib
-
     from experiments import protocol
     from experiments.studies import factors
 
     path = BENCH_LINK / "factors_pilot.jsonl"
     if not path.is_file():
         return "_No pilot recorded yet (`experiments/results/bench/factors_pilot.jsonl`)._"
-    latest: dict = {}  # (cell, optimizer) -> newest record
+    latest: dict = {}  # (cell, optimizer) -> newest record (the first two records, which name no cell, are superseded)
     for rec in records.load("factors_pilot"):
-        # the first records predate the pilot's `cell` field and name only their width
-        m = re_lib.search(r"--config\.model\.d_model=(\d+)", rec["command"])
-        cell = rec.get("cell") or (f"width={m.group(1)}" if m else None)
-        if cell in factors.CELLS:
-            latest[(cell, rec["figures"].get("optimizer", "adamw"))] = rec
+        if rec.get("cell") in factors.CELLS:
+            latest[(rec["cell"], rec["figures"]["optimizer"])] = rec
     committed: dict = {}
     for r in _regime_rows():
         if r["study"] in ("factors_tune", "factors"):
@@ -953,11 +948,10 @@ def factors_pilot(doc: pathlib.Path) -> str:
              "|---|" + "---|" * (len(factors.OPTIMIZERS) + 5)]
     queued = cut = 0.0
     used, partial = [], []
-    per_opt = (len(factors.ARMS) * (3 + PLAN_GROWTH) * 1 + len(factors.ARMS) * len(protocol.MEASURE_SEEDS)
-               + PLAN_MORE_SEED_SHARE * len(factors.ARMS) * len(protocol.MORE_SEEDS))
     for cell in factors.ORDER:
         seeds = len(factors.CELLS[cell][1])
-        runs_per_opt = per_opt + len(factors.ARMS) * (3 + PLAN_GROWTH) * (seeds - 1)
+        runs_per_opt = (len(factors.ARMS) * (3 + PLAN_GROWTH) * seeds + len(factors.ARMS) * len(protocol.MEASURE_SEEDS)
+                        + PLAN_MORE_SEED_SHARE * len(factors.ARMS) * len(protocol.MORE_SEEDS))
         minutes, shown = {}, []
         for opt in factors.OPTIMIZERS:
             rec = latest.get((cell, opt))

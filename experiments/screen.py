@@ -23,6 +23,7 @@ import concurrent.futures
 import json
 import os
 import pathlib
+import queue
 import re
 import shlex
 import shutil
@@ -135,12 +136,17 @@ class Screen:
             os.replace(tmp, self.out / name / "results.jsonl")
 
 
-def _run_one(study: Study, run: Run, out: pathlib.Path, env: dict) -> int:
-    workdir = out / study.name / run.run_id
+def _run_logged(cmd: list[str], workdir: pathlib.Path, env: dict) -> int:
+    """Run ``cmd`` with ``env`` added, its output appended to ``workdir/run.log``; returns its exit code."""
     workdir.mkdir(parents=True, exist_ok=True)
     with open(workdir / "run.log", "a") as log:
-        code = subprocess.run(sweep.command(study, run, workdir), cwd=sweep.REPO_ROOT, env={**os.environ, **env},
-                              stdout=log, stderr=subprocess.STDOUT).returncode
+        return subprocess.run(cmd, cwd=sweep.REPO_ROOT, env={**os.environ, **env}, stdout=log,
+                              stderr=subprocess.STDOUT).returncode
+
+
+def _run_one(study: Study, run: Run, out: pathlib.Path, env: dict) -> int:
+    workdir = out / study.name / run.run_id
+    code = _run_logged(sweep.command(study, run, workdir), workdir, env)
     if sweep.is_finished(workdir):  # a done run is never resumed: its checkpoints (~0.4 GB at width 512) go
         shutil.rmtree(workdir / "checkpoints", ignore_errors=True)
     return code
@@ -218,12 +224,6 @@ def pilot_run(cell: str, opt: str = "adamw") -> tuple[Study, Run]:
     return study, sweep.expand(study)[0]
 
 
-def _run_command(cmd: list[str], workdir: pathlib.Path, env: dict) -> int:
-    with open(workdir / "run.log", "w") as f:
-        return subprocess.run(cmd, cwd=sweep.REPO_ROOT, env={**os.environ, **env}, stdout=f,
-                              stderr=subprocess.STDOUT).returncode
-
-
 def run_pilots(cells, jobs: int, out: pathlib.Path, records_path: pathlib.Path = PILOT_RECORDS, log=print,
                runner=None, envs=None, prepare=None, optimizers=None) -> None:
     """Run every cell's pilots (:func:`pilot_run`, one per optimizer of the screen: Muon's step costs
@@ -232,10 +232,14 @@ def run_pilots(cells, jobs: int, out: pathlib.Path, records_path: pathlib.Path =
     -> returncode``, ``envs`` and ``prepare`` as in :func:`execute` (tests inject them)."""
     from experiments.record_run import figures_from_workdir
 
-    runner, prepare = runner or _run_command, prepare or sweep.prepare_corpora
+    runner, prepare = runner or _run_logged, prepare or sweep.prepare_corpora
     envs = envs if envs is not None else sweep.job_envs(*sweep.accelerators(), max(jobs, 1))
+    slots: queue.Queue = queue.Queue()  # the job slots' environments, each held by one pilot at a time
+    for env in envs:
+        slots.put(env)
 
-    def one(cell: str, opt: str, env: dict) -> None:
+    def one(pilot: tuple[str, str]) -> None:
+        cell, opt = pilot
         study, run = pilot_run(cell, opt)
         if factors.CELLS[cell][0].get("data.tokenizer") == "BPE":
             factors.bpe_tokenizer(log)
@@ -244,9 +248,13 @@ def run_pilots(cells, jobs: int, out: pathlib.Path, records_path: pathlib.Path =
         shutil.rmtree(workdir, ignore_errors=True)
         workdir.mkdir(parents=True)
         cmd = sweep.command(study, run, workdir)
-        t0 = time.perf_counter()
-        code = runner(cmd, workdir, env)
-        wall = time.perf_counter() - t0
+        env = slots.get()
+        try:
+            t0 = time.perf_counter()
+            code = runner(cmd, workdir, env)
+            wall = time.perf_counter() - t0
+        finally:
+            slots.put(env)
         if code != 0:
             log(f"[pilot] {cell} {opt}: failed with exit code {code}; its log is {workdir / 'run.log'}")
             return
@@ -257,16 +265,7 @@ def run_pilots(cells, jobs: int, out: pathlib.Path, records_path: pathlib.Path =
             f"{figures.get('s_per_update', 0):.3f} s per update (median)")
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(envs)) as pool:
-        free, pending = list(envs), [(c, o) for c in cells for o in (optimizers or factors.OPTIMIZERS)]
-        running = {}
-        while pending or running:
-            while free and pending:
-                env = free.pop(0)
-                running[pool.submit(one, *pending.pop(0), env)] = env
-            done, _ = concurrent.futures.wait(list(running), return_when=concurrent.futures.FIRST_COMPLETED)
-            for future in done:
-                future.result()
-                free.append(running.pop(future))
+        list(pool.map(one, [(c, o) for c in cells for o in (optimizers or factors.OPTIMIZERS)]))
 
 
 def main(argv=None):
