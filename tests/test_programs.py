@@ -129,6 +129,21 @@ def test_pipedream_stage_delays():
                         stage_delays=p.stage_delays), "version", "at most 2 step(s) old")
 
 
+def test_offsets_hold_only_the_offsets_a_step_adds_to():
+    """Under pipedream a tied table's lookup gradient (stage 0, batch t-(P-1)) joins update t and
+    its head gradient (stage P-1, batch t) update t+P-1: a step holds two accumulators for the
+    table, not P, while the partials carried across steps span every offset between."""
+    P = 4
+    o = pr.Offsets.of(pr.pipedream(P, 8), tied=True)
+    assert o.slots("embed") == (0, P - 1) and o.count("embed") == P and o.carried == P - 1
+    assert o.slots("layers") == o.slots("final_norm") == o.slots("stats") == (0,)
+    untied = pr.Offsets.of(pr.pipedream(P, 8), tied=False)
+    assert untied.slots("embed") == untied.slots("lm_head") == (0,) and untied.carried == 0
+    two_bw = pr.Offsets.of(pr.two_bw(P, 8), tied=True)
+    assert all(two_bw.slots(g) == (0, 1) for g in ("layers", "embed", "final_norm", "stats"))
+    assert pr.Offsets.of(pr.sync(P, 8), tied=True).slots("embed") == (0,)
+
+
 # ---- derived figures ------------------------------------------------------------------------------
 
 

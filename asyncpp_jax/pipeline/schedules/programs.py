@@ -346,12 +346,16 @@ class Offsets:
     stage's (a tied table both of its uses, as the simulate runner's per-leaf delays give it), the
     final norm and an untied head the last stage's; the loss sums are logged with the batch
     whose loss the last stage computed (offset ``k + d_last``).  ``counts``: per group, how many
-    offsets the program's actions reach (accumulators held in a step)."""
+    offsets it spans (``0 .. max``: the partial gradients carried across steps); ``reached``: the
+    offsets the program's actions add to (the accumulators held in a step).  They differ where a
+    group skips offsets: under ``pipedream`` a tied table's lookup gradient joins offset 0 and
+    its head gradient offset ``P - 1``, and nothing joins those between."""
 
     delays: tuple  # d_u per virtual stage
     microbatches: int
     tied: bool
     counts: tuple  # ((group, count), ...) for GROUPS
+    reached: tuple  # ((group, (offset, ...)), ...) for GROUPS, each ascending
 
     GROUPS = ("layers", "embed", "final_norm", "lm_head", "stats")
 
@@ -371,10 +375,16 @@ class Offsets:
                     reach["embed" if tied else "lm_head"].add(k + d[0 if tied else last])
                 if act.kind == "F" or u == last:
                     reach["stats"].add(k + d[last])
-        return cls(tuple(d), M, tied, tuple((g, max(reach[g]) + 1) for g in cls.GROUPS))
+        return cls(tuple(d), M, tied, tuple((g, max(reach[g]) + 1) for g in cls.GROUPS),
+                   tuple((g, tuple(sorted(reach[g]))) for g in cls.GROUPS))
 
     def count(self, group: str) -> int:
         return dict(self.counts)[group]
+
+    def slots(self, group: str) -> tuple:
+        """The offsets ``group``'s gradients join in a step, ascending: accumulator ``i`` of the
+        group holds offset ``slots(group)[i]``."""
+        return dict(self.reached)[group]
 
     def delay(self, group: str, stage: int | None = None) -> int:
         """A group's delay: the layer rows' their (virtual) ``stage``'s, the embedding's the first

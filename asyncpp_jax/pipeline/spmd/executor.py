@@ -175,14 +175,29 @@ class Device:
         """The update offset of a gradient of microbatch ``j`` on a stage of ``delay``."""
         return jnp.floor_divide(j, self.fns.microbatches) + delay
 
-    def layer_offset(self, j, chunk):
-        return self.offset(j, jnp.asarray(self.offsets.delays, jnp.int32)[chunk * self.n_stages + self.stage])
+    def slot(self, group: str, offset):
+        """The accumulator of ``group`` that holds update ``offset``: its place among the offsets the
+        program reaches (:meth:`Offsets.slots`); one past them (an add that is dropped) for an
+        offset it never reaches, which only a skipped action computes."""
+        reached = self.offsets.slots(group)
+        if reached == tuple(range(len(reached))):
+            return offset
+        table = [reached.index(o) if o in reached else len(reached) for o in range(reached[-1] + 1)]
+        inside = (offset >= 0) & (offset <= reached[-1])
+        return jnp.where(inside, jnp.asarray(table, jnp.int32)[jnp.clip(offset, 0, reached[-1])], len(reached))
 
-    def head_offsets(self, j) -> dict:
-        return {k: self.offset(j, self.offsets.delay(g)) for k, g in self.offsets.head_groups().items()}
+    def layer_slot(self, j, chunk):
+        return self.slot("layers", self.offset(j, jnp.asarray(self.offsets.delays, jnp.int32)[chunk * self.n_stages
+                                                                                                + self.stage]))
 
-    def stats_offset(self, j):
-        return self.offset(j, self.offsets.delay("stats"))
+    def head_slots(self, j) -> dict:
+        return {k: self.slot(g, self.offset(j, self.offsets.delay(g))) for k, g in self.offsets.head_groups().items()}
+
+    def stats_slot(self, j):
+        return self.slot("stats", self.offset(j, self.offsets.delay("stats")))
+
+    def embed_slot(self, j):
+        return self.slot("embed", self.offset(j, self.offsets.delay("embed")))
 
     def embed(self, j, tokens):
         return self.run(j, lambda top: self.fns.embed(top, tokens), 1).astype(self.act_dtype)
@@ -202,7 +217,7 @@ class Device:
         x = self._input(j, fwd_buf, chunk, embedded)
         h, entry, stats = self.run(j, lambda lp: self.fns.forward(self.chunk_of(lp, chunk), x, self.template), 0)
         stash = put(stash, at, entry)
-        return stash, add_at(sums, self.stats_offset(j), stats), h.astype(self.act_dtype)
+        return stash, add_at(sums, self.stats_slot(j), stats), h.astype(self.act_dtype)
 
     @scoped("pp_bwd")
     def backward(self, j, bwd_buf, at, stash, acc_l, chunk=0, embedded=None):
@@ -212,7 +227,7 @@ class Device:
         x_again = lambda: self._input(j, entry[0], chunk, embedded)  # noqa: E731
         g_l, g_x = self.run(j, lambda lp: self.fns.backward(self.chunk_of(lp, chunk), entry, x_again, bwd_buf,
                                                             self.template), 0)
-        return self.add_layers(acc_l, self.layer_offset(j, chunk), g_l, chunk), g_x.astype(self.act_dtype)
+        return self.add_layers(acc_l, self.layer_slot(j, chunk), g_l, chunk), g_x.astype(self.act_dtype)
 
     @scoped("pp_bwd")
     def input_grad(self, j, bwd_buf, at, stash, save, save_at, chunk=0, embedded=None):
@@ -231,15 +246,15 @@ class Device:
         tokens, c = self.tokens_of(j), self.chunks - 1
         g_h, g_x, kept, stats = self.run(
             j, lambda w: self.fns.last_input(self.chunk_of(w[0], c), w[2], fwd_buf, tokens))
-        acc_t = {**acc_t, "head": add_at(acc_t["head"], self.head_offsets(j), g_h, self.top_axes["head"])}
-        return acc_t, add_at(sums, self.stats_offset(j), stats), put(save, save_at, kept), g_x.astype(self.act_dtype)
+        acc_t = {**acc_t, "head": add_at(acc_t["head"], self.head_slots(j), g_h, self.top_axes["head"])}
+        return acc_t, add_at(sums, self.stats_slot(j), stats), put(save, save_at, kept), g_x.astype(self.act_dtype)
 
     @scoped("pp_bwd")
     def weight_grad(self, j, save, at, acc_l, chunk=0):
         """``W``: the layers' gradient from entry ``at`` of the ``save`` ring, into ``acc_l``."""
         entry = [ring[at] for ring in save]
         g_l = self.run(j, lambda lp: self.fns.weight_grad(self.chunk_of(lp, chunk), entry), 0)
-        return self.add_layers(acc_l, self.layer_offset(j, chunk), g_l, chunk)
+        return self.add_layers(acc_l, self.layer_slot(j, chunk), g_l, chunk)
 
     @scoped("pp_last")
     def last(self, j, fwd_buf, acc_l, acc_t, sums):
@@ -247,9 +262,9 @@ class Device:
         one fused vjp."""
         tokens, c = self.tokens_of(j), self.chunks - 1
         g_l, g_h, g_x, stats = self.run(j, lambda w: self.fns.last(self.chunk_of(w[0], c), w[2], fwd_buf, tokens))
-        acc_t = {**acc_t, "head": add_at(acc_t["head"], self.head_offsets(j), g_h, self.top_axes["head"])}
-        return (self.add_layers(acc_l, self.layer_offset(j, c), g_l, c), acc_t,
-                add_at(sums, self.stats_offset(j), stats), g_x.astype(self.act_dtype))
+        acc_t = {**acc_t, "head": add_at(acc_t["head"], self.head_slots(j), g_h, self.top_axes["head"])}
+        return (self.add_layers(acc_l, self.layer_slot(j, c), g_l, c), acc_t,
+                add_at(sums, self.stats_slot(j), stats), g_x.astype(self.act_dtype))
 
     @scoped("pp_embed_grad")
     def lookup_transpose_add(self, acc_t, tokens, ct, i, keep):
@@ -317,17 +332,15 @@ def make_grads_fn(model_cfg, mesh, loop, params_abstract, options: EngineOptions
         # gives it, the layers' in front.
         cur = versions_v[0]
         top_acc = {"head": cur[2]} if tied else {"embed": cur[1]["embed"], "head": cur[2]}
-        top_counts = {"head": {k: offsets.count(g) for k, g in offsets.head_groups().items()}}
-        if not tied:
-            top_counts["embed"] = {"embedding": offsets.count("embed")}
+        top_counts = jax.tree.map(lambda g: len(offsets.slots(g)), _top_groups(offsets))
         top_axes = jax.tree.map(lambda x, sp: _acc_axis(sp, x.ndim), top_acc, top_specs)
         stacked = lambda x, ax, n: jnp.zeros(x.shape[:ax] + (n,) + x.shape[ax:], jnp.float32)  # noqa: E731
-        acc_l = vary(jax.tree.map(lambda x: stacked(x, 0, offsets.count("layers")), cur[0]))
+        acc_l = vary(jax.tree.map(lambda x: stacked(x, 0, len(offsets.slots("layers"))), cur[0]))
         acc_t = vary(jax.tree.map(lambda n, x, ax: jax.tree.map(lambda y, a: stacked(y, a, n), x, ax),
                                   top_counts, top_acc, top_axes))
         dev = Device(fns, s, n_stages, versions_v, batches, live, offsets, act_dtype, top_axes,
                      chunks=program.chunks, tables=loop.tables)
-        sums0 = vary({k: jnp.zeros((offsets.count("stats"),), jnp.float32) for k in stat_names(model_cfg)})
+        sums0 = vary({k: jnp.zeros((len(offsets.slots("stats")),), jnp.float32) for k in stat_names(model_cfg)})
         carry = (stash, fwd_buf, bwd_buf, acc_l, acc_t, sums0)
         xs = jnp.take(rows, s, axis=1)
         carry, _ = jax.lax.scan(loop.body(dev, step), carry, xs)
@@ -352,6 +365,13 @@ def _top_acc_specs(model_cfg, uspec) -> dict:
     return {"head": {"final_norm": uspec["final_norm"], "w": uspec["lm_head"]["kernel"]}, "embed": uspec["embed"]}
 
 
+def _top_groups(offsets: Offsets) -> dict:
+    """Each top accumulator's group (:data:`Offsets.GROUPS`), a prefix of the accumulators laid
+    out as :func:`_top_acc_specs`: a tied table's one accumulator is the embedding's group."""
+    groups = {"head": offsets.head_groups()}
+    return groups if offsets.tied else {**groups, "embed": {"embedding": "embed"}}
+
+
 def _is_table_accumulator(path) -> bool:
     """Whether an accumulator (laid out as :func:`_top_acc_specs`) is a vocabulary-sized table's:
     the embedding's, or the head's ``w`` (a tied table's one accumulator among them)."""
@@ -372,21 +392,24 @@ def _reduce_accumulators(model_cfg, acc_l, acc_t, sums, offsets: Offsets, top_sp
     summed = jax.tree_util.tree_map_with_path(reduce, acc_t, top_specs, top_axes)
     total = max(n for _, n in offsets.counts)
 
-    def at(a, x, axis):
-        if a < x.shape[axis]:
-            return jax.lax.index_in_dim(x, a, axis, keepdims=False)
+    def at(a, group, x, axis):
+        """Offset ``a`` of a stacked accumulator: zeros where the program reaches it in no step."""
+        reached = offsets.slots(group)
+        if a in reached:
+            return jax.lax.index_in_dim(x, reached.index(a), axis, keepdims=False)
         return jnp.zeros(x.shape[:axis] + x.shape[axis + 1:], x.dtype)
 
+    groups = _top_groups(offsets)
     out = []
     for k in range(total):
-        t = jax.tree.map(functools.partial(at, k), summed, top_axes)
+        t = jax.tree.map(lambda g, x, ax: jax.tree.map(functools.partial(at, k, g), x, ax), groups, summed, top_axes)
         if model_cfg.tie_embeddings:  # both uses of the table, in its one [D, V] accumulator
             top = {"final_norm": t["head"]["final_norm"], "embed": {"embedding": t["head"]["w"]}}
         else:
             top = {**dense.grads_from_head(model_cfg, t["head"]), "embed": t["embed"]}
-        grads = join_params(jax.tree.map(lambda x: at(k, x, 0), acc_l), top)
+        grads = join_params(jax.tree.map(lambda x: at(k, "layers", x, 0), acc_l), top)
         grads = {g: v for g, v in grads.items() if offsets.count(g) > k}
-        sums_k = {n: jax.lax.pmean(jax.lax.psum(at(k, v, 0), "stage"), "data") for n, v in sums.items()}
+        sums_k = {n: jax.lax.pmean(jax.lax.psum(at(k, "stats", v, 0), "stage"), "data") for n, v in sums.items()}
         out.append((grads, sums_k))
     return out
 

@@ -148,7 +148,7 @@ class SlotLoop:
         ct, jb = self.tables.embedding_cotangent(dev, r, g_x)
         jb_live = jnp.where(jb != slot_plan.IDLE, jb, 0)
         return dev.lookup_transpose_add(acc_t, dev.tokens_of(jb_live)[:, :-1], ct,
-                                        dev.offset(jb_live, dev.offsets.delay("embed")), ran_first_backward(dev, r))
+                                        dev.embed_slot(jb_live), ran_first_backward(dev, r))
 
     def _backward(self, dev, r, stash, save, fwd, bwd, acc_l, acc_t, sums, zeros, embedded):
         """A slot's ``B``: the block's vjp (stages ``0..P-2``), or the last stage's."""

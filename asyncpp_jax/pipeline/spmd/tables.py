@@ -92,7 +92,7 @@ def _block_and_head(dev: Device, j, fwd_buf, entry_like, acc_t):
     # the loss statistics are added by the last stage only (both are summed over stage later).
     mine = lambda t: jax.tree.map(lambda x: jnp.where(dev.is_last, x, jnp.zeros_like(x)), t)  # noqa: E731
     g_head = {"final_norm": mine(g_head["final_norm"]), "w": g_head["w"]}
-    acc_t = {**acc_t, "head": add_at(acc_t["head"], dev.head_offsets(j), g_head, dev.top_axes["head"])}
+    acc_t = {**acc_t, "head": add_at(acc_t["head"], dev.head_slots(j), g_head, dev.top_axes["head"])}
     stats = dict(block_stats)
     stats.update(head_stats, loss=block_stats["loss"] + head_stats["loss"])
     return on_last, entry, g_h.astype(dev.act_dtype), acc_t, mine(stats)
@@ -112,8 +112,8 @@ def last(dev: Device, j, fwd_buf, entry_like, acc_l, acc_t, sums, g_x):
     def block_backward(al, _, su):
         g_l, g = dev.run(j, lambda lp: dev.fns.backward(dev.chunk_of(lp, c), entry, lambda: entry[0], g_h,
                                                         dev.template), 0)
-        return (dev.add_layers(al, dev.layer_offset(j, c), g_l, c), g.astype(dev.act_dtype),
-                add_at(su, dev.stats_offset(j), stats))
+        return (dev.add_layers(al, dev.layer_slot(j, c), g_l, c), g.astype(dev.act_dtype),
+                add_at(su, dev.stats_slot(j), stats))
 
     acc_l, g_x, sums = jax.lax.cond(on_last, block_backward, lambda al, gx, su: (al, gx, su), acc_l, g_x, sums)
     return acc_l, acc_t, sums, g_x
@@ -129,7 +129,7 @@ def last_input(dev: Device, j, fwd_buf, entry_like, acc_t, sums, save, save_at, 
     def block_input_grad(sv, _, su):  # the loss sums added here, inside the cond, as in last()
         g, kept = dev.run(j, lambda lp: dev.fns.input_grad(dev.chunk_of(lp, c), entry, lambda: entry[0], g_h,
                                                            dev.template), 0)
-        return put(sv, save_at, kept), g.astype(dev.act_dtype), add_at(su, dev.stats_offset(j), stats)
+        return put(sv, save_at, kept), g.astype(dev.act_dtype), add_at(su, dev.stats_slot(j), stats)
 
     save, g_x, sums = jax.lax.cond(on_last, block_input_grad, lambda sv, gx, su: (sv, gx, su), save, g_x, sums)
     return acc_t, sums, save, g_x
