@@ -130,6 +130,8 @@ def _args():
                     help="work, overlap, processes, compile, schedules: append the table's figures with the command, commit, date and "
                          "hardware as one JSON line to this file (experiments/results/bench/bench_pipeline.jsonl "
                          "renders docs/pipeline.md's tables)")
+    ap.add_argument("--note", default="", help="with --record: what the record measures, in a sentence (rendered "
+                    "beside its table, e.g. which change the --against checkout lacks)")
     args = ap.parse_args()
     try:
         args.costs = {k.strip(): float(v) for k, v in (kv.split("=") for kv in args.costs.split(","))}
@@ -154,7 +156,8 @@ def _record(args, kind: str, figures: dict) -> None:
         from experiments import records
 
         command = records.command_line([a for a in sys.argv if a != "--worker"])
-        records.append(args.record, records.make(kind, figures, command=command))
+        extra = {"note": args.note} if args.note else {}
+        records.append(args.record, records.make(kind, figures, command=command, **extra))
 
 
 VIRTUAL_STAGES = 2  # the interleaved schedule's chunks per device, in every mode

@@ -341,23 +341,29 @@ def bench_pipeline_processes(doc: pathlib.Path) -> str:
 
 
 def bench_pipeline_work_against(doc: pathlib.Path) -> str:
-    """The newest ``work --against`` record: each schedule's engine step here and at an earlier
-    commit, each over its own tree's simulate step, and the engine's time here over there."""
-    rows = records.load("bench_pipeline", "bench_pipeline_work_against")[-1:]
-    if not rows:
+    """The newest ``work --against`` record per earlier commit, oldest comparison first: each
+    schedule's engine step here and there, each over its own tree's simulate step, and the engine's
+    time here over there, under the record's note (what the other checkout lacks)."""
+    newest = {r["figures"]["commit_against"]: r for r in records.load("bench_pipeline", "bench_pipeline_work_against")}
+    if not newest:
         return "No `bench_pipeline work --against` record yet."
-    f = rows[0]["figures"]
-    lines = [f"| schedule (P = {f['stages']}, M = {f['microbatches']}, no recompute) | engine / simulate here "
-             f"| engine / simulate at {f['commit_against']} | engine here / engine at {f['commit_against']} "
-             f"| simulate here / simulate at {f['commit_against']} |", "|---|---|---|---|---|"]
-    for r in f["rows"]:
-        there = r["there"]
-        lines.append(f"| {r['schedule']} | {r['here']['engine_over_simulate']:.3f} | "
-                     + (f"{there['engine_over_simulate']:.3f} | **{r['engine_here_over_there']:.3f}** | "
-                        f"{r['simulate_here_over_there']:.3f} |" if there else "– (not at that commit) | – | – |"))
-    return "\n".join(lines + ["", f"{f['rounds']} paired rounds in each of {f['processes_per_tree']} fresh processes "
-                                  f"per tree. Command: `{rows[0]['command']}`. Hardware: {_hw(rows)}. "
-                              + _provenance(rows, [BENCH_LINK / "bench_pipeline.jsonl"], doc)])
+    out = []
+    for rec in newest.values():
+        f = rec["figures"]
+        lines = ([f"**{rec['note']}**", ""] if rec.get("note") else []) + [
+            f"| schedule (P = {f['stages']}, M = {f['microbatches']}, no recompute) | engine / simulate here "
+            f"| engine / simulate at {f['commit_against']} | engine here / engine at {f['commit_against']} "
+            f"| simulate here / simulate at {f['commit_against']} |", "|---|---|---|---|---|"]
+        for r in f["rows"]:
+            there = r["there"]
+            lines.append(f"| {r['schedule']} | {r['here']['engine_over_simulate']:.3f} | "
+                         + (f"{there['engine_over_simulate']:.3f} | **{r['engine_here_over_there']:.3f}** | "
+                            f"{r['simulate_here_over_there']:.3f} |" if there else "– (not at that commit) | – | – |"))
+        out.append("\n".join(lines + ["", f"{f['rounds']} paired rounds in each of "
+                                          f"{f['processes_per_tree']} fresh processes per tree. Command: "
+                                          f"`{rec['command']}`. Hardware: {_hw([rec])}."]))
+    rows = list(newest.values())
+    return "\n\n".join(out + [_provenance(rows, [BENCH_LINK / "bench_pipeline.jsonl"], doc)])
 
 
 def bench_pipeline_compile(doc: pathlib.Path) -> str:
