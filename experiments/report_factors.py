@@ -189,16 +189,22 @@ def conclusion(rows) -> list[str]:
 
 
 def progress(tune_rows, rows) -> str:
-    """Which cells are measured, tuning, not started and cut, from the rows (the cut ones from
+    """Which cells are measured, being measured, tuning, not started and cut, from the rows (the cut ones from
     :data:`factors.CUT`, with the pilot's costs in docs/studies.md)."""
-    order = factors.ORDER
-    done = sorted({r["variant"].split("/")[0] for r in rows}, key=order.index)
-    tuned = sorted({r["variant"].split("/")[0] for r in tune_rows} - set(done), key=order.index)
-    waiting = [c for c in factors.QUEUE if c not in done and c not in tuned]
-    cut = [c for c in factors.CUT if c not in done and c not in tuned]
+    order, seeds = factors.ORDER, collections.defaultdict(set)
+    for r in rows:
+        seeds[tuple(r["variant"].split("/")[i] for i in (0, 1, 3))].add(r["seed"])
+    full = len(protocol.MEASURE_SEEDS)
+    started = sorted({r["variant"].split("/")[0] for r in rows}, key=order.index)
+    done = [c for c in started if all(len(seeds[(c, o, a)]) >= full for o in factors.OPTIMIZERS for a in factors.ARMS)]
+    measuring = [c for c in started if c not in done]
+    tuned = sorted({r["variant"].split("/")[0] for r in tune_rows} - set(started), key=order.index)
+    waiting = [c for c in factors.QUEUE if c not in started and c not in tuned]
+    cut = [c for c in factors.CUT if c not in started and c not in tuned]
     return (f"{len(tune_rows)} tuning runs (seeds {sorted({r['seed'] for r in tune_rows})}) and {len(rows)} "
-            f"measured runs (seeds {sorted({r['seed'] for r in rows})}) committed. Cells measured: "
-            f"{', '.join(done) or 'none'}; tuning: {', '.join(tuned) or 'none'}; not started (the "
+            f"measured runs (seeds {sorted({r['seed'] for r in rows})}) committed. Cells measured (every arm at "
+            f"{full} seeds or more): {', '.join(done) or 'none'}; measuring: {', '.join(measuring) or 'none'}; "
+            f"tuning: {', '.join(tuned) or 'none'}; not started (the "
             f"queue runs in this order, width first): {', '.join(waiting) or 'none'}; cut to fit the screen's "
             f"budget of about {factors.SCREEN_HOURS} hours on 2 cores: {', '.join(cut) or 'none'}.")
 

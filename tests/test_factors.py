@@ -202,6 +202,20 @@ def test_the_screens_section_gives_gaps_ratio_shares_and_the_width_trend(tmp_pat
     assert render_docs.RENDERERS["factors_answer"] and render_docs.RENDERERS["gpu_plan"]
 
 
+def test_progress_calls_a_cell_measured_only_when_every_arm_has_its_seeds():
+    from experiments import report_factors
+
+    rows = [_row("factors", "width=128", o, a, 0.001, seed, 1.5) for o in factors.OPTIMIZERS for a in factors.ARMS
+            for seed in protocol.MEASURE_SEEDS]
+    rows += [_row("factors", "width=256", "adamw", "sync", 0.001, seed, 1.5) for seed in protocol.MEASURE_SEEDS]
+    tune = [_row("factors_tune", "updates=800", "adamw", "sync", 0.001, 100, 1.5)]
+    said = report_factors.progress(tune, rows)
+    assert "more): width=128; measuring: width=256; tuning: updates=800; not started" in said
+    assert "width=256" not in said.split("measuring")[0]
+    rows = rows[1:]  # width=128's first arm short of a seed
+    assert "more): none; measuring: width=128, width=256;" in report_factors.progress(tune, rows)
+
+
 def test_no_import_circle_in_experiments():
     """Every import between the modules of experiments/ (lazy ones inside functions too) forms no
     cycle: a study module never imports the sweep that loads it, nor the report that reads it."""
