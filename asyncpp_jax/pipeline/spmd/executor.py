@@ -187,8 +187,8 @@ class Device:
         return jnp.where(inside, jnp.asarray(table, jnp.int32)[jnp.clip(offset, 0, reached[-1])], len(reached))
 
     def layer_slot(self, j, chunk):
-        return self.slot("layers", self.offset(j, jnp.asarray(self.offsets.delays, jnp.int32)[chunk * self.n_stages
-                                                                                                + self.stage]))
+        delay = jnp.asarray(self.offsets.delays, jnp.int32)[chunk * self.n_stages + self.stage]
+        return self.slot("layers", self.offset(j, delay))
 
     def head_slots(self, j) -> dict:
         return {k: self.slot(g, self.offset(j, self.offsets.delay(g))) for k, g in self.offsets.head_groups().items()}
