@@ -345,17 +345,16 @@ class Offsets:
     of leaves has its own delay: the layer rows their stage's, the embedding table the first
     stage's (a tied table both of its uses, as the simulate runner's per-leaf delays give it), the
     final norm and an untied head the last stage's; the loss sums are logged with the batch
-    whose loss the last stage computed (offset ``k + d_last``).  ``counts``: per group, how many
-    offsets it spans (``0 .. max``: the partial gradients carried across steps); ``reached``: the
-    offsets the program's actions add to (the accumulators held in a step).  They differ where a
-    group skips offsets: under ``pipedream`` a tied table's lookup gradient joins offset 0 and
-    its head gradient offset ``P - 1``, and nothing joins those between."""
+    whose loss the last stage computed (offset ``k + d_last``).  ``reached``: per group, the
+    offsets the program's actions add to (the accumulators held in a step); :meth:`count`: how
+    many offsets it spans (``0 .. max``: the partial gradients carried across steps).  They differ
+    where a group skips offsets: under ``pipedream`` a tied table's lookup gradient joins offset 0
+    and its head gradient offset ``P - 1``, and nothing joins those between."""
 
     delays: tuple  # d_u per virtual stage
     microbatches: int
     tied: bool
-    counts: tuple  # ((group, count), ...) for GROUPS
-    reached: tuple  # ((group, (offset, ...)), ...) for GROUPS, each ascending
+    reached: tuple  # ((group, (offset, ...)), ...) for GROUPS, each ascending from 0
 
     GROUPS = ("layers", "embed", "final_norm", "lm_head", "stats")
 
@@ -375,11 +374,11 @@ class Offsets:
                     reach["embed" if tied else "lm_head"].add(k + d[0 if tied else last])
                 if act.kind == "F" or u == last:
                     reach["stats"].add(k + d[last])
-        return cls(tuple(d), M, tied, tuple((g, max(reach[g]) + 1) for g in cls.GROUPS),
-                   tuple((g, tuple(sorted(reach[g]))) for g in cls.GROUPS))
+        return cls(tuple(d), M, tied, tuple((g, tuple(sorted(reach[g]))) for g in cls.GROUPS))
 
     def count(self, group: str) -> int:
-        return dict(self.counts)[group]
+        """How many update offsets ``group`` spans: ``0`` to the farthest its gradients join."""
+        return self.slots(group)[-1] + 1
 
     def slots(self, group: str) -> tuple:
         """The offsets ``group``'s gradients join in a step, ascending: accumulator ``i`` of the
@@ -396,7 +395,7 @@ class Offsets:
     @property
     def carried(self) -> int:
         """How many later updates' partial gradients a step hands on (0 for a flushed program)."""
-        return max(n for _, n in self.counts) - 1
+        return max(offsets[-1] for _, offsets in self.reached)
 
     def group_of(self, path) -> str:
         """The group of a leaf of the params tree (model layout), by its top-level key."""

@@ -390,7 +390,6 @@ def _reduce_accumulators(model_cfg, acc_l, acc_t, sums, offsets: Offsets, top_sp
         return acc if own_block else reduce_top(acc, spec, axis)
 
     summed = jax.tree_util.tree_map_with_path(reduce, acc_t, top_specs, top_axes)
-    total = max(n for _, n in offsets.counts)
 
     def at(a, group, x, axis):
         """Offset ``a`` of a stacked accumulator: zeros where the program reaches it in no step."""
@@ -401,7 +400,7 @@ def _reduce_accumulators(model_cfg, acc_l, acc_t, sums, offsets: Offsets, top_sp
 
     groups = _top_groups(offsets)
     out = []
-    for k in range(total):
+    for k in range(offsets.carried + 1):
         t = jax.tree.map(lambda g, x, ax: jax.tree.map(functools.partial(at, k, g), x, ax), groups, summed, top_axes)
         if model_cfg.tie_embeddings:  # both uses of the table, in its one [D, V] accumulator
             top = {"final_norm": t["head"]["final_norm"], "embed": {"embedding": t["head"]["w"]}}
