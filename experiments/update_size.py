@@ -1,0 +1,152 @@
+"""How far one update moves each hidden matrix, at the factor screen's tuned learning rates.
+
+    python -m experiments.update_size [--cells width=128,width=256] [--steps 960] [--every 40] [--seed 0]
+
+Under a one-step delay (PipeDream-2BW) the gradient applied at update t+1 was computed on W_{t-1},
+so the weights it is stale by are exactly the last update: W_t - W_{t-1}.  The μP argument
+(Yang et al. 2022, "Tensor Programs V") predicts that, at a fixed learning rate, AdamW's
+per-coordinate step moves a wider matrix further relative to its size, while Muon's orthogonalized
+step (Jordan et al. 2024) has a spectral norm set by the learning rate alone.  The factor screen
+asks whether that makes AdamW's delay gap grow with width; this measures the premise directly.
+
+For each cell and optimizer, the ``2bw`` arm at its pick from the ``factors_tune`` rows
+(:func:`experiments.studies.factors.tuning_state`), on measurement seed ``--seed``, trains its first
+``--steps`` updates (through the warmup to the peak learning rate) and, every ``--every`` updates,
+takes for every layer's attention (q, k, v, o) and MLP (gate, up, down) kernel the relative
+spectral step
+
+    r_t = ||W_{t+1} - W_t||_2 / ||W_t||_2
+
+(the largest singular value, float64 on the host).  Prints the median over the sampled updates of
+the mean over layers and kernels (and per kernel), and the ratios between widths and between
+optimizers; appends a record to ``experiments/results/bench/update_size.jsonl`` (``--no-record`` to
+skip), which ``python -m experiments.render_docs`` renders in docs/studies.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+
+import numpy as np
+
+KERNELS = (("attn", "q"), ("attn", "k"), ("attn", "v"), ("attn", "o"), ("mlp", "gate"), ("mlp", "up"), ("mlp", "down"))
+RESULTS = "experiments/results/cpu_regime/results.jsonl"
+
+
+def spectral_norms(stack: np.ndarray) -> np.ndarray:
+    """The largest singular value of each matrix of a ``[L, m, n]`` stack (float64)."""
+    return np.linalg.norm(np.asarray(stack, np.float64), ord=2, axis=(-2, -1))
+
+
+def relative_step(before: np.ndarray, after: np.ndarray) -> np.ndarray:
+    """``||after - before||_2 / ||before||_2`` per matrix of a ``[L, m, n]`` stack."""
+    before = np.asarray(before, np.float64)
+    return spectral_norms(np.asarray(after, np.float64) - before) / spectral_norms(before)
+
+
+def hidden_kernels(params) -> dict[str, np.ndarray]:
+    """``{"attn/q": [L, in, out], ...}``: the hidden matrices of the dense model's layer stack, on the host."""
+    layers = params["layers"]
+    return {f"{block}/{name}": np.asarray(layers[block][name]["kernel"]) for block, name in KERNELS}
+
+
+def pick_config(cell: str, opt: str, seed: int, tune_rows):
+    """The resolved config of ``cell``'s ``opt`` 2bw arm at its tuned pick, and the pick."""
+    from experiments import study as study_lib
+    from experiments import sweep
+    from experiments.studies import factors
+
+    _, pick = factors.tuning_state(cell, opt, "2bw", tune_rows)
+    if pick is None:
+        raise SystemExit(f"update_size: {cell} {opt} 2bw has no pick yet in {RESULTS}; run the screen's tuning first")
+    (run,) = study_lib.expand(factors.study_of("factors", cell, [(opt, "2bw", pick)], [seed]))
+    return sweep.run_config(factors.study_of("factors", cell, [(opt, "2bw", pick)], [seed]), run), pick
+
+
+def measure(config, steps: int, every: int) -> dict[str, list[float]]:
+    """``{kernel: [mean over layers of r_t at each sampled t]}`` over the first ``steps`` updates."""
+    from asyncpp_jax.train.trainer import Trainer
+
+    with tempfile.TemporaryDirectory() as workdir:
+        t = Trainer(config, workdir)
+        try:
+            if t.pipelined:
+                raise SystemExit("update_size reads the dense model's params; the screen's runs are not pipelined")
+            state, iterator = t.restore_or_init()
+            out: dict[str, list[float]] = {k: [] for k in (f"{b}/{n}" for b, n in KERNELS)}
+            for step in range(steps):
+                batch = t.batch_layout.assemble(next(iterator))
+                before = hidden_kernels(state.params) if step % every == 0 else None  # the step donates the state
+                state, metrics = t.train_step(state, batch)
+                if before is not None:
+                    after = hidden_kernels(state.params)
+                    for k in out:
+                        out[k].append(float(relative_step(before[k], after[k]).mean()))
+                    loss = float(metrics["loss"])
+                    if not np.isfinite(loss):
+                        raise SystemExit(f"update_size: the loss is {loss} at update {step + 1}")
+        finally:
+            t.close()
+            t.release_workdir()
+    return out
+
+
+def summary(series: dict[str, list[float]]) -> dict:
+    """Median over sampled updates, per kernel and of the mean over kernels."""
+    per_kernel = {k: statistics.median(v) for k, v in series.items()}
+    overall = statistics.median(np.mean([series[k] for k in series], axis=0).tolist())
+    return {"median_relative_step": overall, "per_kernel": per_kernel}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cells", default="width=128,width=256")
+    ap.add_argument("--optimizers", default="adamw,muon")
+    ap.add_argument("--steps", type=int, default=960, help="updates trained per run (the warmup is 320)")
+    ap.add_argument("--every", type=int, default=40, help="sample the step every this many updates")
+    ap.add_argument("--seed", type=int, default=0, help="a measurement seed (the picks come from the tuning seeds)")
+    ap.add_argument("--no-record", dest="record", action="store_false")
+    a = ap.parse_args(argv)
+    if a.steps < 1 or a.every < 1:
+        raise SystemExit("update_size: --steps and --every must be at least 1")
+    tune_rows = [r for r in map(json.loads, open(RESULTS)) if r["study"] == "factors_tune"]
+    figures = {}
+    for cell in a.cells.split(","):
+        for opt in a.optimizers.split(","):
+            config, pick = pick_config(cell, opt, a.seed, tune_rows)
+            s = summary(measure(config, a.steps, a.every))
+            figures[f"{cell}/{opt}"] = {"lr": pick, **s}
+            print(f"{cell} {opt} 2bw at lr {pick:g}: median ||dW||_2/||W||_2 = {s['median_relative_step']:.4g} "
+                  f"({', '.join(f'{k} {v:.3g}' for k, v in s['per_kernel'].items())})", flush=True)
+    for ratio, text in ratios(figures).items():
+        print(f"{ratio}: {text:.3g}")
+    if a.record:
+        from experiments import records
+
+        records.append(records.BENCH_DIR / "update_size.jsonl",
+                       records.make("update_size", figures, steps=a.steps, every=a.every, seed=a.seed))
+
+
+def ratios(figures: dict) -> dict[str, float]:
+    """AdamW's step over Muon's per cell, and each optimizer's step at one cell over the first cell's."""
+    cells = list(dict.fromkeys(k.split("/")[0] for k in figures))
+    opts = list(dict.fromkeys(k.split("/")[1] for k in figures))
+    step = {k: v["median_relative_step"] for k, v in figures.items()}
+    out = {}
+    for cell in cells:
+        if f"{cell}/adamw" in step and f"{cell}/muon" in step:
+            out[f"{cell}: adamw / muon"] = step[f"{cell}/adamw"] / step[f"{cell}/muon"]
+    for opt in opts:
+        for cell in cells[1:]:
+            if f"{cell}/{opt}" in step and f"{cells[0]}/{opt}" in step:
+                out[f"{opt}: {cell} / {cells[0]}"] = step[f"{cell}/{opt}"] / step[f"{cells[0]}/{opt}"]
+    return out
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    main()
