@@ -1014,6 +1014,58 @@ def bench_small_updates(doc: pathlib.Path) -> str:
                               + _provenance([rec], [BENCH_LINK / "bench_small_updates.jsonl"], doc)])
 
 
+def update_size(doc: pathlib.Path) -> str:
+    """How far one update moves the hidden matrices at the factor screen's 2bw picks (the latest
+    record), beside the delay gaps the screen measured in the same cells (the cpu_regime rows)."""
+    from experiments import report_factors
+
+    rec = records.load("update_size")[-1]
+    f = rec["figures"]
+    kernels = list(next(iter(f.values()))["per_kernel"])
+    lines = ["| cell | optimizer | 2bw lr | median ‖ΔW‖₂ / ‖W‖₂ | " + " | ".join(kernels) + " |",
+             "|---|---|---|---|" + "---|" * len(kernels)]
+    for key, v in f.items():
+        cell, opt = key.split("/")[:2]
+        lines.append(f"| {cell} | {opt} | {v['lr']:g} | {v['median_relative_step']:.2e} | "
+                     + " | ".join(f"{v['per_kernel'][k]:.2e}" for k in kernels) + " |")
+    measured = [r for r in _regime_rows() if r["study"] == report_factors.MEASURE]
+    cells = list(dict.fromkeys(k.split("/")[0] for k in f))
+    step = {k: v["median_relative_step"] for k, v in f.items()}
+    est = {c: report_factors.cell_estimates(measured, c) for c in cells}
+
+    def gap(c, opt):
+        e = (est[c] or {}).get("opts", {}).get(opt)
+        return e["gap"].value if e else None
+
+    lines += ["", "| cell | AdamW's step / Muon's | G_AdamW / G_Muon (val, 90% Fieller) |", "|---|---|---|"]
+    for c in cells:
+        r = (est[c] or {}).get("ratio")
+        ratio_text = "-" if r is None or not r.resolved else f"{r.value:.2f} [{_f(r.lo)}, {_f(r.hi)}]"
+        both = f"{c}/adamw" in step and f"{c}/muon" in step
+        lines.append(f"| {c} | {step[f'{c}/adamw'] / step[f'{c}/muon']:.2f} | {ratio_text} |" if both else
+                     f"| {c} | - | {ratio_text} |")
+    changes = []
+    for opt, name in (("adamw", "AdamW"), ("muon", "Muon")):
+        for c in cells[1:]:
+            first, this = f"{cells[0]}/{opt}", f"{c}/{opt}"
+            if first in step and this in step and gap(c, opt) is not None and gap(cells[0], opt) is not None:
+                changes.append(f"{name}'s step changes by x{step[this] / step[first]:.2f} and its gap by "
+                               f"x{gap(c, opt) / gap(cells[0], opt):.2f} (learning rate {f[first]['lr']:g} -> "
+                               f"{f[this]['lr']:g})")
+            fixed = f"{c}/{opt}/lr={f[first]['lr']:g}" if first in f else None
+            if fixed in step:
+                changes.append(f"at {cells[0]}'s learning rate {f[first]['lr']:g}, {name}'s step changes by "
+                               f"x{step[fixed] / step[first]:.2f}")
+    if changes:
+        lines += ["", f"From {cells[0]} to {', '.join(cells[1:])}, at each arm's tuned learning rate unless named: "
+                  + "; ".join(changes) + "."]
+    lines += ["", f"_Each run: the first {rec['steps']} updates of seed {rec['seed']} (the warmup is 320), the "
+              f"step sampled every {rec['every']} updates and averaged over the 4 layers and the kernels; the gaps "
+              f"are the screen's, at seeds 0-2. Hardware: {rec['hardware']}._", "",
+              _provenance([rec], [BENCH_LINK / "update_size.jsonl"], doc)]
+    return "\n".join(lines)
+
+
 def bench_prepare(doc: pathlib.Path) -> str:
     """The prepare step's throughput with a 49,152-token BPE and the paper preset's extrapolated time
     (the latest record)."""
@@ -1104,7 +1156,7 @@ def accelerator_status(doc: pathlib.Path) -> str:
             f"updates; [docs/accelerators.md](docs/accelerators.md)); everything else on CPU only. " + tail)
 
 
-RENDERERS = {f.__name__: f for f in (factors_pilot, cpu_lr_gap, cpu_mitigations, regime_run_counts, paper_regime, paper_optimizers, paper_summary, factors_answer, gpu_plan, bench_small_updates, bench_prepare, notebooks, glance, main_job, main_job_summary, tiny_optimizers, bench_optimizers, optimizers_study,
+RENDERERS = {f.__name__: f for f in (factors_pilot, cpu_lr_gap, cpu_mitigations, regime_run_counts, paper_regime, paper_optimizers, paper_summary, factors_answer, gpu_plan, update_size, bench_small_updates, bench_prepare, notebooks, glance, main_job, main_job_summary, tiny_optimizers, bench_optimizers, optimizers_study,
                                       bench_pipeline_work, bench_pipeline_work_against, bench_pipeline_processes, bench_pipeline_compile, bench_pipeline_conditionals, bench_pipeline_schedules,
                                       moe10b_dry_run, llama3_8b_dry_run, mpmd_dry_run, vocab_parallel_table, fit_table,
                                       ci, accelerator_checks, accelerator_status)}

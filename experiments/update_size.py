@@ -1,6 +1,6 @@
 """How far one update moves each hidden matrix, at the factor screen's tuned learning rates.
 
-    python -m experiments.update_size [--cells width=128,width=256] [--steps 960] [--every 40] [--seed 0]
+    python -m experiments.update_size [--cells width=128,width=256] [--steps 960] [--every 40] [--seed 0] [--no-fixed-lr]
 
 Under a one-step delay (PipeDream-2BW) the gradient applied at update t+1 was computed on W_{t-1},
 so the weights it is stale by are exactly the last update: W_t - W_{t-1}.  The μP argument
@@ -10,7 +10,8 @@ step (Jordan et al. 2024) has a spectral norm set by the learning rate alone.  T
 asks whether that makes AdamW's delay gap grow with width; this measures the premise directly.
 
 For each cell and optimizer, the ``2bw`` arm at its pick from the ``factors_tune`` rows
-(:func:`experiments.studies.factors.tuning_state`), on measurement seed ``--seed``, trains its first
+(:func:`experiments.studies.factors.tuning_state`), and in the later cells also at the first
+cell's pick (the premise's fixed learning rate), on measurement seed ``--seed``, trains its first
 ``--steps`` updates (through the warmup to the peak learning rate) and, every ``--every`` updates,
 takes for every layer's attention (q, k, v, o) and MLP (gate, up, down) kernel the relative
 spectral step
@@ -54,17 +55,25 @@ def hidden_kernels(params) -> dict[str, np.ndarray]:
     return {f"{block}/{name}": np.asarray(layers[block][name]["kernel"]) for block, name in KERNELS}
 
 
-def pick_config(cell: str, opt: str, seed: int, tune_rows):
-    """The resolved config of ``cell``'s ``opt`` 2bw arm at its tuned pick, and the pick."""
-    from experiments import study as study_lib
-    from experiments import sweep
+def pick_of(cell: str, opt: str, tune_rows) -> float:
+    """The tuned learning rate of ``cell``'s ``opt`` 2bw arm."""
     from experiments.studies import factors
 
     _, pick = factors.tuning_state(cell, opt, "2bw", tune_rows)
     if pick is None:
         raise SystemExit(f"update_size: {cell} {opt} 2bw has no pick yet in {RESULTS}; run the screen's tuning first")
-    (run,) = study_lib.expand(factors.study_of("factors", cell, [(opt, "2bw", pick)], [seed]))
-    return sweep.run_config(factors.study_of("factors", cell, [(opt, "2bw", pick)], [seed]), run), pick
+    return pick
+
+
+def arm_config(cell: str, opt: str, lr: float, seed: int):
+    """The resolved config of ``cell``'s ``opt`` 2bw arm at learning rate ``lr`` and ``seed``."""
+    from experiments import study as study_lib
+    from experiments import sweep
+    from experiments.studies import factors
+
+    s = factors.study_of("factors", cell, [(opt, "2bw", lr)], [seed])
+    (run,) = study_lib.expand(s)
+    return sweep.run_config(s, run)
 
 
 def measure(config, steps: int, every: int) -> dict[str, list[float]]:
@@ -109,19 +118,26 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=960, help="updates trained per run (the warmup is 320)")
     ap.add_argument("--every", type=int, default=40, help="sample the step every this many updates")
     ap.add_argument("--seed", type=int, default=0, help="a measurement seed (the picks come from the tuning seeds)")
+    ap.add_argument("--no-fixed-lr", dest="fixed_lr", action="store_false",
+                    help="skip the later cells' runs at the first cell's learning rate")
     ap.add_argument("--no-record", dest="record", action="store_false")
     a = ap.parse_args(argv)
     if a.steps < 1 or a.every < 1:
         raise SystemExit("update_size: --steps and --every must be at least 1")
     tune_rows = [r for r in map(json.loads, open(RESULTS)) if r["study"] == "factors_tune"]
+    cells = a.cells.split(",")
     figures = {}
-    for cell in a.cells.split(","):
-        for opt in a.optimizers.split(","):
-            config, pick = pick_config(cell, opt, a.seed, tune_rows)
-            s = summary(measure(config, a.steps, a.every))
-            figures[f"{cell}/{opt}"] = {"lr": pick, **s}
-            print(f"{cell} {opt} 2bw at lr {pick:g}: median ||dW||_2/||W||_2 = {s['median_relative_step']:.4g} "
-                  f"({', '.join(f'{k} {v:.3g}' for k, v in s['per_kernel'].items())})", flush=True)
+    for opt in a.optimizers.split(","):
+        first = pick_of(cells[0], opt, tune_rows)
+        for cell in cells:
+            pick = pick_of(cell, opt, tune_rows)
+            # each arm at its own pick; the later cells also at the first cell's, which isolates width
+            for key, lr in [(f"{cell}/{opt}", pick)] + ([(f"{cell}/{opt}/lr={first:g}", first)]
+                                                        if a.fixed_lr and cell != cells[0] and pick != first else []):
+                s = summary(measure(arm_config(cell, opt, lr, a.seed), a.steps, a.every))
+                figures[key] = {"lr": lr, **s}
+                print(f"{key} 2bw at lr {lr:g}: median ||dW||_2/||W||_2 = {s['median_relative_step']:.4g} "
+                      f"({', '.join(f'{k} {v:.3g}' for k, v in s['per_kernel'].items())})", flush=True)
     for ratio, text in ratios(figures).items():
         print(f"{ratio}: {text:.3g}")
     if a.record:
@@ -132,7 +148,8 @@ def main(argv=None):
 
 
 def ratios(figures: dict) -> dict[str, float]:
-    """AdamW's step over Muon's per cell, and each optimizer's step at one cell over the first cell's."""
+    """AdamW's step over Muon's per cell (at their picks), and each optimizer's step at a later cell
+    over its step at the first cell: at its own pick, and at the first cell's learning rate."""
     cells = list(dict.fromkeys(k.split("/")[0] for k in figures))
     opts = list(dict.fromkeys(k.split("/")[1] for k in figures))
     step = {k: v["median_relative_step"] for k, v in figures.items()}
@@ -141,9 +158,13 @@ def ratios(figures: dict) -> dict[str, float]:
         if f"{cell}/adamw" in step and f"{cell}/muon" in step:
             out[f"{cell}: adamw / muon"] = step[f"{cell}/adamw"] / step[f"{cell}/muon"]
     for opt in opts:
+        first = f"{cells[0]}/{opt}"
         for cell in cells[1:]:
-            if f"{cell}/{opt}" in step and f"{cells[0]}/{opt}" in step:
-                out[f"{opt}: {cell} / {cells[0]}"] = step[f"{cell}/{opt}"] / step[f"{cells[0]}/{opt}"]
+            if f"{cell}/{opt}" in step and first in step:
+                out[f"{opt}: {cell} / {cells[0]}"] = step[f"{cell}/{opt}"] / step[first]
+            fixed = f"{cell}/{opt}/lr={figures[first]['lr']:g}" if first in figures else None
+            if fixed in step:
+                out[f"{opt}: {cell} / {cells[0]} at lr {figures[first]['lr']:g}"] = step[fixed] / step[first]
     return out
 
 

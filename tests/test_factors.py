@@ -311,3 +311,32 @@ def test_a_cut_cell_runs_only_when_named(tmp_path, capsys):
     screen.main(["--out", str(tmp_path), "--list", "--cells", "width=512"])
     named = capsys.readouterr().out.split()
     assert named and all(line.split("/")[1].startswith("width=512-") for line in named)
+
+
+def test_update_size_takes_exact_spectral_norms_and_the_2bw_arm_at_its_pick():
+    from experiments import update_size
+
+    # a stack of two matrices: diag(3, -5) and the rank-1 u v^T, |u| = 5, |v| = sqrt(2)
+    stack = np.array([[[3.0, 0.0], [0.0, -5.0]], [[3.0, 3.0], [4.0, 4.0]]])
+    assert update_size.spectral_norms(stack) == pytest.approx([5.0, 5.0 * np.sqrt(2.0)], rel=1e-12)
+    after = stack + np.array([[[0.5, 0.0], [0.0, 0.0]], [[0.0, 0.0], [0.0, 0.0]]])
+    assert update_size.relative_step(stack, after) == pytest.approx([0.1, 0.0], abs=1e-12)
+    # medians over the sampled updates, of each kernel and of the mean over kernels (2, 4, 6)
+    s = update_size.summary({"attn/q": [1.0, 3.0, 2.0], "mlp/up": [3.0, 5.0, 10.0]})
+    assert s == {"median_relative_step": 4.0, "per_kernel": {"attn/q": 2.0, "mlp/up": 5.0}}
+    r = update_size.ratios({"width=128/adamw": {"lr": 0.001, "median_relative_step": 4.0},
+                            "width=128/muon": {"lr": 0.002, "median_relative_step": 2.0},
+                            "width=256/adamw": {"lr": 0.0003, "median_relative_step": 2.0},
+                            "width=256/adamw/lr=0.001": {"lr": 0.001, "median_relative_step": 6.0},
+                            "width=256/muon": {"lr": 0.002, "median_relative_step": 3.0}})
+    assert r == {"width=128: adamw / muon": 2.0, "width=256: adamw / muon": pytest.approx(2 / 3),
+                 "adamw: width=256 / width=128": 0.5, "adamw: width=256 / width=128 at lr 0.001": 1.5,
+                 "muon: width=256 / width=128": 1.5}
+    # the 2bw arm's config at the pick its tuning rows give, at the measurement seed
+    cell, seeds = "width=256", factors.CELLS["width=256"][1]
+    grid, _ = factors.tuning_state(cell, "adamw", "2bw", [])
+    rows = [_row("factors_tune", cell, "adamw", "2bw", lr, s, 2.0 + abs(k - 1)) for k, lr in enumerate(grid) for s in seeds]
+    pick = update_size.pick_of(cell, "adamw", rows)
+    config = update_size.arm_config(cell, "adamw", pick, 1)
+    assert pick == grid[1] and config.optimizer.lr == pick and config.seed == 1
+    assert config.staleness.mode == "2bw" and config.model.d_model == 256
