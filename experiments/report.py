@@ -16,9 +16,9 @@ fraction of the gap it recovers) each ± its standard error, paired over seeds w
 seeds (:mod:`experiments.stats`: a seed fixes both the initial weights and the data order); the
 delay gap over training tokens for the headline arms, with the trend test; the ``lr`` study's
 table of synchronous loss per learning rate with each optimizer's pick (:mod:`experiments.tuning`);
-and plots.  Each study's own section is its module's ``analyse`` (:func:`study_analysis`); the
+and plots.  Each study's own section is its module's ``analyse`` (:func:`study_section`); the
 updates ladder's (:mod:`experiments.report_ladder`) and the factor screen's
-(:mod:`experiments.report_factors`) read two studies' rows each.  Then a verdict on each of the paper's claims that the given studies can test: exactly
+(:mod:`experiments.report_factors`) read two studies' rows each (:data:`PAIRED`).  Then a verdict on each of the paper's claims that the given studies can test: exactly
 one of "reproduced", "not reproduced", "inconclusive at this scale", with the test (a one-sided t
 test at level 5% with n - 1 degrees of freedom, :func:`experiments.stats.verdict`) and the numbers.
 """
@@ -37,7 +37,7 @@ import tempfile
 
 import numpy as np
 
-from experiments import picks, report_factors, report_ladder, stats
+from experiments import report_factors, report_ladder, stats
 from experiments.analysis import diverged, gap_curve, trend  # noqa: F401  (report.gap_curve, report.trend)
 from experiments.report_format import md_table, plt_module
 from experiments.studies import tuned
@@ -125,21 +125,9 @@ def plot_curves(rows, out: pathlib.Path, title: str) -> str:
     return out.name
 
 
-def analyse_ladder(name: str, rows: list[dict], out: pathlib.Path, claims: dict, picks: dict) -> list[str]:
-    """``ladder_tune``: each arm's grid and the ladder at the picks on the tuning seed; ``ladder``: the
-    picks at three seeds (``picks`` from the ``ladder_tune`` rows given to the same report)."""
-    div = diverged(rows)
-    lines = [f"## Study `{name}`", "", f"{len(rows)} runs, seeds {sorted({r['seed'] for r in rows})}"
-             + (f"; {sum(div.values())} diverged" if div else "") + ".", ""]
-    if name == "ladder_tune":
-        lines += report_ladder.grid_table(rows)
-    elif not picks:
-        return lines + ["The `ladder_tune` rows that picked these learning rates are not in this report; give them "
-                        "too, since each gap is taken at the arms' picks.", ""]
-    return lines + report_ladder.analyse(rows, picks, out, claims)
-
-
-def analyse(name: str, rows: list[dict], out: pathlib.Path, claims: dict) -> list[str]:
+def analyse(name: str, rows: list[dict], out: pathlib.Path, claims: dict, own=lambda *_: []) -> list[str]:
+    """The common tables of one study (final loss per variant, curves, the gaps at sync's learning
+    rate), then its own section ``own(name, rows, arms, out, claims)``."""
     table = by_variant(rows)
     arms = stats.arms_of(rows)
     div = diverged(rows)
@@ -152,17 +140,31 @@ def analyse(name: str, rows: list[dict], out: pathlib.Path, claims: dict) -> lis
     lines.append("")
 
     lines += report_ladder.at_sync_table(rows, lambda v: tuned.sync_of(arms, v))
-    return lines + study_analysis(name)(name, rows, arms, out, claims)
+    return lines + own(name, rows, arms, out, claims)
 
 
-def study_analysis(name: str):
-    """The study's own section: ``analyse(name, rows, arms, out, claims) -> lines`` of its module in
-    ``experiments/studies`` (the ``STUDY_tune`` steps and studies without one: nothing more)."""
+# Studies whose section reads other studies' rows too (a tuning study and its measurement):
+# the module that owns the pair's analysis, by the measured study's name (``X`` and ``X_tune``).
+PAIRED = {"ladder": report_ladder, "factors": report_factors}
+
+
+def study_section(name: str):
+    """The study's own section, ``section(name, studies, out, claims) -> lines``: the ``section`` of
+    the module that owns a tuning/measurement pair (:data:`PAIRED`), else the study module's
+    ``analyse`` under the common tables, else (a ``STUDY_tune`` step) its grid table."""
+    paired = PAIRED.get(name.removesuffix("_tune"))
+    if paired is not None:
+        return paired.section
+    if name.endswith("_tune"):
+        return lambda name, studies, out, claims: (
+            [f"## Study `{name}`", "", f"{len(studies[name])} runs, seeds "
+             f"{sorted({r['seed'] for r in studies[name]})}.", ""] + report_ladder.grid_table(studies[name], name))
     try:
         module = importlib.import_module(f"experiments.studies.{name}")
     except ModuleNotFoundError:
         module = None
-    return getattr(module, "analyse", lambda *_: [])
+    own = getattr(module, "analyse", lambda *_: [])
+    return lambda name, studies, out, claims: analyse(name, studies[name], out, claims, own)
 
 
 def report(paths, out: pathlib.Path) -> pathlib.Path:
@@ -178,19 +180,8 @@ def report(paths, out: pathlib.Path) -> pathlib.Path:
         studies[row["study"]].append(row)
     claims: dict[str, tuple[str, str, str]] = {}
     body = []
-    ladder_picks = picks.pick_arm_lrs(studies.get("ladder_tune", []), "ladder_tune")
     for name in sorted(studies):
-        if name in ("ladder_tune", "ladder"):
-            body += analyse_ladder(name, studies[name], out, claims, ladder_picks)
-        elif name in (report_factors.TUNE, report_factors.MEASURE):
-            if name == report_factors.MEASURE or report_factors.MEASURE not in studies:
-                body += report_factors.analyse(studies.get(report_factors.TUNE, []), studies.get(name, [])
-                                               if name == report_factors.MEASURE else [], claims)
-        elif name.endswith("_tune"):
-            body += [f"## Study `{name}`", "", f"{len(studies[name])} runs, seeds "
-                     f"{sorted({r['seed'] for r in studies[name]})}.", ""] + report_ladder.grid_table(studies[name], name)
-        else:
-            body += analyse(name, studies[name], out, claims)
+        body += study_section(name)(name, studies, out, claims)
     digest = hashlib.sha256(data.encode()).hexdigest()[:16]
     lines = ["# Async PP study report", "", f"Made from `{RESULTS}` beside this file ({len(rows)} runs, sha256 "
              f"`{digest}`); regenerate with `python -m experiments.report --check <this directory>`.", "",

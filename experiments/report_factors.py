@@ -248,3 +248,12 @@ def analyse(tune_rows, rows, claims) -> list[str]:
     table, _ = axis_table(rows)
     lines += ["### Along each axis", ""] + table + conclusion(rows) + [""]
     return lines
+
+
+def section(name: str, studies: dict[str, list[dict]], out, claims: dict) -> list[str]:
+    """The report's one section for both studies: under ``factors`` when its rows are given (the
+    tuning rows beside them), else under ``factors_tune`` alone."""
+    if name == TUNE and MEASURE in studies:
+        return []
+    return analyse(studies.get(TUNE, []), studies.get(MEASURE, []), claims)
+

@@ -23,6 +23,7 @@ import re
 import numpy as np
 
 from experiments import paper, picks, stats
+from experiments.analysis import diverged
 from experiments.report_format import SHARE_NOTE, claim, figure, md_table, se_kind, share_text  # noqa: F401
 from experiments.report_format import est as _est_with_se
 from experiments.studies.ladder_tune import EXTRA_RUNGS, RUNGS
@@ -296,3 +297,21 @@ def _trend(rows, found, claims) -> list[str]:
         md_table(["optimizer", "interval (updates)", "change per doubling", "standard error"], steps) + [""] + \
         md_table(["optimizer", "rungs (updates)", "slope per doubling", "lack of fit", "standard error", "trend"],
                  body) + [""]
+
+
+def section(name: str, studies: dict[str, list[dict]], out: pathlib.Path, claims: dict) -> list[str]:
+    """The report's section of ``ladder_tune`` (each arm's grid and the ladder at the picks on the
+    tuning seed) or ``ladder`` (the picks at three seeds, from the ``ladder_tune`` rows of the same
+    report)."""
+    rows = studies[name]
+    div = diverged(rows)
+    lines = [f"## Study `{name}`", "", f"{len(rows)} runs, seeds {sorted({r['seed'] for r in rows})}"
+             + (f"; {sum(div.values())} diverged" if div else "") + ".", ""]
+    chosen = picks.pick_arm_lrs(studies.get("ladder_tune", []), "ladder_tune")
+    if name == "ladder_tune":
+        lines += grid_table(rows)
+    elif not chosen:
+        return lines + ["The `ladder_tune` rows that picked these learning rates are not in this report; give them "
+                        "too, since each gap is taken at the arms' picks.", ""]
+    return lines + analyse(rows, chosen, out, claims)
+
