@@ -76,14 +76,7 @@ def gap_curve(rows, delayed: str, sync: str):
 
 def trend(change: stats.Estimate) -> str:
     """grows / shrinks / stays, by the change of the gap against t standard errors (:func:`stats.t_critical`)."""
-    if change.n < 2:
-        return "unknown (one seed: no standard error)"
-    t = stats.t_critical(change.n)
-    if change.value > t * change.se:
-        return "grows"
-    if change.value < -t * change.se:
-        return "shrinks"
-    return "stays (within noise)"
+    return stats.direction(change, "grows", "shrinks", "stays (within noise)", "unknown (one seed: no standard error)")
 
 
 def analyse_gap_over_time(name: str, rows, pairs, out: pathlib.Path, claims: dict, headline: dict,

@@ -114,7 +114,12 @@ def _study(name: str) -> dict[str, dict[int, dict]]:
 
 def _gap(study: dict, opt: str) -> tuple[float, float, int]:
     """Mean over seeds of 2bw - sync and its paired standard error."""
-    sync, delayed = study[f"{opt}/sync"], study[f"{opt}/2bw"]
+    return _gap_of(study, f"{opt}/2bw", f"{opt}/sync")
+
+
+def _gap_of(study: dict, delayed_variant: str, sync_variant: str) -> tuple[float, float, int]:
+    """Mean over seeds of ``delayed - sync`` and its paired standard error."""
+    sync, delayed = study[sync_variant], study[delayed_variant]
     diffs = [delayed[s]["final_val"] - sync[s]["final_val"] for s in sorted(set(sync) & set(delayed))]
     se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else float("nan")
     return statistics.mean(diffs), se, len(diffs)
@@ -142,6 +147,65 @@ def optimizers_study(doc: pathlib.Path) -> str:
     lines += ["", f"_Final validation loss in nats/byte, mean ± std over seeds, from {_link(STUDY_RESULTS, doc)} "
                   "(the `optimizers` study at the `cpu` preset), the rows the study report regenerates from._"]
     return "\n".join(lines)
+
+
+def _mean(runs: dict[int, dict]) -> str:
+    return f"{statistics.mean(r['final_val'] for r in runs.values()):.3f}"
+
+
+def _gap_text(study: dict, delayed: str, sync: str) -> str:
+    gap, se, _ = _gap_of(study, delayed, sync)
+    return f"{gap:+.3f} ± {se:.3f}"
+
+
+def _cpu_note(name: str, doc: pathlib.Path) -> str:
+    seeds = sorted({s for runs in _study(name).values() for s in runs})
+    return (f"_Final validation loss in nats/byte, the mean over seeds {seeds}; delay gap = delayed - sync, "
+            f"± its paired standard error; from {_link(STUDY_RESULTS, doc)} (the `{name}` study at the `cpu` preset)._")
+
+
+def cpu_momentum(doc: pathlib.Path) -> str:
+    """The ``momentum`` study at the cpu preset: each optimizer's arms per momentum."""
+    study = _study("momentum")
+    lines = ["| optimizer | momentum | sync | 2bw | delay gap (paired SE) |", "|---|---|---|---|---|"]
+    betas = sorted({float(v.split("/")[1][len("beta="):]) for v in study})
+    for opt in ("adamw", "muon"):
+        for b in betas:
+            key = f"{opt}/beta={b:g}"
+            if f"{key}/sync" in study and f"{key}/2bw" in study:
+                lines.append(f"| {OPT_NAMES[opt]} | {b:g} | {_mean(study[f'{key}/sync'])} | {_mean(study[f'{key}/2bw'])} | "
+                             f"{_gap_text(study, f'{key}/2bw', f'{key}/sync')} |")
+    return "\n".join(lines + ["", _cpu_note("momentum", doc)])
+
+
+def cpu_schemes(doc: pathlib.Path) -> str:
+    """The ``schemes`` study at the cpu preset: PipeDream's per-stage delay per depth against 2BW."""
+    study = _study("schemes")
+    lines = ["| scheme | P | sync | async | delay gap (paired SE) |", "|---|---|---|---|---|"]
+    sync = "adamw/sync"
+    pipedream = sorted((int(v.rsplit("=", 1)[1]), v) for v in study if v.startswith("adamw/pipedream/"))
+    for p, v in pipedream:
+        lines.append(f"| PipeDream | {p} | {_mean(study[sync])} | {_mean(study[v])} | {_gap_text(study, v, sync)} |")
+    lines.append(f"| 2BW | any | {_mean(study[sync])} | {_mean(study['adamw/2bw'])} | {_gap_text(study, 'adamw/2bw', sync)} |")
+    return "\n".join(lines + ["", _cpu_note("schemes", doc)])
+
+
+SENSITIVITY_SETTINGS = {"default": "default (16 sequences, tuned lr, wd 0.1)", "batch/2": "batch / 2", "batch*2": "batch x 2",
+                        "lr/3": "lr / 3", "lr*3": "lr x 3", "wd=0": "wd 0", "wd=0.3": "wd 0.3"}
+
+
+def cpu_sensitivity(doc: pathlib.Path) -> str:
+    """The ``sensitivity`` study at the cpu preset: AdamW's and Muon's gap with one setting changed."""
+    study = _study("sensitivity")
+    lines = ["| setting | AdamW sync | AdamW gap | Muon sync | Muon gap |", "|---|---|---|---|---|"]
+    for setting, label in SENSITIVITY_SETTINGS.items():
+        cells = []
+        for opt in ("adamw", "muon"):
+            key = f"{opt}/{setting}"
+            cells += ([_mean(study[f"{key}/sync"]), _gap_text(study, f"{key}/2bw", f"{key}/sync")]
+                      if f"{key}/sync" in study and f"{key}/2bw" in study else ["-", "-"])
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines + ["", _cpu_note("sensitivity", doc)])
 
 
 # ---- bench records ----------------------------------------------------------------------------
@@ -757,8 +821,7 @@ def _regime_rows() -> list[dict]:
 def _t_word(e, up: str, down: str, none: str) -> str:
     from experiments import stats
 
-    t = stats.t_critical(e.n)
-    return up if e.value - t * e.se > 0 else down if e.value + t * e.se < 0 else none
+    return stats.direction(e, up, down, none)
 
 
 def paper_summary(doc: pathlib.Path) -> str:
@@ -912,7 +975,7 @@ def _report_table(report: pathlib.Path, heading: str, doc: pathlib.Path) -> str:
     first = next(i for i in range(start, len(lines)) if lines[i].startswith("|"))
     end = next((i for i in range(first, len(lines)) if not lines[i].startswith("|")), len(lines))
     return "\n".join(lines[first:end] + ["", f"_Copied from {_link(report, doc)} (regenerated from its rows by "
-                                          "`python -m experiments.report --check`)._"])
+                                          f"`python -m experiments.report --check {report.parent.relative_to(REPO_ROOT).as_posix()}`)._"])
 
 
 def cpu_lr_gap(doc: pathlib.Path) -> str:
@@ -923,6 +986,11 @@ def cpu_lr_gap(doc: pathlib.Path) -> str:
 def cpu_mitigations(doc: pathlib.Path) -> str:
     """The cpu report's mitigations ranked by the fraction of the gap they recover."""
     return _report_table(CPU_REPORT, "| optimizer | rank | mitigation |", doc)
+
+
+def cpu_ef_causes(doc: pathlib.Path) -> str:
+    """The cpu report's ef_causes table: EF's share of AdamW's gap with one setting of the preset changed."""
+    return _report_table(CPU_REPORT, "### What error feedback's share of AdamW's gap depends on", doc)
 
 
 # The screen's plan per optimizer and cell, for the cost estimate: each arm's grid grows by about
@@ -1156,7 +1224,7 @@ def accelerator_status(doc: pathlib.Path) -> str:
             f"updates; [docs/accelerators.md](docs/accelerators.md)); everything else on CPU only. " + tail)
 
 
-RENDERERS = {f.__name__: f for f in (factors_pilot, cpu_lr_gap, cpu_mitigations, regime_run_counts, paper_regime, paper_optimizers, paper_summary, factors_answer, gpu_plan, update_size, bench_small_updates, bench_prepare, notebooks, glance, main_job, main_job_summary, tiny_optimizers, bench_optimizers, optimizers_study,
+RENDERERS = {f.__name__: f for f in (factors_pilot, cpu_lr_gap, cpu_mitigations, cpu_ef_causes, cpu_momentum, cpu_schemes, cpu_sensitivity, regime_run_counts, paper_regime, paper_optimizers, paper_summary, factors_answer, gpu_plan, update_size, bench_small_updates, bench_prepare, notebooks, glance, main_job, main_job_summary, tiny_optimizers, bench_optimizers, optimizers_study,
                                       bench_pipeline_work, bench_pipeline_work_against, bench_pipeline_processes, bench_pipeline_compile, bench_pipeline_conditionals, bench_pipeline_schedules,
                                       moe10b_dry_run, llama3_8b_dry_run, mpmd_dry_run, vocab_parallel_table, fit_table,
                                       ci, accelerator_checks, accelerator_status)}

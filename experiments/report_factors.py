@@ -137,10 +137,7 @@ def ratio_change(rows, axis) -> tuple[stats.Estimate, str, str] | None:
 
 
 def _direction(e: stats.Estimate | None, up: str, down: str) -> str:
-    if e is None or e.n < 2:
-        return "not measured"
-    t = stats.t_critical(e.n)
-    return up if e.value - t * e.se > 0 else down if e.value + t * e.se < 0 else "no change beyond t SE"
+    return "not measured" if e is None else stats.direction(e, up, down, "no change beyond t SE", "not measured")
 
 
 def axis_table(rows) -> tuple[list[str], list[str]]:

@@ -269,10 +269,7 @@ def _trend(rows, found, claims) -> list[str]:
         if s is None:
             continue
         rungs = sorted(u for (u, o) in found if o == opt and u in RUNGS)
-        t = stats.t_critical(s.n)
-        verdict = ("shrinks" if s.n >= 2 and s.value + t * s.se < 0 else
-                   "grows" if s.n >= 2 and s.value - t * s.se > 0 else
-                   "unknown (one seed)" if s.n < 2 else "no trend within t SE")
+        verdict = stats.direction(s, "grows", "shrinks", "no trend within t SE", "unknown (one seed)")
         bend = lack_of_fit(rows, found, opt)
         body.append((opt, ", ".join(map(str, rungs)), est(s), est(bend), se_kind(s), verdict))
         for lo, hi, e in intervals(rows, found, opt):

@@ -166,6 +166,17 @@ def t_critical(n: int, alpha: float = ALPHA) -> float:
     return float(scipy_stats.t.ppf(1.0 - alpha, max(n - 1, 1)))
 
 
+def direction(est: Estimate, up: str, down: str, within: str = "within t SE",
+              one_seed: str = "one seed: no standard error") -> str:
+    """Which side of 0 ``est`` lies on by a one-sided t test at level :data:`ALPHA` with ``n - 1``
+    degrees of freedom (:func:`t_critical`): ``up`` if ``value - t SE > 0``, ``down`` if
+    ``value + t SE < 0``, else ``within``; ``one_seed`` with fewer than two seeds."""
+    if est.n < 2:
+        return one_seed
+    t = t_critical(est.n)
+    return up if est.value - t * est.se > 0 else down if est.value + t * est.se < 0 else within
+
+
 def verdict(est: Estimate, above: float = 0.0, at_least: bool = False) -> str:
     """The claim "the quantity exceeds ``above``" by a one-sided t test at level :data:`ALPHA` with
     ``n - 1`` degrees of freedom (:func:`t_critical`): reproduced if ``value - t SE > above``

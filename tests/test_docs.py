@@ -13,6 +13,8 @@
   so it is not run twice here. The README's optax loop runs.
 - The README stays a front door: short, the CI command byte for byte, the notebooks on its first
   screen, no dated diary.
+- Every figure ``x ± y`` typed in the prose of README.md, docs/studies.md and experiments/README.md
+  (outside the rendered blocks) is one a committed study report prints, rounded once.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ PAGES = sorted((ROOT / "docs").glob("*.md"))
 DOCS = [README, *PAGES]
 SOURCE_DIRS = ("asyncpp_jax", "experiments", "tests", "configs", "notebooks")
 TOP = ("asyncpp_jax", "experiments", "tests", "configs", "docs", "notebooks")
+STUDY_DOCS = [README, ROOT / "docs" / "studies.md", ROOT / "experiments" / "README.md"]
 DIARY = re.compile(r"this (shared )?machine|that day|was slower|20[0-9][0-9]-[01][0-9]-[0-3][0-9]")
 
 
@@ -294,7 +297,7 @@ def test_readme_is_a_front_door():
         assert f"(docs/{page.name})" in text, f"the README's map of docs/ lacks {page.name}"
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+@pytest.mark.parametrize("doc", DOCS + STUDY_DOCS[2:], ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_no_dated_diary(doc):
     assert not [line for line in doc.read_text().splitlines() if DIARY.search(line)]
 
@@ -508,3 +511,61 @@ def test_readme_python_runs_and_names_real_functions():
             for name in re.findall(r"\boptim\.(\w+)", block):
                 assert hasattr(optim, name), f"{doc.name}: optim.{name} does not exist"
             ast.parse(block)
+
+
+# ---- figures typed in the prose ---------------------------------------------------------------
+
+STUDY_REPORTS = sorted((ROOT / "experiments" / "results").glob("*/report.md"))
+FIGURE = re.compile(r"(?<![\w.])([+-]?\d+(?:\.\d+)?)(%?) ± (\d+(?:\.\d+)?)(%?)( points)?")
+
+
+def _figures(text: str) -> list[tuple[str, str, bool]]:
+    """``(value, standard error, in percent)`` of every ``x ± y`` (``x ± y points`` is in percent)."""
+    return [(m[1], m[3], bool(m[2] or m[5])) for m in FIGURE.finditer(text)]
+
+
+def _rounded(printed: str, digits: int):
+    """``printed`` rounded to ``digits`` decimals as its unrounded value would be; None where that is
+    ambiguous (the dropped digits are exactly one half: the value could lie either side)."""
+    from decimal import ROUND_DOWN, ROUND_HALF_UP, Decimal
+
+    d, q = Decimal(printed), Decimal(1).scaleb(-digits)
+    if -d.as_tuple().exponent < digits:
+        return None  # the report printed fewer digits than the prose claims
+    if -d.as_tuple().exponent > digits and abs(d - d.quantize(q, rounding=ROUND_DOWN)) == q / 2:
+        return None
+    return d.quantize(q, rounding=ROUND_HALF_UP)
+
+
+def _decimals(x: str) -> int:
+    return len(x.split(".")[1]) if "." in x else 0
+
+
+def _printed_by(figure, reported) -> bool:
+    from decimal import Decimal
+
+    value, se, pct = figure
+    return any(pct == r_pct and _rounded(r_value, _decimals(value)) == Decimal(value)
+               and _rounded(r_se, _decimals(se)) == Decimal(se) for r_value, r_se, r_pct in reported)
+
+
+def test_the_figure_check_rounds_once():
+    reported = _figures("| +0.5455 ± 0.0377 | 53% ± 7% | 2.1558 ± 0.0155 |")
+    assert _printed_by(("0.5455", "0.0377", False), reported)
+    assert _printed_by(("+0.55", "0.04", False), reported) and _printed_by(("53", "7", True), reported)
+    # 0.5455 and 0.0155 may come from 0.54549 or 0.01549: one more digit is not the report's rounding
+    assert not _printed_by(("+0.546", "0.038", False), reported)
+    assert not _printed_by(("2.156", "0.016", False), reported)
+    assert not _printed_by(("53", "7", False), reported) and not _printed_by(("0.54552", "0.0377", False), reported)
+    assert _figures("by 35 ± 6 points") == [("35", "6", True)]
+
+
+@pytest.mark.parametrize("doc", STUDY_DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_figures_typed_in_the_prose_are_the_reports(doc):
+    reported = [f for report in STUDY_REPORTS for f in _figures(report.read_text())]
+    prose = render_docs.BLOCK.sub("", doc.read_text())
+    stray = [f"{v}{'%' if p else ''} ± {s}{'%' if p else ''}" for v, s, p in _figures(prose)
+             if not _printed_by((v, s, p), reported)]
+    assert not stray, (f"{doc.name}: figures no committed study report prints (rounded once): {stray}; copy them "
+                       "from the report, or render the table")
+

@@ -99,6 +99,27 @@ def test_verdict_by_a_one_sided_t_test_at_n_minus_one_degrees_of_freedom(value, 
 # The lr study, tuning, the tuned tables
 
 
+def test_direction_and_a_settings_change_from_the_default_by_the_t_test():
+    t3 = stats.t_critical(3)  # 2.92
+    assert stats.direction(stats.Estimate(1.01 * t3, 1.0, True, 3), "up", "down") == "up"
+    assert stats.direction(stats.Estimate(-1.01 * t3, 1.0, True, 3), "up", "down") == "down"
+    assert stats.direction(stats.Estimate(0.99 * t3, 1.0, True, 3), "up", "down") == "within t SE"
+    assert stats.direction(stats.Estimate(5.0, 0.0, True, 1), "up", "down", one_seed="n/a") == "n/a"
+    from experiments.studies import sensitivity
+
+    # the wd arm's gap sits 0.1 above the default's at every seed (resolved); the batch arm's is
+    # 0.1 above at two seeds and 0.1 below at the third (mean +0.033, not resolved)
+    rows = [row("sensitivity", f"adamw/{setting}/{mode}", seed, value)
+            for seed in range(3)
+            for setting, mode, value in (("default", "sync", 2.0), ("default", "2bw", 2.5), ("wd=0", "sync", 2.0),
+                                         ("wd=0", "2bw", 2.6 + 0.01 * seed), ("batch*2", "sync", 2.0),
+                                         ("batch*2", "2bw", 2.6 if seed < 2 else 2.4))]
+    table = "\n".join(sensitivity.against_default(stats.arms_of(rows)))
+    assert "| adamw | wd=0 | +0.1100 ± 0.0058 | larger | paired, 3 seeds |" in table
+    assert "| adamw | batch*2 | +0.0333 ± 0.0667 | within t SE | paired, 3 seeds |" in table
+    assert "| adamw | default |" not in table
+
+
 def test_lr_study_grid_and_variant_names():
     from experiments.studies import lr_gap
 

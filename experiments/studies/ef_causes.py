@@ -86,9 +86,7 @@ def analyse_ef_causes(rows, out: pathlib.Path) -> list[str]:
             diff = stats.ratio_difference(
                 arms, ({"adamw/base/ef": 1.0, "adamw/base/sync": -1.0}, {"adamw/base/2bw": 1.0, "adamw/base/sync": -1.0}),
                 ({ef: 1.0, sync: -1.0}, {none: 1.0, sync: -1.0}))
-            t = stats.t_critical(diff.n)
-            effect = ("no standard error (one seed)" if diff.n < 2 else "raises it" if diff.value - t * diff.se > 0
-                      else "lowers it" if diff.value + t * diff.se < 0 else "no effect within t SE")
+            effect = stats.direction(diff, "raises it", "lowers it", "no effect within t SE", "no standard error (one seed)")
         table.append((cause, setting, f"{sync_val.value:.3f}", est(stats.gap(arms, none, sync)),
                       est(stats.gap(arms, ef, sync)), f.pct(),
                       "-" if diff is None else f"{diff.value:+.0%} ± {diff.se:.0%}", effect, se_kind(f)))

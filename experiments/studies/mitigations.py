@@ -58,10 +58,13 @@ def analyse_mitigations(rows, out: pathlib.Path, claims: dict) -> list[str]:
             vs = stats.ratio(arms, {f"{opt}/ef": 1.0, f"{opt}/{arm}": -1.0}, {none: 1.0, sync: -1.0}) \
                 if arm != "ef" else None
             table.append((opt, rank, arm, est(stats.gap(arms, f"{opt}/{arm}", sync)), f.pct(),
-                          "-" if vs is None else f"{vs.value:+.0%} ± {vs.se:.0%}", se_kind(f)))
+                          "-" if vs is None else f"{vs.value:+.0%} ± {vs.se:.0%}",
+                          "-" if vs is None else stats.direction(vs, "more than EF", "less than EF"), se_kind(f)))
         analysis.ef_claim(claims, arms, opt, f"{opt}/ef", none, sync, "`mitigations`")
+    lines += ["Against EF: the mitigation's fraction minus EF's, judged by the one-sided t test at n - 1 degrees "
+              "of freedom (more or less than EF where beyond t SE).", ""]
     lines += md_table(["optimizer", "rank", "mitigation", "gap vs sync", "fraction of the gap recovered",
-                    "minus EF's fraction", "standard errors"], table) + [""]
+                    "minus EF's fraction", "against EF", "standard errors"], table) + [""]
     lines += figure("recovered", series, out / "mitigations_recovered.png",
                     "mitigation", "fraction recovered", "gap recovered", bars=True)
     pairs = [(f"{opt} {arm}", f"{opt}/{arm}", f"{opt}/sync") for opt in ("adamw", "muon") for arm in ("none", "ef")]

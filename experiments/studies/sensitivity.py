@@ -5,7 +5,8 @@ of the ``lr`` study's sqrt(3) grid where the grid reaches (so those runs are the
 reused by the sweep for the seeds it has), else 3x rounded to two significant figures.
 """
 
-from experiments import analysis
+from experiments import analysis, stats
+from experiments.report_format import est, md_table, se_kind
 from experiments.studies import lr as lr_study
 from experiments.studies.common import optimizer, preset
 from experiments.study import Study
@@ -41,6 +42,24 @@ def study(name: str) -> Study:
     return Study("sensitivity", config, variants, seeds=seeds, base=base, note=note)
 
 
+def against_default(arms) -> list[str]:
+    """Each setting's delay gap minus the default's, ``(2bw_s - sync_s) - (2bw_d - sync_d)``, paired
+    over seeds, judged by the one-sided t test at n - 1 degrees of freedom."""
+    body = []
+    for opt, setting in sorted({tuple(v.split("/")[:1] + ["/".join(v.split("/")[1:-1])]) for v in arms}):
+        if setting == "default" or f"{opt}/default/sync" not in arms:
+            continue
+        d = stats.contrast(arms, {f"{opt}/{setting}/2bw": 1.0, f"{opt}/{setting}/sync": -1.0,
+                                  f"{opt}/default/2bw": -1.0, f"{opt}/default/sync": 1.0})
+        if d is not None:
+            body.append((opt, setting, est(d), stats.direction(d, "larger", "smaller"), se_kind(d)))
+    if not body:
+        return []
+    return ["Each setting's gap minus the default's (paired over seeds; larger or smaller where beyond t SE, "
+            "the one-sided t test at n - 1 degrees of freedom):", ""] + md_table(
+        ["optimizer", "setting", "gap minus the default's", "against the default", "standard errors"], body) + [""]
+
+
 def analyse(name: str, rows: list[dict], arms, out, claims: dict) -> list[str]:
-    """The report's section: each setting's delay gap."""
-    return analysis.delay_gaps(name, rows, arms, out, claims)
+    """The report's section: each setting's delay gap, and its difference from the default's."""
+    return analysis.delay_gaps(name, rows, arms, out, claims) + against_default(arms)
