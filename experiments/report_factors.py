@@ -253,4 +253,3 @@ def section(name: str, studies: dict[str, list[dict]], out, claims: dict) -> lis
     if name == TUNE and MEASURE in studies:
         return []
     return analyse(studies.get(TUNE, []), studies.get(MEASURE, []), claims)
-

@@ -311,4 +311,3 @@ def section(name: str, studies: dict[str, list[dict]], out: pathlib.Path, claims
         return lines + ["The `ladder_tune` rows that picked these learning rates are not in this report; give them "
                         "too, since each gap is taken at the arms' picks.", ""]
     return lines + analyse(rows, chosen, out, claims)
-

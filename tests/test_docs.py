@@ -568,4 +568,3 @@ def test_figures_typed_in_the_prose_are_the_reports(doc):
              if not _printed_by((v, s, p), reported)]
     assert not stray, (f"{doc.name}: figures no committed study report prints (rounded once): {stray}; copy them "
                        "from the report, or render the table")
-
