@@ -872,7 +872,7 @@ def paper_summary(doc: pathlib.Path) -> str:
         bend = report_ladder.lack_of_fit(measured, found, opt)
         if iv:
             steps.append(f"{name}'s gap changes by " + " then ".join(f"{e.value:+.3f} ± {e.se:.3f} ({lo:,} -> {hi:,})" for lo, hi, e in iv)
-                         + ("" if bend is None else f", so its line " + _t_word(bend, "bends (lack of fit", "bends (lack of fit",
+                         + ("" if bend is None else ", so its line " + _t_word(bend, "bends (lack of fit", "bends (lack of fit",
                                                                                "fits (lack of fit") + f" {bend.value:+.3f} ± {bend.se:.3f})"))
     if steps:
         out.append("Per doubling of the updates on the same tokens, " + "; ".join(steps) + ".")

@@ -27,7 +27,6 @@ import importlib
 import inspect
 import io
 import json
-import os
 import pathlib
 import re
 import shlex
