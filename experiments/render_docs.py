@@ -1127,9 +1127,12 @@ def update_size(doc: pathlib.Path) -> str:
     if changes:
         lines += ["", f"From {cells[0]} to {', '.join(cells[1:])}, at each arm's tuned learning rate unless named: "
                   + "; ".join(changes) + "."]
-    lines += ["", f"_Each run: the first {rec['steps']} updates of seed {rec['seed']} (the warmup is 320), the "
-              f"step sampled every {rec['every']} updates and averaged over the 4 layers and the kernels; the gaps "
-              f"are the screen's, at seeds 0-2. Hardware: {rec['hardware']}._", "",
+    spans = {(v.get("steps", rec.get("steps")), v.get("of")) for v in f.values()}
+    span = "; ".join(f"all {n:,} updates" if n == of else f"the first {n:,} updates" + (f" of {of:,}" if of else "")
+                     for n, of in sorted(spans, key=str))
+    lines += ["", f"_Each run: {span} of seed {rec['seed']} (the warmup is 320), the step sampled every "
+              f"{rec['every']} updates and averaged over the 4 layers and the kernels; its median over the "
+              f"sampled updates. The gaps are the screen's, at seeds 0-2. Hardware: {rec['hardware']}._", "",
               _provenance([rec], [BENCH_LINK / "update_size.jsonl"], doc)]
     return "\n".join(lines)
 

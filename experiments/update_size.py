@@ -1,6 +1,6 @@
 """How far one update moves each hidden matrix, at the factor screen's tuned learning rates.
 
-    python -m experiments.update_size [--cells width=128,width=256] [--steps 960] [--every 40] [--seed 0] [--no-fixed-lr]
+    python -m experiments.update_size [--cells width=128,width=256] [--steps N] [--every 160] [--seed 0] [--no-fixed-lr]
 
 Under a one-step delay (PipeDream-2BW) the gradient applied at update t+1 was computed on W_{t-1},
 so the weights it is stale by are exactly the last update: W_t - W_{t-1}.  The μP argument
@@ -12,7 +12,7 @@ asks whether that makes AdamW's delay gap grow with width; this measures the pre
 For each cell and optimizer, the ``2bw`` arm at its pick from the ``factors_tune`` rows
 (:func:`experiments.studies.factors.tuning_state`), and in the later cells also at the first
 cell's pick (the premise's fixed learning rate), on measurement seed ``--seed``, trains its first
-``--steps`` updates (through the warmup to the peak learning rate) and, every ``--every`` updates,
+``--steps`` updates (by default the whole run: the gap is measured at its end) and, every ``--every`` updates,
 takes for every layer's attention (q, k, v, o) and MLP (gate, up, down) kernel the relative
 spectral step
 
@@ -76,8 +76,9 @@ def arm_config(cell: str, opt: str, lr: float, seed: int):
     return sweep.run_config(s, run)
 
 
-def measure(config, steps: int, every: int) -> dict[str, list[float]]:
-    """``{kernel: [mean over layers of r_t at each sampled t]}`` over the first ``steps`` updates."""
+def measure(config, steps: int, every: int) -> tuple[list[int], dict[str, list[float]]]:
+    """The sampled updates ``t`` and ``{kernel: [mean over layers of r_t at each]}`` over the first
+    ``steps`` updates."""
     from asyncpp_jax.train.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as workdir:
@@ -87,12 +88,14 @@ def measure(config, steps: int, every: int) -> dict[str, list[float]]:
                 raise SystemExit("update_size reads the dense model's params; the screen's runs are not pipelined")
             state, iterator = t.restore_or_init()
             out: dict[str, list[float]] = {k: [] for k in (f"{b}/{n}" for b, n in KERNELS)}
+            sampled: list[int] = []
             for step in range(steps):
                 batch = t.batch_layout.assemble(next(iterator))
                 before = hidden_kernels(state.params) if step % every == 0 else None  # the step donates the state
                 state, metrics = t.train_step(state, batch)
                 if before is not None:
                     after = hidden_kernels(state.params)
+                    sampled.append(step)
                     for k in out:
                         out[k].append(float(relative_step(before[k], after[k]).mean()))
                     loss = float(metrics["loss"])
@@ -101,29 +104,33 @@ def measure(config, steps: int, every: int) -> dict[str, list[float]]:
         finally:
             t.close()
             t.release_workdir()
-    return out
+    return sampled, out
 
 
-def summary(series: dict[str, list[float]]) -> dict:
-    """Median over sampled updates, per kernel and of the mean over kernels."""
+def summary(series: dict[str, list[float]], sampled: list[int] | None = None) -> dict:
+    """Median over sampled updates, per kernel and of the mean over kernels; with ``sampled``, also
+    the mean over kernels at each sampled update."""
     per_kernel = {k: statistics.median(v) for k, v in series.items()}
-    overall = statistics.median(np.mean([series[k] for k in series], axis=0).tolist())
-    return {"median_relative_step": overall, "per_kernel": per_kernel}
+    mean = np.mean([series[k] for k in series], axis=0).tolist()
+    out = {"median_relative_step": statistics.median(mean), "per_kernel": per_kernel}
+    if sampled is not None:
+        out["series"] = [[t, round(m, 6)] for t, m in zip(sampled, mean)]
+    return out
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cells", default="width=128,width=256")
     ap.add_argument("--optimizers", default="adamw,muon")
-    ap.add_argument("--steps", type=int, default=960, help="updates trained per run (the warmup is 320)")
-    ap.add_argument("--every", type=int, default=40, help="sample the step every this many updates")
+    ap.add_argument("--steps", type=int, default=0, help="updates trained per run (0: the whole run)")
+    ap.add_argument("--every", type=int, default=160, help="sample the step every this many updates")
     ap.add_argument("--seed", type=int, default=0, help="a measurement seed (the picks come from the tuning seeds)")
     ap.add_argument("--no-fixed-lr", dest="fixed_lr", action="store_false",
                     help="skip the later cells' runs at the first cell's learning rate")
     ap.add_argument("--no-record", dest="record", action="store_false")
     a = ap.parse_args(argv)
-    if a.steps < 1 or a.every < 1:
-        raise SystemExit("update_size: --steps and --every must be at least 1")
+    if a.steps < 0 or a.every < 1:
+        raise SystemExit("update_size: --steps must be 0 (the whole run) or more, --every at least 1")
     tune_rows = [r for r in map(json.loads, open(RESULTS)) if r["study"] == "factors_tune"]
     cells = a.cells.split(",")
     figures = {}
@@ -134,8 +141,11 @@ def main(argv=None):
             # each arm at its own pick; the later cells also at the first cell's, which isolates width
             for key, lr in [(f"{cell}/{opt}", pick)] + ([(f"{cell}/{opt}/lr={first:g}", first)]
                                                         if a.fixed_lr and cell != cells[0] and pick != first else []):
-                s = summary(measure(arm_config(cell, opt, lr, a.seed), a.steps, a.every))
-                figures[key] = {"lr": lr, **s}
+                config = arm_config(cell, opt, lr, a.seed)
+                steps = a.steps or config.train.steps
+                sampled, series = measure(config, steps, a.every)
+                s = summary(series, sampled)
+                figures[key] = {"lr": lr, "steps": steps, "of": config.train.steps, **s}
                 print(f"{key} 2bw at lr {lr:g}: median ||dW||_2/||W||_2 = {s['median_relative_step']:.4g} "
                       f"({', '.join(f'{k} {v:.3g}' for k, v in s['per_kernel'].items())})", flush=True)
     for ratio, text in ratios(figures).items():
@@ -144,7 +154,7 @@ def main(argv=None):
         from experiments import records
 
         records.append(records.BENCH_DIR / "update_size.jsonl",
-                       records.make("update_size", figures, steps=a.steps, every=a.every, seed=a.seed))
+                       records.make("update_size", figures, every=a.every, seed=a.seed))
 
 
 def ratios(figures: dict) -> dict[str, float]:

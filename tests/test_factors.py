@@ -324,6 +324,7 @@ def test_update_size_takes_exact_spectral_norms_and_the_2bw_arm_at_its_pick():
     # medians over the sampled updates, of each kernel and of the mean over kernels (2, 4, 6)
     s = update_size.summary({"attn/q": [1.0, 3.0, 2.0], "mlp/up": [3.0, 5.0, 10.0]})
     assert s == {"median_relative_step": 4.0, "per_kernel": {"attn/q": 2.0, "mlp/up": 5.0}}
+    assert update_size.summary({"attn/q": [1.0, 3.0], "mlp/up": [3.0, 5.0]}, [0, 160])["series"] == [[0, 2.0], [160, 4.0]]
     r = update_size.ratios({"width=128/adamw": {"lr": 0.001, "median_relative_step": 4.0},
                             "width=128/muon": {"lr": 0.002, "median_relative_step": 2.0},
                             "width=256/adamw": {"lr": 0.0003, "median_relative_step": 2.0},
