@@ -1090,11 +1090,12 @@ def update_size(doc: pathlib.Path) -> str:
     rec = records.load("update_size")[-1]
     f = rec["figures"]
     kernels = list(next(iter(f.values()))["per_kernel"])
-    lines = ["| cell | optimizer | 2bw lr | median ‖ΔW‖₂ / ‖W‖₂ | " + " | ".join(kernels) + " |",
-             "|---|---|---|---|" + "---|" * len(kernels)]
+    lines = ["| cell | optimizer | 2bw lr | median ‖ΔW‖₂ / ‖W‖₂ | stable rank of ΔW | " + " | ".join(kernels) + " |",
+             "|---|---|---|---|---|" + "---|" * len(kernels)]
     for key, v in f.items():
         cell, opt = key.split("/")[:2]
-        lines.append(f"| {cell} | {opt} | {v['lr']:g} | {v['median_relative_step']:.2e} | "
+        rank = f"{v['median_stable_rank']:.1f}" if "median_stable_rank" in v else "-"
+        lines.append(f"| {cell} | {opt} | {v['lr']:g} | {v['median_relative_step']:.2e} | {rank} | "
                      + " | ".join(f"{v['per_kernel'][k]:.2e}" for k in kernels) + " |")
     measured = [r for r in _regime_rows() if r["study"] == report_factors.MEASURE]
     cells = list(dict.fromkeys(k.split("/")[0] for k in f))
@@ -1132,7 +1133,7 @@ def update_size(doc: pathlib.Path) -> str:
                      for n, of in sorted(spans, key=str))
     lines += ["", f"_Each run: {span} of seed {rec['seed']} (the warmup is 320), the step sampled every "
               f"{rec['every']} updates and averaged over the 4 layers and the kernels; its median over the "
-              f"sampled updates. The gaps are the screen's, at seeds 0-2. Hardware: {rec['hardware']}._", "",
+              f"sampled updates. Stable rank: ‖ΔW‖_F² / ‖ΔW‖₂², 1 for a rank-one update. The gaps are the screen's, at seeds 0-2. Hardware: {rec['hardware']}._", "",
               _provenance([rec], [BENCH_LINK / "update_size.jsonl"], doc)]
     return "\n".join(lines)
 

@@ -18,7 +18,8 @@ spectral step
 
     r_t = ||W_{t+1} - W_t||_2 / ||W_t||_2
 
-(the largest singular value, float64 on the host).  Prints the median over the sampled updates of
+(the largest singular value, float64 on the host), and the update's stable rank
+(:func:`stable_rank`).  Prints the median over the sampled updates of
 the mean over layers and kernels (and per kernel), and the ratios between widths and between
 optimizers; appends a record to ``experiments/results/bench/update_size.jsonl`` (``--no-record`` to
 skip), which ``python -m experiments.render_docs`` renders in docs/studies.md.
@@ -49,6 +50,15 @@ def relative_step(before: np.ndarray, after: np.ndarray) -> np.ndarray:
     return spectral_norms(np.asarray(after, np.float64) - before) / spectral_norms(before)
 
 
+def stable_rank(stack: np.ndarray) -> np.ndarray:
+    """``||X||_F^2 / ||X||_2^2`` per matrix of a ``[L, m, n]`` stack: between 1 (rank one) and its rank.
+    μP's argument has an update of a wide matrix nearly low-rank (aligned with its inputs), which is
+    what makes its spectral norm grow with width under a per-coordinate step; a sign-like step of
+    high stable rank behaves like a random matrix, whose norm grows as the weights' do."""
+    stack = np.asarray(stack, np.float64)
+    return np.square(stack).sum(axis=(-2, -1)) / np.square(spectral_norms(stack))
+
+
 def hidden_kernels(params) -> dict[str, np.ndarray]:
     """``{"attn/q": [L, in, out], ...}``: the hidden matrices of the dense model's layer stack, on the host."""
     layers = params["layers"]
@@ -76,9 +86,9 @@ def arm_config(cell: str, opt: str, lr: float, seed: int):
     return sweep.run_config(s, run)
 
 
-def measure(config, steps: int, every: int) -> tuple[list[int], dict[str, list[float]]]:
-    """The sampled updates ``t`` and ``{kernel: [mean over layers of r_t at each]}`` over the first
-    ``steps`` updates."""
+def measure(config, steps: int, every: int) -> tuple[list[int], dict[str, list[float]], dict[str, list[float]]]:
+    """The sampled updates ``t``, ``{kernel: [mean over layers of r_t at each]}`` and the same of the
+    update's stable rank, over the first ``steps`` updates."""
     from asyncpp_jax.train.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as workdir:
@@ -88,31 +98,37 @@ def measure(config, steps: int, every: int) -> tuple[list[int], dict[str, list[f
                 raise SystemExit("update_size reads the dense model's params; the screen's runs are not pipelined")
             state, iterator = t.restore_or_init()
             out: dict[str, list[float]] = {k: [] for k in (f"{b}/{n}" for b, n in KERNELS)}
+            ranks: dict[str, list[float]] = {k: [] for k in out}
             sampled: list[int] = []
             for step in range(steps):
                 batch = t.batch_layout.assemble(next(iterator))
-                before = hidden_kernels(state.params) if step % every == 0 else None  # the step donates the state
+                # the updates that end at a multiple of `every` (not update 1: warmup's first learning rate is 0)
+                before = hidden_kernels(state.params) if (step + 1) % every == 0 else None  # the step donates the state
                 state, metrics = t.train_step(state, batch)
                 if before is not None:
                     after = hidden_kernels(state.params)
-                    sampled.append(step)
+                    sampled.append(step + 1)
                     for k in out:
                         out[k].append(float(relative_step(before[k], after[k]).mean()))
+                        ranks[k].append(float(stable_rank(after[k] - np.asarray(before[k], np.float64)).mean()))
                     loss = float(metrics["loss"])
                     if not np.isfinite(loss):
                         raise SystemExit(f"update_size: the loss is {loss} at update {step + 1}")
         finally:
             t.close()
             t.release_workdir()
-    return sampled, out
+    return sampled, out, ranks
 
 
-def summary(series: dict[str, list[float]], sampled: list[int] | None = None) -> dict:
+def summary(series: dict[str, list[float]], sampled: list[int] | None = None, ranks=None) -> dict:
     """Median over sampled updates, per kernel and of the mean over kernels; with ``sampled``, also
-    the mean over kernels at each sampled update."""
+    the mean over kernels at each sampled update; with ``ranks`` (as ``series``), the median of the
+    update's stable rank averaged over kernels."""
     per_kernel = {k: statistics.median(v) for k, v in series.items()}
     mean = np.mean([series[k] for k in series], axis=0).tolist()
     out = {"median_relative_step": statistics.median(mean), "per_kernel": per_kernel}
+    if ranks is not None:
+        out["median_stable_rank"] = statistics.median(np.mean([ranks[k] for k in ranks], axis=0).tolist())
     if sampled is not None:
         out["series"] = [[t, round(m, 6)] for t, m in zip(sampled, mean)]
     return out
@@ -143,10 +159,11 @@ def main(argv=None):
                                                         if a.fixed_lr and cell != cells[0] and pick != first else []):
                 config = arm_config(cell, opt, lr, a.seed)
                 steps = a.steps or config.train.steps
-                sampled, series = measure(config, steps, a.every)
-                s = summary(series, sampled)
+                sampled, series, ranks = measure(config, steps, a.every)
+                s = summary(series, sampled, ranks)
                 figures[key] = {"lr": lr, "steps": steps, "of": config.train.steps, **s}
-                print(f"{key} 2bw at lr {lr:g}: median ||dW||_2/||W||_2 = {s['median_relative_step']:.4g} "
+                print(f"{key} 2bw at lr {lr:g}: median ||dW||_2/||W||_2 = {s['median_relative_step']:.4g}, "
+                      f"stable rank of dW {s['median_stable_rank']:.3g} "
                       f"({', '.join(f'{k} {v:.3g}' for k, v in s['per_kernel'].items())})", flush=True)
     for ratio, text in ratios(figures).items():
         print(f"{ratio}: {text:.3g}")

@@ -319,12 +319,15 @@ def test_update_size_takes_exact_spectral_norms_and_the_2bw_arm_at_its_pick():
     # a stack of two matrices: diag(3, -5) and the rank-1 u v^T, |u| = 5, |v| = sqrt(2)
     stack = np.array([[[3.0, 0.0], [0.0, -5.0]], [[3.0, 3.0], [4.0, 4.0]]])
     assert update_size.spectral_norms(stack) == pytest.approx([5.0, 5.0 * np.sqrt(2.0)], rel=1e-12)
+    # stable rank: 1 for a rank-one matrix, n for an orthogonal n x n one
+    assert update_size.stable_rank(stack[1:]) == pytest.approx([1.0]) and update_size.stable_rank(np.eye(3)[None]) == pytest.approx([3.0])
     after = stack + np.array([[[0.5, 0.0], [0.0, 0.0]], [[0.0, 0.0], [0.0, 0.0]]])
     assert update_size.relative_step(stack, after) == pytest.approx([0.1, 0.0], abs=1e-12)
     # medians over the sampled updates, of each kernel and of the mean over kernels (2, 4, 6)
     s = update_size.summary({"attn/q": [1.0, 3.0, 2.0], "mlp/up": [3.0, 5.0, 10.0]})
     assert s == {"median_relative_step": 4.0, "per_kernel": {"attn/q": 2.0, "mlp/up": 5.0}}
     assert update_size.summary({"attn/q": [1.0, 3.0], "mlp/up": [3.0, 5.0]}, [0, 160])["series"] == [[0, 2.0], [160, 4.0]]
+    assert update_size.summary({"attn/q": [1.0]}, [0], {"attn/q": [7.0]})["median_stable_rank"] == 7.0
     r = update_size.ratios({"width=128/adamw": {"lr": 0.001, "median_relative_step": 4.0},
                             "width=128/muon": {"lr": 0.002, "median_relative_step": 2.0},
                             "width=256/adamw": {"lr": 0.0003, "median_relative_step": 2.0},
