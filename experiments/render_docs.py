@@ -901,9 +901,22 @@ def factors_answer(doc: pathlib.Path) -> str:
     from experiments.studies import factors
 
     lines = [report_factors.progress(tune, measured), ""]
-    lines += report_factors.cell_table(measured, factors.ORDER)
+    lines += report_factors.answer_table(measured, factors.ORDER)
     table, _ = report_factors.axis_table(measured)
-    lines += table + report_factors.conclusion(measured)
+    lines += table + [report_factors.headline(measured)]
+    return "\n".join(lines) + (f"\n\n_Gaps (2bw - sync) and shares on the validation windows, ratios with their 90% "
+                                f"Fieller intervals; each cell's sync loss, test-split gaps and EF gaps are in "
+                                f"[docs/studies.md](docs/studies.md). Generated from {_link(REGIME_RESULTS, doc)}._")
+
+
+def factors_cells(doc: pathlib.Path) -> str:
+    """The factor screen per cell and optimizer (sync loss, gaps on validation and the test split, EF's
+    gap and shares), and what each axis says, from its rows."""
+    from experiments import report_factors
+    from experiments.studies import factors
+
+    measured = [r for r in _regime_rows() if r["study"] == report_factors.MEASURE]
+    lines = report_factors.cell_table(measured, factors.ORDER) + report_factors.conclusion(measured)
     return "\n".join(lines) + f"\n\n_Generated from {_link(REGIME_RESULTS, doc)}._"
 
 
@@ -1228,7 +1241,7 @@ def accelerator_status(doc: pathlib.Path) -> str:
             f"updates; [docs/accelerators.md](docs/accelerators.md)); everything else on CPU only. " + tail)
 
 
-RENDERERS = {f.__name__: f for f in (factors_pilot, cpu_lr_gap, cpu_mitigations, cpu_ef_causes, cpu_momentum, cpu_schemes, cpu_sensitivity, regime_run_counts, paper_regime, paper_optimizers, paper_summary, factors_answer, gpu_plan, update_size, bench_small_updates, bench_prepare, notebooks, glance, main_job, main_job_summary, tiny_optimizers, bench_optimizers, optimizers_study,
+RENDERERS = {f.__name__: f for f in (factors_pilot, cpu_lr_gap, cpu_mitigations, cpu_ef_causes, cpu_momentum, cpu_schemes, cpu_sensitivity, regime_run_counts, paper_regime, paper_optimizers, paper_summary, factors_answer, factors_cells, gpu_plan, update_size, bench_small_updates, bench_prepare, notebooks, glance, main_job, main_job_summary, tiny_optimizers, bench_optimizers, optimizers_study,
                                       bench_pipeline_work, bench_pipeline_work_against, bench_pipeline_processes, bench_pipeline_compile, bench_pipeline_conditionals, bench_pipeline_schedules,
                                       moe10b_dry_run, llama3_8b_dry_run, mpmd_dry_run, vocab_parallel_table, fit_table,
                                       ci, accelerator_checks, accelerator_status)}

@@ -103,6 +103,29 @@ def cell_table(rows, cells) -> list[str]:
                      "EF share (val)", "EF share (test)", "standard errors"], body) + [""]
 
 
+def answer_table(rows, cells) -> list[str]:
+    """One row per cell: both gaps, their ratio on validation and on the test split, EF's shares (the
+    front page's compact form of :func:`cell_table`)."""
+    body = []
+    for cell in cells:
+        val, test = cell_estimates(rows, cell), cell_estimates(rows, cell, lambda r: r.get("test_val"))
+        if val is None:
+            continue
+        a, m = val["opts"].get("adamw", {}), val["opts"].get("muon", {})
+
+        def ratio_of(est):
+            r = (est or {}).get("ratio")
+            return "-" if r is None else r.text() if r.n > 1 else "- (one seed)"
+
+        seeds = sorted({e["gap"].n for e in val["opts"].values()})
+        body.append((cell, _est(a.get("gap")), _est(m.get("gap")), ratio_of(val), ratio_of(test),
+                     _share(a.get("share")), _share(m.get("share")), "/".join(map(str, seeds))))
+    if not body:
+        return []
+    return md_table(["cell", "AdamW gap", "Muon gap", f"{RATIO_LABEL} (val)", f"{RATIO_LABEL} (test split)",
+                     "EF share, AdamW", "EF share, Muon", "seeds"], body) + [""]
+
+
 def gap_slope(rows, axis, opt: str, value=lambda r: r.get("final_val")) -> stats.Estimate | None:
     """Least-squares slope of ``opt``'s gap against log2 of the axis's factor over its measured cells."""
     names = arms_by_cell(rows)
@@ -183,6 +206,11 @@ def conclusion(rows) -> list[str]:
                                   if moving else "no factor measured so far moves the ratio toward the paper's "
                                   f"{paper.gap_ratio():.0f} beyond t standard errors."))
     return [head, ""] + [f"- {s}" for s in said]
+
+
+def headline(rows) -> str:
+    """The first line of :func:`conclusion`: which factor moves the ratio, or none."""
+    return conclusion(rows)[0]
 
 
 def progress(tune_rows, rows) -> str:
