@@ -195,6 +195,9 @@ def test_the_screens_section_gives_gaps_ratio_shares_and_the_width_trend(tmp_pat
     assert change.value == pytest.approx((12.0 - 3.0) / 2) and (first, last) == ("width=128", "width=512")
     said = " ".join(report_factors.conclusion(rows))
     assert "these factors move the ratio toward the paper's" in said and "width (d_model)" in said
+    assert report_factors.headline(rows).startswith("At these sizes, these factors move the ratio")
+    compact = "\n".join(report_factors.answer_table(rows, factors.ORDER))
+    assert "| width=512 | +0.240 ± 0.001 | +0.020 ± 0.001 | 12.00 [" in compact and "| 80% [" in compact
     path = tmp_path / "results.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     text = report_lib.report([path], tmp_path / "rep").read_text()
