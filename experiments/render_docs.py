@@ -1146,7 +1146,8 @@ def update_size(doc: pathlib.Path) -> str:
                      for n, of in sorted(spans, key=str))
     lines += ["", f"_Each run: {span} of seed {rec['seed']} (the warmup is 320), the step sampled every "
               f"{rec['every']} updates and averaged over the 4 layers and the kernels; its median over the "
-              f"sampled updates. Stable rank: ‖ΔW‖_F² / ‖ΔW‖₂², 1 for a rank-one update. The gaps are the screen's, at seeds 0-2. Hardware: {rec['hardware']}._", "",
+              f"sampled updates. Stable rank: ‖ΔW‖_F² / ‖ΔW‖₂², 1 for a rank-one update. The gaps are the "
+              f"screen's, at seeds 0-2. Hardware: {rec['hardware']}._", "",
               _provenance([rec], [BENCH_LINK / "update_size.jsonl"], doc)]
     return "\n".join(lines)
 

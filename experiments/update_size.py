@@ -30,13 +30,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import statistics
 import tempfile
 
 import numpy as np
 
 KERNELS = (("attn", "q"), ("attn", "k"), ("attn", "v"), ("attn", "o"), ("mlp", "gate"), ("mlp", "up"), ("mlp", "down"))
-RESULTS = "experiments/results/cpu_regime/results.jsonl"
+RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "cpu_regime" / "results.jsonl"
 
 
 def spectral_norms(stack: np.ndarray) -> np.ndarray:
@@ -147,10 +148,16 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.steps < 0 or a.every < 1:
         raise SystemExit("update_size: --steps must be 0 (the whole run) or more, --every at least 1")
-    tune_rows = [r for r in map(json.loads, open(RESULTS)) if r["study"] == "factors_tune"]
-    cells = a.cells.split(",")
+    from experiments.studies import factors
+
+    cells, opts = a.cells.split(","), a.optimizers.split(",")
+    unknown = [c for c in cells if c not in factors.CELLS] + [o for o in opts if o not in factors.OPTIMIZERS]
+    if unknown:
+        raise SystemExit(f"update_size: unknown {', '.join(unknown)}; --cells takes {', '.join(factors.CELLS)} and "
+                         f"--optimizers {', '.join(factors.OPTIMIZERS)}")
+    tune_rows = [r for r in map(json.loads, RESULTS.read_text().splitlines()) if r["study"] == "factors_tune"]
     figures = {}
-    for opt in a.optimizers.split(","):
+    for opt in opts:
         first = pick_of(cells[0], opt, tune_rows)
         for cell in cells:
             pick = pick_of(cell, opt, tune_rows)
