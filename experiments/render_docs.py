@@ -25,7 +25,7 @@ import re
 import statistics
 import sys
 
-from experiments import records
+from experiments import records, stats
 
 REPO_ROOT = records.REPO_ROOT
 STUDY_RESULTS = REPO_ROOT / "experiments" / "results" / "cpu" / "results.jsonl"
@@ -461,10 +461,7 @@ def bench_pipeline_conditionals(doc: pathlib.Path) -> str:
 def _glance_delay(adamw: tuple, muon: tuple, doc: pathlib.Path) -> str:
     """The glance row on the delay: the ``optimizers`` study in the paper's regime (``cpu_regime``,
     best arm against best arm), with the few-update ``cpu`` preset's gaps (``adamw``, ``muon``) beside."""
-    from experiments import stats
-
-    rows = [json.loads(line) for line in REGIME_RESULTS.read_text().splitlines() if line.strip()] \
-        if REGIME_RESULTS.is_file() else []
+    rows = _regime_rows()
     arms = stats.arms_of([r for r in rows if r["study"] == "optimizers"])
     few = (f"AdamW {adamw[0]:+.3f} ± {adamw[1]:.3f}, Muon {muon[0]:+.3f} ± {muon[1]:.3f} at 200 large updates "
            f"(`cpu`, {adamw[2]} seeds)")
@@ -474,7 +471,7 @@ def _glance_delay(adamw: tuple, muon: tuple, doc: pathlib.Path) -> str:
                 f"{_link(REPO_ROOT / 'docs' / 'studies.md', doc)} |")
     a, m = gaps["adamw"], gaps["muon"]
     diff = stats.contrast(arms, {"adamw/2bw": 1.0, "adamw/sync": -1.0, "muon/2bw": -1.0, "muon/sync": 1.0})
-    answer = _t_word(diff, "yes", "no", "not resolved (one-sided t test)")
+    answer = stats.direction(diff, "yes", "no", "not resolved (one-sided t test)")
     return (f"| Does the one-step delay hurt AdamW more than Muon? (`optimizers` study, each arm at its tuned "
             f"learning rate) | {answer}: delay gap AdamW {a.value:+.3f} ± {a.se:.3f}, Muon {m.value:+.3f} ± {m.se:.3f} "
             f"nats/byte at 3,200 small updates (`cpu_regime`, {min(a.n, m.n)} seeds); {few} | "
@@ -726,7 +723,7 @@ def paper_regime(doc: pathlib.Path) -> str:
 
     if not REGIME_RESULTS.is_file():
         return "_No `cpu_regime` results are committed yet._"
-    rows = [json.loads(line) for line in REGIME_RESULTS.read_text().splitlines() if line.strip()]
+    rows = _regime_rows()
     picks = tuning.pick_arm_lrs(rows, "ladder_tune")
     measured = [r for r in rows if r["study"] == "ladder"]
     found = report_ladder.gaps(measured or [r for r in rows if r["study"] == "ladder_tune"], picks)
@@ -771,11 +768,10 @@ def paper_regime(doc: pathlib.Path) -> str:
 def paper_optimizers(doc: pathlib.Path) -> str:
     """Table 1 and 2 beside the ``optimizers`` study at ``cpu_regime`` (3,200 updates, three seeds):
     each optimizer's gap both ways and EF's share, with paired standard errors."""
-    from experiments import paper, report_ladder, stats, sweep
+    from experiments import paper, report_ladder, sweep
     from experiments.studies import tuned
 
-    rows = [json.loads(line) for line in REGIME_RESULTS.read_text().splitlines() if line.strip()] \
-        if REGIME_RESULTS.is_file() else []
+    rows = _regime_rows()
     arms = stats.arms_of([r for r in rows if r["study"] == "optimizers"])
     if not arms:
         return "_The `optimizers` study at `cpu_regime` has no committed rows yet._"
@@ -818,17 +814,11 @@ def _regime_rows() -> list[dict]:
         if REGIME_RESULTS.is_file() else []
 
 
-def _t_word(e, up: str, down: str, none: str) -> str:
-    from experiments import stats
-
-    return stats.direction(e, up, down, none)
-
-
 def paper_summary(doc: pathlib.Path) -> str:
     """The sentences under the two tables above, each from the cpu_regime rows: the AdamW/Muon ratio
     and a ratio of 10 tested, EF's shares against the paper's, the ladder per interval and doubling
     the tokens, each judged by the one-sided t test at n - 1 degrees of freedom."""
-    from experiments import paper, report_ladder, stats, tuning
+    from experiments import paper, report_ladder, tuning
 
     rows = _regime_rows()
     arms = stats.arms_of([r for r in rows if r["study"] == "optimizers"])
@@ -839,7 +829,7 @@ def paper_summary(doc: pathlib.Path) -> str:
     ten = stats.contrast(arms, {**ga, "muon/2bw": -10.0, "muon/sync": 10.0})
     out = [f"AdamW's gap is {q.text()} times Muon's (90% Fieller interval, three seeds), against the paper's "
            f"~{paper.gap_ratio():.0f}; a ratio of 10 is "
-           + _t_word(ten, "not rejected (it is exceeded)", "rejected", "not rejected")
+           + stats.direction(ten, "not rejected (it is exceeded)", "rejected", "not rejected")
            + f" (G_AdamW - 10 G_Muon = {ten.value:+.3f} ± {ten.se:.3f}, one-sided t test at 2 degrees of freedom). "
            "Gaps here are in nats/byte and the paper's in nats/token of its tokenizer, so only ratios and shares "
            "compare across the two, not sizes."]
@@ -858,7 +848,7 @@ def paper_summary(doc: pathlib.Path) -> str:
                 "that interval)")
         if f.value > 1:  # a share above 100%: the EF arm ended at or below sync
             g_ef = stats.gap(arms, f"{opt}/ef", f"{opt}/sync")
-            level = _t_word(g_ef, "above it", "below it", "level with it within t standard errors")
+            level = stats.direction(g_ef, "above it", "below it", "level with it within t standard errors")
             text += (f"; above 100% because {name}'s EF arm ends {g_ef.value:+.4f} ± {g_ef.se:.4f} from its sync arm, "
                      f"{level}")
         shares.append(text)
@@ -872,7 +862,7 @@ def paper_summary(doc: pathlib.Path) -> str:
         bend = report_ladder.lack_of_fit(measured, found, opt)
         if iv:
             steps.append(f"{name}'s gap changes by " + " then ".join(f"{e.value:+.3f} ± {e.se:.3f} ({lo:,} -> {hi:,})" for lo, hi, e in iv)
-                         + ("" if bend is None else ", so its line " + _t_word(bend, "bends (lack of fit", "bends (lack of fit",
+                         + ("" if bend is None else ", so its line " + stats.direction(bend, "bends (lack of fit", "bends (lack of fit",
                                                                                "fits (lack of fit") + f" {bend.value:+.3f} ± {bend.se:.3f})"))
     if steps:
         out.append("Per doubling of the updates on the same tokens, " + "; ".join(steps) + ".")
@@ -882,7 +872,7 @@ def paper_summary(doc: pathlib.Path) -> str:
         if a and b and a["gap_best"] and b["gap_best"]:
             (s1, d1, _), (s0, d0, _) = a["terms"]["best"], b["terms"]["best"]
             c = stats.contrast(stats.arms_of(measured), {d1: 1.0, s1: -1.0, d0: -1.0, s0: 1.0})
-            more.append(f"{name}'s by {c.value:+.3f} ± {c.se:.3f} (" + _t_word(c, "grows", "shrinks", "no change beyond t SE") + ")")
+            more.append(f"{name}'s by {c.value:+.3f} ± {c.se:.3f} (" + stats.direction(c, "grows", "shrinks", "no change beyond t SE") + ")")
     if more:
         out.append("Doubling the tokens at the same batch (3,200 -> 6,400 updates) changes " + ", ".join(more) + ".")
     out.append("These rows follow the earlier protocol: each arm was tuned on seed 0, which is also one of the "
