@@ -83,6 +83,12 @@ def _est(e, digits=3) -> str:
     return f"{e.value:+.{digits}f}" + (f" ± {e.se:.{digits}f}" if e.n > 1 else "")
 
 
+def _ratio(est, one_seed: str = "- (one seed)") -> str:
+    """A cell's ``G_AdamW / G_Muon`` from :func:`cell_estimates` as text: its Fieller interval, or why none."""
+    r = (est or {}).get("ratio")
+    return "-" if r is None else r.text() if r.n > 1 else one_seed
+
+
 def cell_table(rows, cells) -> list[str]:
     body = []
     for cell in cells:
@@ -94,9 +100,8 @@ def cell_table(rows, cells) -> list[str]:
             body.append((cell, opt, f"{e['sync'].value:.3f}", _est(e["gap"]), _est(t.get("gap")), _est(e["ef_gap"]),
                          _share(e["share"]), _share(t.get("share")), se_kind(e["gap"])))
         if "ratio" in val:
-            body.append((cell, RATIO_LABEL, "", val["ratio"].text() if val["ratio"].n > 1 else "- (one seed)",
-                         (test or {}).get("ratio").text() if test and test.get("ratio") and test["ratio"].n > 1 else "-",
-                         "", "", "", se_kind(val["ratio_se"])))
+            body.append((cell, RATIO_LABEL, "", _ratio(val), _ratio(test, one_seed="-"), "", "", "",
+                         se_kind(val["ratio_se"])))
     if not body:
         return []
     return md_table(["cell", "optimizer", "sync val", "gap (val)", "gap (test split)", "EF gap (val)",
@@ -112,13 +117,8 @@ def answer_table(rows, cells) -> list[str]:
         if val is None:
             continue
         a, m = val["opts"].get("adamw", {}), val["opts"].get("muon", {})
-
-        def ratio_of(est):
-            r = (est or {}).get("ratio")
-            return "-" if r is None else r.text() if r.n > 1 else "- (one seed)"
-
         seeds = sorted({e["gap"].n for e in val["opts"].values()})
-        body.append((cell, _est(a.get("gap")), _est(m.get("gap")), ratio_of(val), ratio_of(test),
+        body.append((cell, _est(a.get("gap")), _est(m.get("gap")), _ratio(val), _ratio(test),
                      _share(a.get("share")), _share(m.get("share")), "/".join(map(str, seeds))))
     if not body:
         return []

@@ -46,7 +46,8 @@ def against_default(arms) -> list[str]:
     """Each setting's delay gap minus the default's, ``(2bw_s - sync_s) - (2bw_d - sync_d)``, paired
     over seeds, judged by the one-sided t test at n - 1 degrees of freedom."""
     body = []
-    for opt, setting in sorted({tuple(v.split("/")[:1] + ["/".join(v.split("/")[1:-1])]) for v in arms}):
+    # variants are OPT/SETTING/ARM, and a setting may hold a slash itself (batch/2)
+    for opt, setting in sorted({(v.split("/", 1)[0], v.split("/", 1)[1].rsplit("/", 1)[0]) for v in arms}):
         if setting == "default" or f"{opt}/default/sync" not in arms:
             continue
         d = stats.contrast(arms, {f"{opt}/{setting}/2bw": 1.0, f"{opt}/{setting}/sync": -1.0,
