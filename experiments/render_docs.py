@@ -26,6 +26,7 @@ import statistics
 import sys
 
 from experiments import records, stats
+from experiments.report_format import OPT_NAMES
 
 REPO_ROOT = records.REPO_ROOT
 STUDY_RESULTS = REPO_ROOT / "experiments" / "results" / "cpu" / "results.jsonl"
@@ -131,7 +132,6 @@ def _mean_std(runs: dict[int, dict]) -> str:
 
 
 OPT_ORDER = ["muon", "soap", "mars", "adamw", "adan", "lion"]
-OPT_NAMES = {"adamw": "AdamW", "muon": "Muon", "soap": "SOAP", "adan": "Adan", "lion": "Lion", "mars": "MARS-AdamW"}
 
 
 def optimizers_study(doc: pathlib.Path) -> str:
@@ -877,7 +877,9 @@ def paper_summary(doc: pathlib.Path) -> str:
         out.append("Doubling the tokens at the same batch (3,200 -> 6,400 updates) changes " + ", ".join(more) + ".")
     out.append("These rows follow the earlier protocol: each arm was tuned on seed 0, which is also one of the "
                "three measured seeds, and on the same validation windows it is reported on. The factor screen "
-               "below follows the new one (tuning seeds never measured, a test split).")
+               "below follows the new one (tuning seeds never measured, a test split) and measures all six "
+               f"optimizers again under it ({_link(REPO_ROOT / 'docs' / 'studies.md', doc)}, \"Every optimizer under the "
+               "protocol\").")
     return "\n\n".join(out) + f"\n\n_Generated from {_link(REGIME_RESULTS, doc)}._"
 
 
@@ -908,6 +910,26 @@ def factors_cells(doc: pathlib.Path) -> str:
     measured = [r for r in _regime_rows() if r["study"] == report_factors.MEASURE]
     lines = report_factors.cell_table(measured, factors.ORDER) + report_factors.conclusion(measured)
     return "\n".join(lines) + f"\n\n_Generated from {_link(REGIME_RESULTS, doc)}._"
+
+
+def protocol_optimizers(doc: pathlib.Path) -> str:
+    """The ``optimizers`` study under the referee protocol: every optimizer of the factor screen's
+    width=128 cell beside the paper's Tables 1 and 2, from its rows."""
+    from experiments import paper, report_factors
+    from experiments.studies import factors
+
+    cell = report_factors.OPTIMIZERS_CELL
+    measured = [r for r in _regime_rows() if r["study"] == report_factors.MEASURE]
+    table = report_factors.optimizers_table(measured)
+    if not table:
+        return "_The factor screen has no measured rows yet._"
+    val = report_factors.cell_estimates(measured, cell)
+    return "\n".join(table) + (
+        f"\n_3,200 updates of 2 x 128 bytes (the `{cell}` cell of the factor screen); every arm at its own pick "
+        f"from tuning seeds {list(factors.CELLS[cell][1])}, measured on seeds {val['seeds']} ± paired standard "
+        f"error; test split: 512 windows no pick saw. AdamW's gap over Muon's: {report_factors.ratio_text(val)} "
+        f"(90% Fieller interval; the paper: {paper.gap_ratio():.0f}). Gaps in nats/byte, the paper's in nats/token "
+        f"of its tokenizer: compare signs, ratios and shares, not sizes. Generated from {_link(REGIME_RESULTS, doc)}._")
 
 
 # The GPU cells that would settle the size axis: the dense135m and dense360m bodies at the gpu
@@ -1019,7 +1041,18 @@ def factors_pilot(doc: pathlib.Path) -> str:
         if r["study"] in ("factors_tune", "factors"):
             cell = r["variant"].split("/")[0]
             committed[cell] = committed.get(cell, 0) + 1
-    names = {"adamw": "AdamW", "muon": "Muon"}
+    def planned(cell: str, opt: str) -> float:
+        arms, seeds = sum(o == opt for o, _ in factors.arms(cell)), len(factors.CELLS[cell][1])
+        return arms * ((3 + PLAN_GROWTH) * seeds + len(protocol.MEASURE_SEEDS)
+                       + PLAN_MORE_SEED_SHARE * len(protocol.MORE_SEEDS))
+
+    def run_minutes(cell: str, rec: dict) -> float:
+        # a whole run: the pilot's wall time (startup, 10 validations, the test split and its
+        # updates) plus the updates the pilot did not do
+        f = rec["figures"]
+        return (f["wall_s"] + (factors.CELLS[cell][0]["train.steps"] - f["updates"]) * f["s_per_update"]) / 60
+
+    names = OPT_NAMES
     lines = ["| cell | " + " | ".join(f"{names.get(o, o)}: s per update, minutes per run" for o in factors.OPTIMIZERS)
              + " | tuning seeds | planned runs | job-hours | runs committed | screen |",
              "|---|" + "---|" * (len(factors.OPTIMIZERS) + 5)]
@@ -1027,8 +1060,6 @@ def factors_pilot(doc: pathlib.Path) -> str:
     used, partial = [], []
     for cell in factors.ORDER:
         seeds = len(factors.CELLS[cell][1])
-        runs_per_opt = (len(factors.ARMS) * (3 + PLAN_GROWTH) * seeds + len(factors.ARMS) * len(protocol.MEASURE_SEEDS)
-                        + PLAN_MORE_SEED_SHARE * len(factors.ARMS) * len(protocol.MORE_SEEDS))
         minutes, shown = {}, []
         for opt in factors.OPTIMIZERS:
             rec = latest.get((cell, opt))
@@ -1036,11 +1067,8 @@ def factors_pilot(doc: pathlib.Path) -> str:
                 shown.append("not piloted")
                 continue
             used.append(rec)
-            f = rec["figures"]
-            # a whole run: the pilot's wall time (startup, 10 validations, the test split and its
-            # updates) plus the updates the pilot did not do
-            minutes[opt] = (f["wall_s"] + (factors.CELLS[cell][0]["train.steps"] - f["updates"]) * f["s_per_update"]) / 60
-            shown.append(f"{f['s_per_update']:.3f} s, {minutes[opt]:.1f}")
+            minutes[opt] = run_minutes(cell, rec)
+            shown.append(f"{rec['figures']['s_per_update']:.3f} s, {minutes[opt]:.1f}")
         status = "**cut**" if cell in factors.CUT else "queued"
         if not minutes:
             lines.append(f"| `{cell}` | " + " | ".join(shown) + f" | {seeds} | - | - | {committed.get(cell, 0)} | {status} |")
@@ -1049,23 +1077,45 @@ def factors_pilot(doc: pathlib.Path) -> str:
             partial.append(cell)
         # an optimizer not piloted is priced as the mean of those that were
         mean = sum(minutes.values()) / len(minutes)
-        hours = runs_per_opt * sum(minutes.get(o, mean) for o in factors.OPTIMIZERS) / 60
+        hours = sum(planned(cell, o) * minutes.get(o, mean) for o in factors.OPTIMIZERS) / 60
         if cell in factors.CUT:
             cut += hours
         else:
             queued += hours
-        lines.append(f"| `{cell}` | " + " | ".join(shown) + f" | {seeds} | {runs_per_opt * len(factors.OPTIMIZERS):.0f} | "
+        lines.append(f"| `{cell}` | " + " | ".join(shown) + f" | {seeds} | "
+                     f"{sum(planned(cell, o) for o in factors.OPTIMIZERS):.0f} | "
                      f"{hours:.1f} | {committed.get(cell, 0)} | {status} |")
+    more = []  # the optimizers beyond the contrast, in the cells that hold them
+    for cell in factors.QUEUE:
+        for opt in factors.optimizers_of(cell):
+            rec = latest.get((cell, opt))
+            if opt in factors.OPTIMIZERS:
+                continue
+            if rec is None:
+                more.append(f"| `{cell}` {names[opt]} | not piloted | {planned(cell, opt):.0f} | - |")
+                continue
+            used.append(rec)
+            hours = planned(cell, opt) * run_minutes(cell, rec) / 60
+            queued += hours
+            more.append(f"| `{cell}` {names[opt]} | {rec['figures']['s_per_update']:.3f} s, "
+                        f"{run_minutes(cell, rec):.1f} | {planned(cell, opt):.0f} | {hours:.1f} |")
+    if more:
+        lines += ["", "| the other optimizers | s per update, minutes per run | planned runs | job-hours |",
+                  "|---|---|---|---|"] + more
     reasons = "; ".join(f"`{c}`: {why}" for c, why in factors.CUT.items())
     note = (f"A pilot is the cell's sync run of one optimizer (seed 0, at the centre of its grid) cut to its first "
             f"{max(r['figures']['updates'] for r in used)} updates or fewer, with its 10 validations and its test split, "
             f"run two at a time on their own cores as the screen runs them; a run's minutes are the pilot's wall time "
-            f"plus the updates it did not do. Planned runs: {len(factors.OPTIMIZERS)} optimizers x {len(factors.ARMS)} "
-            f"arms, each tuned on 3 + {PLAN_GROWTH} learning rates at the cell's tuning seeds, measured at "
+            f"plus the updates it did not do. Planned runs: each arm (AdamW and Muon: {len(factors.ARMS)} per cell; "
+            + ", ".join(f"{names[o]} {sum(oo == o for oo, _ in factors.arms(c))} in `{c}`" for c in factors.QUEUE
+                        for o in factors.optimizers_of(c) if o not in factors.OPTIMIZERS)
+            + f") tuned on 3 + {PLAN_GROWTH} learning rates at the "
+            f"cell's tuning seeds, measured at "
             f"{len(protocol.MEASURE_SEEDS)} seeds, and at {len(protocol.MORE_SEEDS)} more for "
             f"{PLAN_MORE_SEED_SHARE:.0%} of them; runs committed: the cell's rows in the cpu_regime results. The queued "
-            f"cells: {queued:.0f} job-hours, {queued / 2:.0f} hours of wall time with `--jobs 2`, against a budget of "
-            f"about {factors.SCREEN_HOURS} (the cut cells would add {cut / 2:.0f}). Cut: {reasons}."
+            f"cells and the other optimizers: {queued:.0f} job-hours, {queued / 2:.0f} hours of wall time with "
+            f"`--jobs 2`, against a budget of about {factors.SCREEN_HOURS} for the contrast (the cut cells would add "
+            f"{cut / 2:.0f}). Cut: {reasons}."
             + (f" Priced from one optimizer's pilot only: {', '.join(partial)}." if partial else "")
             + f" Hardware: {_hw(used)}.")
     return "\n".join(lines + ["", f"_{note}_", "", _provenance(used, [path], doc)])
@@ -1232,7 +1282,7 @@ def accelerator_status(doc: pathlib.Path) -> str:
             f"updates; [docs/accelerators.md](docs/accelerators.md)); everything else on CPU only. " + tail)
 
 
-RENDERERS = {f.__name__: f for f in (factors_pilot, cpu_lr_gap, cpu_mitigations, cpu_ef_causes, cpu_momentum, cpu_schemes, cpu_sensitivity, regime_run_counts, paper_regime, paper_optimizers, paper_summary, factors_answer, factors_cells, gpu_plan, update_size, bench_small_updates, bench_prepare, notebooks, glance, main_job, main_job_summary, tiny_optimizers, bench_optimizers, optimizers_study,
+RENDERERS = {f.__name__: f for f in (factors_pilot, cpu_lr_gap, cpu_mitigations, cpu_ef_causes, cpu_momentum, cpu_schemes, cpu_sensitivity, regime_run_counts, paper_regime, paper_optimizers, paper_summary, factors_answer, factors_cells, protocol_optimizers, gpu_plan, update_size, bench_small_updates, bench_prepare, notebooks, glance, main_job, main_job_summary, tiny_optimizers, bench_optimizers, optimizers_study,
                                       bench_pipeline_work, bench_pipeline_work_against, bench_pipeline_processes, bench_pipeline_compile, bench_pipeline_conditionals, bench_pipeline_schedules,
                                       moe10b_dry_run, llama3_8b_dry_run, mpmd_dry_run, vocab_parallel_table, fit_table,
                                       ci, accelerator_checks, accelerator_status)}

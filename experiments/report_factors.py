@@ -18,7 +18,7 @@ import collections
 import math
 
 from experiments import paper, protocol, stats
-from experiments.report_format import SHARE_NOTE, md_table, se_kind
+from experiments.report_format import OPT_NAMES, SHARE_NOTE, md_table, se_kind
 from experiments.studies import factors
 
 TUNE, MEASURE = "factors_tune", "factors"
@@ -33,6 +33,7 @@ PAIRS = {  # one-step comparisons, not doublings: (label, base cell, changed cel
     "warmup: 20 updates against 320 (3,200 updates)": ("width=128", "warmup=20"),
 }
 RATIO_LABEL = "G_AdamW / G_Muon"
+OPTIMIZERS_CELL = "width=128"  # the cell that also holds the rest of the optimizers study (factors.MORE_OPTIMIZERS)
 
 
 def arms_by_cell(rows) -> dict[tuple[str, str, str], str]:
@@ -51,8 +52,8 @@ def cell_estimates(rows, cell: str, value=lambda r: r.get("final_val")) -> dict 
     if not arms:
         return None
     out: dict = {"opts": {}, "seeds": sorted({s for runs in arms.values() for s, _ in runs})}
-    for opt in ("adamw", "muon", "soap"):
-        n = {arm: names.get((cell, opt, arm)) for arm in ("sync", "2bw", "ef")}
+    for opt in factors.optimizers_of(cell):
+        n = {arm: names.get((cell, opt, arm)) for arm in factors.ARMS}
         if not (n["sync"] in arms and n["2bw"] in arms):
             continue
         out["opts"][opt] = {
@@ -83,7 +84,7 @@ def _est(e, digits=3) -> str:
     return f"{e.value:+.{digits}f}" + (f" ± {e.se:.{digits}f}" if e.n > 1 else "")
 
 
-def _ratio(est, one_seed: str = "- (one seed)") -> str:
+def ratio_text(est, one_seed: str = "- (one seed)") -> str:
     """A cell's ``G_AdamW / G_Muon`` from :func:`cell_estimates` as text: its Fieller interval, or why none."""
     r = (est or {}).get("ratio")
     return "-" if r is None else r.text() if r.n > 1 else one_seed
@@ -96,16 +97,39 @@ def cell_table(rows, cells) -> list[str]:
         if val is None:
             continue
         for opt, e in val["opts"].items():
+            if opt not in factors.OPTIMIZERS:  # width=128's other optimizers: optimizers_table
+                continue
             t = (test or {"opts": {}})["opts"].get(opt, {})
             body.append((cell, opt, f"{e['sync'].value:.3f}", _est(e["gap"]), _est(t.get("gap")), _est(e["ef_gap"]),
                          _share(e["share"]), _share(t.get("share")), se_kind(e["gap"])))
         if "ratio" in val:
-            body.append((cell, RATIO_LABEL, "", _ratio(val), _ratio(test, one_seed="-"), "", "", "",
+            body.append((cell, RATIO_LABEL, "", ratio_text(val), ratio_text(test, one_seed="-"), "", "", "",
                          se_kind(val["ratio_se"])))
     if not body:
         return []
     return md_table(["cell", "optimizer", "sync val", "gap (val)", "gap (test split)", "EF gap (val)",
                      "EF share (val)", "EF share (test)", "standard errors"], body) + [""]
+
+
+def optimizers_table(rows) -> list[str]:
+    """The ``optimizers`` study under the protocol: every optimizer of :data:`OPTIMIZERS_CELL` (the
+    ``cpu_regime`` run), its gap on validation and the test split and EF's share, beside the paper's
+    Tables 1 and 2; an optimizer whose arms are not all measured at three seeds shows what it has."""
+    val = cell_estimates(rows, OPTIMIZERS_CELL)
+    test = cell_estimates(rows, OPTIMIZERS_CELL, lambda r: r.get("test_val"))
+    if val is None:
+        return []
+    body = []
+    for opt in factors.optimizers_of(OPTIMIZERS_CELL):
+        e, t = val["opts"].get(opt), (test or {"opts": {}})["opts"].get(opt, {})
+        if e is None:
+            body.append((OPT_NAMES[opt], "-", "not measured yet", "-", "-", paper.gap(opt), "-", paper.ef_share(opt)))
+            continue
+        body.append((OPT_NAMES[opt], f"{e['sync'].value:.3f}", _est(e["gap"]), _est(t.get("gap")), _est(e["ef_gap"]),
+                     paper.gap(opt), _share(e["share"]) if e["names"]["ef"] else "- (no EF arm)",
+                     paper.ef_share(opt)))
+    return md_table(["optimizer", "sync val", "gap (val)", "gap (test split)", "EF gap (val)", "the paper's gap",
+                     "EF share (val)", "the paper's EF share"], body) + [""]
 
 
 def answer_table(rows, cells) -> list[str]:
@@ -117,8 +141,8 @@ def answer_table(rows, cells) -> list[str]:
         if val is None:
             continue
         a, m = val["opts"].get("adamw", {}), val["opts"].get("muon", {})
-        seeds = sorted({e["gap"].n for e in val["opts"].values()})
-        body.append((cell, _est(a.get("gap")), _est(m.get("gap")), _ratio(val), _ratio(test),
+        seeds = sorted({e["gap"].n for o, e in val["opts"].items() if o in factors.OPTIMIZERS})
+        body.append((cell, _est(a.get("gap")), _est(m.get("gap")), ratio_text(val), ratio_text(test),
                      _share(a.get("share")), _share(m.get("share")), "/".join(map(str, seeds))))
     if not body:
         return []
@@ -221,7 +245,9 @@ def progress(tune_rows, rows) -> str:
         seeds[tuple(r["variant"].split("/")[i] for i in (0, 1, 3))].add(r["seed"])
     full = len(protocol.MEASURE_SEEDS)
     started = sorted({r["variant"].split("/")[0] for r in rows}, key=order.index)
-    done = [c for c in started if all(len(seeds[(c, o, a)]) >= full for o in factors.OPTIMIZERS for a in factors.ARMS)]
+    done = [c for c in started if all(len(seeds[(c, o, a)]) >= full for o, a in factors.arms(c) if o in factors.OPTIMIZERS)]
+    more = [(o, all(len(seeds[(OPTIMIZERS_CELL, o, a)]) >= full for oo, a in factors.arms(OPTIMIZERS_CELL) if oo == o))
+            for o in factors.optimizers_of(OPTIMIZERS_CELL) if o not in factors.OPTIMIZERS]
     measuring = [c for c in started if c not in done]
     tuned = sorted({r["variant"].split("/")[0] for r in tune_rows} - set(started), key=order.index)
     waiting = [c for c in factors.QUEUE if c not in started and c not in tuned]
@@ -231,7 +257,9 @@ def progress(tune_rows, rows) -> str:
             f"{full} seeds or more): {', '.join(done) or 'none'}; measuring: {', '.join(measuring) or 'none'}; "
             f"tuning: {', '.join(tuned) or 'none'}; not started (the "
             f"queue runs in this order, width first): {', '.join(waiting) or 'none'}; cut to fit the screen's "
-            f"budget of about {factors.SCREEN_HOURS} hours on 2 cores: {', '.join(cut) or 'none'}.")
+            f"budget of about {factors.SCREEN_HOURS} hours on 2 cores: {', '.join(cut) or 'none'}. {OPTIMIZERS_CELL}'s "
+            f"other optimizers (run after every cell's contrast), measured: "
+            f"{', '.join(o for o, ok in more if ok) or 'none'}; not yet: {', '.join(o for o, ok in more if not ok) or 'none'}.")
 
 
 def grid_table(tune_rows) -> list[str]:
@@ -240,17 +268,16 @@ def grid_table(tune_rows) -> list[str]:
 
     body = []
     for cell in factors.ORDER:
-        for opt in factors.OPTIMIZERS:
-            for arm in factors.ARMS:
-                means = factors.tune_means(tune_rows, cell, opt, arm, factors.CELLS[cell][1])
-                if not means:
-                    continue
-                grid, pick = factors.tuning_state(cell, opt, arm, tune_rows)
-                cells = [(f"**{lr:g}: {m:.3f}**" if lr == pick else f"{lr:g}: {m:.3f}") if m is not None
-                         else f"{lr:g}: diverged" for lr, m in sorted(means.items())]
-                state = ("pending: " + ", ".join(f"{lr:g}" for lr in grid if lr not in means) if pick is None
-                         else "on the grid's edge (a bound)" if protocol.on_edge(grid, pick) else "bracketed")
-                body.append((cell, opt, arm, ", ".join(cells), state))
+        for opt, arm in factors.arms(cell):
+            means = factors.tune_means(tune_rows, cell, opt, arm, factors.CELLS[cell][1])
+            if not means:
+                continue
+            grid, pick = factors.tuning_state(cell, opt, arm, tune_rows)
+            cells = [(f"**{lr:g}: {m:.3f}**" if lr == pick else f"{lr:g}: {m:.3f}") if m is not None
+                     else f"{lr:g}: diverged" for lr, m in sorted(means.items())]
+            state = ("pending: " + ", ".join(f"{lr:g}" for lr in grid if lr not in means) if pick is None
+                     else "on the grid's edge (a bound)" if protocol.on_edge(grid, pick) else "bracketed")
+            body.append((cell, opt, arm, ", ".join(cells), state))
     if not body:
         return []
     return ["### Each arm's learning-rate grid", "",
@@ -270,6 +297,11 @@ def analyse(tune_rows, rows, claims) -> list[str]:
               "pick); " + SHARE_NOTE + f" {RATIO_LABEL}: the point and its 90% Fieller interval "
               "(none where Muon's gap is unresolved).", ""]
     lines += cell_table(rows, factors.ORDER)
+    lines += [f"### Every optimizer under the protocol ({OPTIMIZERS_CELL})", "",
+              f"The `{OPTIMIZERS_CELL}` cell is the `cpu_regime` run of the `optimizers` study; it also holds "
+              + ", ".join(OPT_NAMES[o] for o in factors.MORE_OPTIMIZERS) + " (EF only for the optimizers of the "
+              "paper's Table 2). Gaps in nats/byte, the paper's in nats/token of its tokenizer: compare signs, "
+              "ratios and shares, not sizes.", ""] + optimizers_table(rows)
     table, _ = axis_table(rows)
     lines += ["### Along each axis", ""] + table + conclusion(rows) + [""]
     return lines

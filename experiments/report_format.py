@@ -15,6 +15,8 @@ def est(e: stats.Estimate | None, pct: bool = False) -> str:
     return e.pct() if pct else str(e)
 
 
+OPT_NAMES = {"adamw": "AdamW", "muon": "Muon", "soap": "SOAP", "adan": "Adan", "lion": "Lion", "mars": "MARS-AdamW"}
+
 SHARE_NOTE = ("EF's share s: G_EF = (1 - s) G with G = 2bw - sync and G_EF = 2bw+EF - sync, given as the point "
               "1 - G_EF / G and its 90% interval [lo, hi] from the linear test of G_EF - (1 - s) G (Fieller; "
               "each end a one-sided 5% t test at n - 1 degrees of freedom); none where G itself is not "

@@ -8,7 +8,8 @@ A scheduler, not a fixed list: what may run next depends on the runs already don
 measured once its tuning grid has bracketed a pick; its seeds 3-4 once the gap at seeds 0-2 is
 known).  Whenever a job slot is free it starts the first run, in :data:`factors.QUEUE` order, that the
 rows done so far allow: tuning of a cell, then its measurement, then its extra seeds, then the next
-cell; a slot never waits while a later cell has a run to do.  Each run is the real CLI in its own
+cell, and the optimizers beyond the contrast (width=128's SOAP, Adan, Lion and MARS) after every
+cell's contrast; a slot never waits while a later cell has a run to do.  Each run is the real CLI in its own
 process, in ``OUT/factors_tune/RUN_ID`` or ``OUT/factors/RUN_ID`` (as :mod:`experiments.sweep` lays
 them out), and both ``results.jsonl`` are rewritten after every run that finishes, so a screen
 stopped at any point has written every row it finished.  Started again, it skips the done runs and
@@ -52,8 +53,9 @@ def plan(cell: str, tune_rows, measure_rows) -> tuple[list, list, dict]:
     seeds = factors.CELLS[cell][1]
     tune, measure, more, picks = [], [], [], {}
     arms_measured = stats.arms_of([r for r in measure_rows if r["seed"] in protocol.MEASURE_SEEDS])
-    for opt in factors.OPTIMIZERS:
-        for arm in factors.ARMS:
+    for opt in factors.optimizers_of(cell):
+        opt_arms = [a for o, a in factors.arms(cell) if o == opt]
+        for arm in opt_arms:
             grid, pick = factors.tuning_state(cell, opt, arm, tune_rows)
             picks[(opt, arm)] = (grid, pick)
             study = factors.study_of(TUNE, cell, [(opt, arm, v) for v in grid], seeds)
@@ -66,7 +68,7 @@ def plan(cell: str, tune_rows, measure_rows) -> tuple[list, list, dict]:
         if len(names) == len(HEADLINE_ARMS) and \
                 all(len(arms_measured.get(n, [])) == len(protocol.MEASURE_SEEDS) for n in names.values()) and \
                 protocol.needs_more_seeds(stats.gap(arms_measured, names["2bw"], names["sync"])):
-            entries = [(opt, arm, picks[(opt, arm)][1]) for arm in factors.ARMS if picks[(opt, arm)][1] is not None]
+            entries = [(opt, arm, picks[(opt, arm)][1]) for arm in opt_arms if picks[(opt, arm)][1] is not None]
             study = factors.study_of(MEASURE, cell, entries, protocol.MORE_SEEDS)
             more += [(study, r) for r in sweep.expand(study)]
 
@@ -113,7 +115,8 @@ class Screen:
                 self.rows[key] = sweep.collect(study, run, self.out / study.name / run.run_id)
 
     def next_runs(self) -> list[tuple[Study, Run]]:
-        """Every run the done rows call for and that is not done, in queue order."""
+        """Every run the done rows call for and that is not done, in queue order: every cell's contrast
+        (:data:`factors.OPTIMIZERS`) before the other optimizers (:data:`factors.MORE_OPTIMIZERS`)."""
         wanted = []
         for cell in self.cells:
             while True:  # filling rows can open the next step of a plan: plan again until it is stable
@@ -123,7 +126,7 @@ class Screen:
                 if sum(r is not None for r in self.rows.values()) == before:
                     break
             wanted += [(s, r) for s, r in ordered(tune_runs, measure_runs) if f"{s.name}/{r.run_id}" not in self.rows]
-        return wanted
+        return sorted(wanted, key=lambda sr: sr[1].variant.split("/")[1] not in factors.OPTIMIZERS)  # stable
 
     def write_results(self) -> None:
         for name in (TUNE, MEASURE):
@@ -265,7 +268,8 @@ def run_pilots(cells, jobs: int, out: pathlib.Path, records_path: pathlib.Path =
             f"{figures.get('s_per_update', 0):.3f} s per update (median)")
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(envs)) as pool:
-        list(pool.map(one, [(c, o) for c in cells for o in (optimizers or factors.OPTIMIZERS)]))
+        list(pool.map(one, [(c, o) for c in cells for o in (optimizers or factors.OPTIMIZERS)
+                            if o in factors.optimizers_of(c)]))
 
 
 def main(argv=None):
@@ -278,7 +282,8 @@ def main(argv=None):
                     help=f"run each cell's {PILOT_UPDATES}-update pilots (every cell, cut ones included, unless "
                     "--cells) and record their cost in experiments/results/bench/factors_pilot.jsonl, then exit")
     ap.add_argument("--pilot_optimizers", metavar="NAMES", default=",".join(factors.OPTIMIZERS),
-                    help="the optimizers to pilot, comma separated (default: the screen's)")
+                    help="the optimizers to pilot, comma separated (default: the contrast, AdamW and Muon; "
+                    "each only in the cells that measure it)")
     ap.add_argument("--list", action="store_true", help="print the runs the done rows call for next, and exit")
     ap.add_argument("--restore", metavar="RESULTS", nargs="*", default=(),
                     help="results.jsonl files whose done factors rows stand for their runs")
@@ -300,8 +305,12 @@ def main(argv=None):
         except ValueError as e:
             ap.error(str(e))
         opts = [o for o in a.pilot_optimizers.split(",") if o]
-        if not opts or set(opts) - set(factors.OPTIMIZERS):
-            ap.error(f"--pilot_optimizers {a.pilot_optimizers!r}: choose from {', '.join(factors.OPTIMIZERS)}")
+        known = factors.OPTIMIZERS + factors.MORE_OPTIMIZERS
+        if not opts or set(opts) - set(known):
+            ap.error(f"--pilot_optimizers {a.pilot_optimizers!r}: choose from {', '.join(known)}")
+        if not any(o in factors.optimizers_of(c) for c in cells for o in opts):
+            ap.error(f"--pilot_optimizers {a.pilot_optimizers!r}: no cell of --cells measures them "
+                     f"({', '.join(factors.MORE_OPTIMIZERS)} are width=128's only)")
         run_pilots(cells, a.jobs, out, optimizers=opts)
         return
     if a.restore:

@@ -31,7 +31,13 @@ def test_tuning_and_measurement_seeds_are_disjoint_and_every_run_has_a_test_spli
     for cell, (base, tune_seeds, k0) in factors.CELLS.items():
         assert not set(tune_seeds) & set(protocol.MEASURE_SEEDS + protocol.MORE_SEEDS), cell
         assert base["train.test_batches"] * base["train.global_batch_size"] == protocol.TEST_SEQUENCES
-        assert set(k0) == {(o, a) for o in factors.OPTIMIZERS for a in factors.ARMS}
+        # every cell measures the contrast's six arms; a key of k0 outside the known arms would be lost
+        assert set(factors.arms(cell)) == set(k0) >= {(o, a) for o in factors.OPTIMIZERS for a in factors.ARMS}
+        assert factors.optimizers_of(cell)[:2] == list(factors.OPTIMIZERS)
+    # the rest of the optimizers study at width=128 only, EF for the optimizers of the paper's Table 2
+    assert [c for c in factors.CELLS if len(factors.optimizers_of(c)) > 2] == ["width=128"]
+    assert {a for o, a in factors.arms("width=128") if o == "soap"} == set(factors.ARMS)
+    assert all({a for o, a in factors.arms("width=128") if o == opt} == {"sync", "2bw"} for opt in ("adan", "lion", "mars"))
     assert factors.width(512) == {"model.d_model": 512, "model.n_heads": 16, "model.n_kv_heads": 8,
                                   "model.d_ff": 1376}
 
@@ -73,13 +79,13 @@ def test_plan_tunes_then_measures_then_adds_seeds_where_the_gap_is_unresolved():
             assert not protocol.on_edge(grid, pick)
     _, measure_runs, _ = screen.plan(cell, rows, [])
     assert {r.seed for _, r in measure_runs} == set(protocol.MEASURE_SEEDS)
-    assert len(measure_runs) == len(factors.OPTIMIZERS) * len(factors.ARMS) * len(protocol.MEASURE_SEEDS)
-    # AdamW's gap resolved (large, steady), Muon's not (noise): only Muon gets seeds 3 and 4
+    assert len(measure_runs) == len(factors.arms(cell)) * len(protocol.MEASURE_SEEDS)
+    # every gap resolved (large, steady) but Muon's (noise): only Muon gets seeds 3 and 4
     noise = {0: 0.01, 1: -0.01, 2: 0.0}
     measured = []
     for _, run in measure_runs:
         _, opt, lr_part, arm = run.variant.split("/")
-        gap = {"adamw": 0.1, "muon": 0.002}[opt] * (arm == "2bw")
+        gap = (0.002 if opt == "muon" else 0.1) * (arm == "2bw")
         jitter = noise[run.seed] * (opt == "muon" and arm == "2bw")
         measured.append(_row("factors", cell, opt, arm, float(lr_part[3:]), run.seed, 2.0 + gap + jitter + run.seed))
     _, more, _ = screen.plan(cell, rows, measured)
@@ -105,6 +111,7 @@ def test_screen_runs_the_queue_to_the_end_and_writes_every_row(tmp_path, monkeyp
     from experiments import sweep
 
     monkeypatch.setattr(factors, "OPTIMIZERS", ("adamw",))
+    monkeypatch.setattr(factors, "MORE_OPTIMIZERS", ())
     monkeypatch.setattr(factors, "ARMS", ("sync", "2bw"))
     ran = []
 
@@ -267,6 +274,37 @@ def test_the_headline_arms_run_first_and_are_measured_before_efs_arm_is_tuned():
     assert measured and ef_tuning and max(measured) < min(ef_tuning)
 
 
+def test_every_cells_contrast_runs_before_the_other_optimizers(tmp_path):
+    """width=128's SOAP, Adan, Lion and MARS wait until no cell has an AdamW or Muon run to do."""
+    s = screen.Screen(tmp_path, ["width=128", "updates=800"])
+    s.refresh()
+    opts = [(r.variant.split("/")[0], r.variant.split("/")[1]) for _, r in s.next_runs()]
+    first_more = next(i for i, (_, o) in enumerate(opts) if o not in factors.OPTIMIZERS)
+    assert {c for c, o in opts[:first_more]} == {"width=128", "updates=800"}
+    assert all(o in factors.MORE_OPTIMIZERS for _, o in opts[first_more:])
+    assert {o for _, o in opts[first_more:]} == set(factors.MORE_OPTIMIZERS)
+
+
+def test_the_optimizers_table_shows_every_optimizer_of_the_cell_beside_the_paper():
+    from experiments import report_factors
+
+    rows = []
+    for opt, arms in (("adamw", factors.ARMS), ("muon", factors.ARMS), ("soap", factors.ARMS), ("lion", ("sync", "2bw"))):
+        for seed in protocol.MEASURE_SEEDS:
+            for arm in arms:
+                extra = {"sync": 0.0, "2bw": 0.05, "ef": 0.01}[arm] + 0.001 * seed * (arm == "2bw")
+                rows.append({**_row("factors", "width=128", opt, arm, 0.001, seed, 1.5 + extra + 0.01 * seed),
+                             "test_val": 1.6 + extra + 0.01 * seed})
+    table = "\n".join(report_factors.optimizers_table(rows))
+    assert "| SOAP | 1.510 | +0.051 ± 0.001 | +0.051 ± 0.001 | +0.010 ± 0.000 | +0.027 | 80% [" in table
+    assert "| Lion | 1.510 | +0.051 ± 0.001 |" in table and "- (no EF arm)" in table
+    assert "| Adan | - | not measured yet | - | - | +0.010 | - | - |" in table
+    # the contrast's tables keep to AdamW and Muon
+    assert "soap" not in "\n".join(report_factors.cell_table(rows, ["width=128"]))
+    said = report_factors.progress([], rows)
+    assert "width=128's other optimizers (run after every cell's contrast), measured: soap, lion; not yet: adan, mars." in said
+
+
 def test_pilot_prices_every_cell_and_the_cut_cells_leave_the_queue(tmp_path):
     """Each cell's pilots are its sync runs of each optimizer at the pilot's length (the cell's other
     settings kept) and leave one record each naming the cell; a cut cell is priced but never queued."""
@@ -347,3 +385,10 @@ def test_update_size_takes_exact_spectral_norms_and_the_2bw_arm_at_its_pick():
     config = update_size.arm_config(cell, "adamw", pick, 1)
     assert pick == grid[1] and config.optimizer.lr == pick and config.seed == 1
     assert config.staleness.mode == "2bw" and config.model.d_model == 256
+
+
+def test_pilot_refuses_optimizers_no_named_cell_measures(tmp_path, capsys):
+    for bad in ("sgd", "soap"):  # unknown; known but measured at width=128 only
+        with pytest.raises(SystemExit) as e:
+            screen.main(["--out", str(tmp_path), "--pilot", "--cells", "width=256", "--pilot_optimizers", bad])
+        assert e.value.code == 2 and "--pilot_optimizers" in capsys.readouterr().err

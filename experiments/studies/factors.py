@@ -17,9 +17,12 @@ changed, in the issue's order of priority:
 - **vocabulary** (``vocab=bpe4096``): a byte-level BPE of 4,096 tokens trained on the train
   split (:func:`bpe_tokenizer`) against bytes, in nats/byte.
 
-Per cell: AdamW and Muon, each sync, 2bw and 2bw + EF, every arm tuned on its own grid under
-:mod:`experiments.protocol` (tuning seeds :data:`TUNE_SEEDS` per cell, measured at seeds 0-2, 3-4
-where the gap is unresolved, a test split on every run).  ``python -m experiments.screen`` runs the
+Per cell: AdamW and Muon (:data:`OPTIMIZERS`, the contrast), each sync, 2bw and 2bw + EF, every arm
+tuned on its own grid under :mod:`experiments.protocol` (tuning seeds :data:`TUNE_SEEDS` per cell,
+measured at seeds 0-2, 3-4 where the gap is unresolved, a test split on every run).  The width=128
+cell is also the ``optimizers`` comparison under that protocol: it holds SOAP (with EF, as the
+paper's Table 2), Adan, Lion and MARS-AdamW (sync and 2bw) too (:data:`MORE_OPTIMIZERS`), which the
+screen runs after every cell's contrast.  A cell's arms are the keys of its grid guesses (:func:`arms`).  ``python -m experiments.screen`` runs the
 queue (:data:`QUEUE`) in order, resumably; to fit the budget (:data:`SCREEN_HOURS`), every cell
 after width=128 tunes on one seed and the cells in :data:`CUT` are not queued.
 
@@ -38,8 +41,9 @@ from experiments.studies.common import lr_centre, optimizer, regime_rung
 from experiments.study import Study
 
 CONFIG = "configs/tiny.py"
-OPTIMIZERS = ("adamw", "muon")
+OPTIMIZERS = ("adamw", "muon")  # the contrast every cell measures: G_AdamW / G_Muon
 ARMS = ("sync", "2bw", "ef")
+MORE_OPTIMIZERS = ("soap", "adan", "lion", "mars")  # the rest of the optimizers study, at width=128 only
 BPE_VOCAB = 4096
 
 
@@ -89,6 +93,15 @@ _K128 = {("adamw", "sync"): 0, ("adamw", "2bw"): -1, ("adamw", "ef"): -1,
          ("muon", "sync"): -1, ("muon", "2bw"): 0, ("muon", "ef"): 0}
 
 
+# SOAP, Adan, Lion and MARS at width=128: the same guesses from the seed-0 picks of the cpu_regime
+# `optimizers` study (common.TUNED_ARMS), EF only for the optimizers of the paper's Table 2
+# (studies.optimizers.EF_NAMES).
+_K128_MORE = {("soap", "sync"): -1, ("soap", "2bw"): -1, ("soap", "ef"): 0,
+              ("adan", "sync"): 0, ("adan", "2bw"): 0,
+              ("lion", "sync"): 2, ("lion", "2bw"): 1,
+              ("mars", "sync"): 1, ("mars", "2bw"): 0}
+
+
 def _shift(ks: dict, adamw: int, muon: int = 0) -> dict:
     return {(o, a): k + (adamw if o == "adamw" else muon) for (o, a), k in ks.items()}
 
@@ -97,7 +110,7 @@ def _shift(ks: dict, adamw: int, muon: int = 0) -> dict:
 # second tuning seed would double a cell's tuning runs to sharpen a pick whose loss is measured on
 # other seeds anyway.
 CELLS = {
-    "width=128": (_cell(), protocol.TUNE_SEEDS, _K128),
+    "width=128": (_cell(), protocol.TUNE_SEEDS, {**_K128, **_K128_MORE}),
     "width=256": (_cell(**width(256)), protocol.TUNE_SEEDS[:1], _shift(_K128, -1)),
     "width=512": (_cell(**width(512)), protocol.TUNE_SEEDS[:1], _shift(_K128, -2)),
     "updates=800": (_cell(8, 800), protocol.TUNE_SEEDS[:1],
@@ -132,6 +145,18 @@ CUT = {
 # this protocol, tokens per update, vocabulary.
 QUEUE = ("width=128", "width=256", "updates=800", "updates=200", "warmup=20", "seqs=8", "vocab=bpe4096")
 ORDER = QUEUE + tuple(CUT)  # every cell, in the order the report and the docs list them
+
+
+def arms(cell: str) -> list[tuple[str, str]]:
+    """``cell``'s arms as ``(optimizer, arm)``: the contrast's first, each optimizer's in :data:`ARMS` order."""
+    k0 = CELLS[cell][2]
+    opts = OPTIMIZERS + tuple(o for o in MORE_OPTIMIZERS if any(k[0] == o for k in k0))
+    return [(o, a) for o in opts for a in ARMS if (o, a) in k0]
+
+
+def optimizers_of(cell: str) -> list[str]:
+    """The optimizers ``cell`` measures, the contrast's first."""
+    return list(dict.fromkeys(o for o, _ in arms(cell)))
 
 
 def overrides(cell: str, opt: str, arm: str, lr_value: float) -> dict:
