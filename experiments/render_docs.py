@@ -158,10 +158,11 @@ def _gap_text(study: dict, delayed: str, sync: str) -> str:
     return f"{gap:+.3f} ± {se:.3f}"
 
 
-def _cpu_note(name: str, doc: pathlib.Path) -> str:
+def _cpu_note(name: str, doc: pathlib.Path, gaps: bool = True) -> str:
     seeds = sorted({s for runs in _study(name).values() for s in runs})
-    return (f"_Final validation loss in nats/byte, the mean over seeds {seeds}; delay gap = delayed - sync, "
-            f"± its paired standard error; from {_link(STUDY_RESULTS, doc)} (the `{name}` study at the `cpu` preset)._")
+    return (f"_Final validation loss in nats/byte, the mean over seeds {seeds}; "
+            + ("delay gap = delayed - sync, ± its paired standard error; " if gaps else "")
+            + f"from {_link(STUDY_RESULTS, doc)} (the `{name}` study at the `cpu` preset)._")
 
 
 def cpu_momentum(doc: pathlib.Path) -> str:
@@ -188,6 +189,20 @@ def cpu_schemes(doc: pathlib.Path) -> str:
         lines.append(f"| PipeDream | {p} | {_mean(study[sync])} | {_mean(study[v])} | {_gap_text(study, v, sync)} |")
     lines.append(f"| 2BW | any | {_mean(study[sync])} | {_mean(study['adamw/2bw'])} | {_gap_text(study, 'adamw/2bw', sync)} |")
     return "\n".join(lines + ["", _cpu_note("schemes", doc)])
+
+
+def cpu_lion(doc: pathlib.Path) -> str:
+    """The ``lion`` study at the cpu preset: Lion's synchronous loss per b1 and schedule, its pick in bold."""
+    study = _study("lion")
+    names = {"cosine": "cosine to 10%", "wsd": "warmup-stable-decay", "constant": "constant"}
+    b1s = sorted({v.split("/")[0] for v in study}, key=lambda b: -float(b[len("b1="):]))
+    best = min(study, key=lambda v: statistics.mean(r["final_val"] for r in study[v].values()))
+    lines = ["| b1 | " + " | ".join(names.values()) + " |", "|---|" + "---|" * len(names)]
+    for b1 in b1s:
+        cells = [f"**{_mean(study[v])}**" if v == best else _mean(study[v])
+                 for v in (f"{b1}/{k}" for k in names) if v in study]
+        lines.append(f"| {b1[len('b1='):]}{' (paper)' if b1 == 'b1=0.9' else ''} | " + " | ".join(cells) + " |")
+    return "\n".join(lines + ["", _cpu_note("lion", doc, gaps=False)])
 
 
 SENSITIVITY_SETTINGS = {"default": "default (16 sequences, tuned lr, wd 0.1)", "batch/2": "batch / 2", "batch*2": "batch x 2",
@@ -1282,7 +1297,7 @@ def accelerator_status(doc: pathlib.Path) -> str:
             f"updates; [docs/accelerators.md](docs/accelerators.md)); everything else on CPU only. " + tail)
 
 
-RENDERERS = {f.__name__: f for f in (factors_pilot, cpu_lr_gap, cpu_mitigations, cpu_ef_causes, cpu_momentum, cpu_schemes, cpu_sensitivity, regime_run_counts, paper_regime, paper_optimizers, paper_summary, factors_answer, factors_cells, protocol_optimizers, gpu_plan, update_size, bench_small_updates, bench_prepare, notebooks, glance, main_job, main_job_summary, tiny_optimizers, bench_optimizers, optimizers_study,
+RENDERERS = {f.__name__: f for f in (factors_pilot, cpu_lion, cpu_lr_gap, cpu_mitigations, cpu_ef_causes, cpu_momentum, cpu_schemes, cpu_sensitivity, regime_run_counts, paper_regime, paper_optimizers, paper_summary, factors_answer, factors_cells, protocol_optimizers, gpu_plan, update_size, bench_small_updates, bench_prepare, notebooks, glance, main_job, main_job_summary, tiny_optimizers, bench_optimizers, optimizers_study,
                                       bench_pipeline_work, bench_pipeline_work_against, bench_pipeline_processes, bench_pipeline_compile, bench_pipeline_conditionals, bench_pipeline_schedules,
                                       moe10b_dry_run, llama3_8b_dry_run, mpmd_dry_run, vocab_parallel_table, fit_table,
                                       ci, accelerator_checks, accelerator_status)}
