@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import functools
 import json
 import os
 import pathlib
@@ -28,7 +29,7 @@ import queue
 import re
 import shlex
 import shutil
-import subprocess
+import sys
 import time
 
 from experiments import protocol, records, stats, sweep
@@ -139,17 +140,16 @@ class Screen:
             os.replace(tmp, self.out / name / "results.jsonl")
 
 
-def _run_logged(cmd: list[str], workdir: pathlib.Path, env: dict) -> int:
+def _run_logged(children: sweep.Children, cmd: list[str], workdir: pathlib.Path, env: dict) -> int:
     """Run ``cmd`` with ``env`` added, its output appended to ``workdir/run.log``; returns its exit code."""
     workdir.mkdir(parents=True, exist_ok=True)
     with open(workdir / "run.log", "a") as log:
-        return subprocess.run(cmd, cwd=sweep.REPO_ROOT, env={**os.environ, **env}, stdout=log,
-                              stderr=subprocess.STDOUT).returncode
+        return children.run(cmd, env, stdout=log)
 
 
-def _run_one(study: Study, run: Run, out: pathlib.Path, env: dict) -> int:
+def _run_one(children: sweep.Children, study: Study, run: Run, out: pathlib.Path, env: dict) -> int:
     workdir = out / study.name / run.run_id
-    code = _run_logged(sweep.command(study, run, workdir), workdir, env)
+    code = _run_logged(children, sweep.command(study, run, workdir), workdir, env)
     if sweep.is_finished(workdir):  # a done run is never resumed: its checkpoints (~0.4 GB at width 512) go
         shutil.rmtree(workdir / "checkpoints", ignore_errors=True)
     return code
@@ -161,15 +161,17 @@ def execute(out: pathlib.Path, cells, jobs: int, log=print, runner=None, envs=No
     ``runner(study, run, out, env) -> returncode`` runs one run (default: the CLI in a subprocess),
     ``envs`` are the job slots (default :func:`experiments.sweep.job_envs` for ``jobs``), ``prepare``
     readies a study's corpora (default :func:`experiments.sweep.prepare_corpora`); tests inject them."""
-    runner, prepare = runner or _run_one, prepare or sweep.prepare_corpora
+    children = sweep.Children()
+    runner, prepare = runner or functools.partial(_run_one, children), prepare or sweep.prepare_corpora
     envs = envs if envs is not None else sweep.job_envs(*sweep.accelerators(), max(jobs, 1))
     screen = Screen(out, cells)
     free, running, failed, prepared, broken = list(envs), {}, set(), set(), set()
-    with concurrent.futures.ThreadPoolExecutor(max_workers=len(envs)) as pool:
+    with children.forwarding(), concurrent.futures.ThreadPoolExecutor(max_workers=len(envs)) as pool:
         while True:
             screen.refresh()
             wanted = [(s, r) for s, r in screen.next_runs() if r.variant.split("/")[0] not in broken
-                      and f"{s.name}/{r.run_id}" not in running and f"{s.name}/{r.run_id}" not in failed]
+                      and f"{s.name}/{r.run_id}" not in running and f"{s.name}/{r.run_id}" not in failed
+                      and not children.stopping]
             screen.write_results()
             while free and wanted:
                 study, run = wanted.pop(0)
@@ -198,8 +200,13 @@ def execute(out: pathlib.Path, cells, jobs: int, log=print, runner=None, envs=No
                     del running[key]
                     free.append(env)
                     workdir = out / key
-                    code = future.result()
-                    if code != 0 and sweep.run_status(workdir) != "diverged":
+                    try:
+                        code = future.result()
+                    except sweep.Stopped:  # SIGTERM came between its slot and its start: it never ran
+                        continue
+                    if children.stopping:
+                        log(f"[screen] {key}: {sweep.run_status(workdir) or 'stopped'} by SIGTERM")
+                    elif code != 0 and sweep.run_status(workdir) != "diverged":
                         failed.add(key)
                         log(f"[screen] {key}: failed with exit code {code}; its log is {workdir / 'run.log'}")
                     else:
@@ -207,6 +214,10 @@ def execute(out: pathlib.Path, cells, jobs: int, log=print, runner=None, envs=No
     screen.refresh()
     screen.next_runs()
     screen.write_results()
+    if children.stopping:
+        log(f"[screen] stopped by SIGTERM: every running run saved a checkpoint and the rows of the done ones are "
+            f"in {out / TUNE} and {out / MEASURE}; run the same command again to resume")
+        raise sweep.Stopped()
     log(f"[screen] nothing left to run ({len(failed)} failed); rows in {out / TUNE} and {out / MEASURE}")
 
 
@@ -235,7 +246,8 @@ def run_pilots(cells, jobs: int, out: pathlib.Path, records_path: pathlib.Path =
     -> returncode``, ``envs`` and ``prepare`` as in :func:`execute` (tests inject them)."""
     from experiments.record_run import figures_from_workdir
 
-    runner, prepare = runner or _run_logged, prepare or sweep.prepare_corpora
+    children = sweep.Children()
+    runner, prepare = runner or functools.partial(_run_logged, children), prepare or sweep.prepare_corpora
     envs = envs if envs is not None else sweep.job_envs(*sweep.accelerators(), max(jobs, 1))
     slots: queue.Queue = queue.Queue()  # the job slots' environments, each held by one pilot at a time
     for env in envs:
@@ -252,12 +264,18 @@ def run_pilots(cells, jobs: int, out: pathlib.Path, records_path: pathlib.Path =
         workdir.mkdir(parents=True)
         cmd = sweep.command(study, run, workdir)
         env = slots.get()
+        if children.stopping:
+            slots.put(env)
+            return
         try:
             t0 = time.perf_counter()
             code = runner(cmd, workdir, env)
             wall = time.perf_counter() - t0
         finally:
             slots.put(env)
+        if children.stopping:
+            log(f"[pilot] {cell} {opt}: stopped by SIGTERM, not recorded")
+            return
         if code != 0:
             log(f"[pilot] {cell} {opt}: failed with exit code {code}; its log is {workdir / 'run.log'}")
             return
@@ -267,9 +285,11 @@ def run_pilots(cells, jobs: int, out: pathlib.Path, records_path: pathlib.Path =
         log(f"[pilot] {cell} {opt}: {figures['updates']} updates in {wall:.0f} s, "
             f"{figures.get('s_per_update', 0):.3f} s per update (median)")
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=len(envs)) as pool:
+    with children.forwarding(), concurrent.futures.ThreadPoolExecutor(max_workers=len(envs)) as pool:
         list(pool.map(one, [(c, o) for c in cells for o in (optimizers or factors.OPTIMIZERS)
                             if o in factors.optimizers_of(c)]))
+    if children.stopping:
+        raise sweep.Stopped()
 
 
 def main(argv=None):
@@ -311,7 +331,10 @@ def main(argv=None):
         if not any(o in factors.optimizers_of(c) for c in cells for o in opts):
             ap.error(f"--pilot_optimizers {a.pilot_optimizers!r}: no cell of --cells measures them "
                      f"({', '.join(factors.MORE_OPTIMIZERS)} are width=128's only)")
-        run_pilots(cells, a.jobs, out, optimizers=opts)
+        try:
+            run_pilots(cells, a.jobs, out, optimizers=opts)
+        except sweep.Stopped:
+            sys.exit(sweep.STOPPED_EXIT)
         return
     if a.restore:
         restore(out, cells, [json.loads(line) for p in a.restore for line in pathlib.Path(p).read_text().splitlines()
@@ -329,7 +352,10 @@ def main(argv=None):
         sweep.job_envs(*sweep.accelerators(), max(a.jobs, 1))
     except ValueError as e:
         ap.error(str(e))
-    execute(out, cells, a.jobs)
+    try:
+        execute(out, cells, a.jobs)
+    except sweep.Stopped:
+        sys.exit(sweep.STOPPED_EXIT)
 
 
 def merge(out: pathlib.Path, cells, results: pathlib.Path) -> str:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import dataclasses
 import importlib
 import glob
@@ -50,8 +51,10 @@ import pathlib
 import queue
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 from experiments.studies.common import PRESETS
@@ -345,8 +348,61 @@ def prepare_corpora(study: Study, log=print) -> list[str]:
     return paths
 
 
-def _subprocess_runner(cmd, workdir, env) -> int:
-    return subprocess.run(cmd, cwd=REPO_ROOT, env={**os.environ, **env}).returncode
+class Stopped(Exception):
+    """The runner was sent SIGTERM: every run it had started saved its checkpoint and exited."""
+
+
+STOPPED_EXIT = 128 + signal.SIGTERM  # a runner stopped by SIGTERM exits as a process it killed would
+
+
+class Children:
+    """The run processes a runner has started and not yet seen end.
+
+    SIGTERM to the runner (:meth:`forwarding`) is passed on to each of them, so every run saves its
+    preemption checkpoint and exits, instead of running on as an orphan nobody collects; the runner
+    then starts nothing new.  (Ctrl-C already reaches them: a terminal signals the whole process group.)
+    """
+
+    def __init__(self):
+        self._procs: set = set()
+        self._lock = threading.RLock()  # re-entrant: the handler runs on the main thread, between its bytecodes
+        self.stopping = False
+
+    def run(self, cmd, env: dict, stdout=None) -> int:
+        """Run ``cmd`` with ``env`` added to its end and return its exit code; :class:`Stopped` if the
+        runner is stopping (the command is then not started)."""
+        with self._lock:
+            if self.stopping:
+                raise Stopped()
+            proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env={**os.environ, **env}, stdout=stdout,
+                                    stderr=subprocess.STDOUT if stdout is not None else None)
+            self._procs.add(proc)
+        try:
+            return proc.wait()
+        finally:
+            with self._lock:
+                self._procs.discard(proc)
+
+    def stop(self, signum=None, frame=None) -> None:
+        with self._lock:
+            self.stopping = True
+            procs = list(self._procs)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+
+    @contextlib.contextmanager
+    def forwarding(self):
+        """Within: SIGTERM to this process calls :meth:`stop` (on the main thread only, where Python
+        delivers signals; elsewhere nothing changes)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = signal.signal(signal.SIGTERM, self.stop)
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def execute(study: Study, out: pathlib.Path, jobs: int = 1, runner=None, log=print, prepare=prepare_corpora,
@@ -361,7 +417,8 @@ def execute(study: Study, out: pathlib.Path, jobs: int = 1, runner=None, log=pri
     root = out / study.name
     root.mkdir(parents=True, exist_ok=True)
     runs = expand(study)
-    runner = runner or _subprocess_runner
+    children = Children()
+    runner = runner or (lambda cmd, workdir, env: children.run(cmd, env))
     envs = envs if envs is not None else job_envs(*accelerators(), max(jobs, 1))
     slots: queue.Queue = queue.Queue()
     for env in envs:
@@ -391,6 +448,8 @@ def execute(study: Study, out: pathlib.Path, jobs: int = 1, runner=None, log=pri
             code = runner(command(study, run, workdir), workdir, env)
         finally:
             slots.put(env)
+        if children.stopping:
+            raise Stopped()
         if code != 0 and run_status(workdir) == "diverged":
             log(f"[{study.name}] {run.run_id}: diverged (recorded without a final loss)")
         elif code != 0:
@@ -399,8 +458,12 @@ def execute(study: Study, out: pathlib.Path, jobs: int = 1, runner=None, log=pri
         seconds[run.run_id] = time.time() - t0
         return run, seconds[run.run_id]
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=len(envs)) as pool:
-        done = list(pool.map(one, runs))
+    with children.forwarding(), concurrent.futures.ThreadPoolExecutor(max_workers=len(envs)) as pool:
+        futures = [pool.submit(one, run) for run in runs]
+        concurrent.futures.wait(futures)
+    if children.stopping:
+        raise Stopped()
+    done = [f.result() for f in futures]
     results = root / "results.jsonl"
     with open(results, "w") as f:
         for run, secs in done:
@@ -496,7 +559,12 @@ def main(argv=None):
     except ValueError as e:
         ap.error(str(e))
     t0 = time.time()
-    results = execute(study, pathlib.Path(a.out), a.jobs, envs=envs, reuse_done=a.reuse)
+    try:
+        results = execute(study, pathlib.Path(a.out), a.jobs, envs=envs, reuse_done=a.reuse)
+    except Stopped:
+        print("stopped by SIGTERM: every running run saved a checkpoint; run the same command again to resume",
+              file=sys.stderr)
+        sys.exit(STOPPED_EXIT)
     print(f"done in {(time.time() - t0) / 60:.1f} min; report: python -m experiments.report {results}")
 
 
