@@ -167,6 +167,18 @@ def gap_slope(rows, axis, opt: str, value=lambda r: r.get("final_val")) -> stats
     return stats.contrast(stats.arms_of(rows, value), dict(coefs))
 
 
+def gap_change(rows, base: str, changed: str, opt: str, value=lambda r: r.get("final_val")) -> stats.Estimate | None:
+    """``opt``'s gap in cell ``changed`` minus its gap in cell ``base``: a linear contrast of the four
+    arms, paired by seed as :func:`gap_slope` is."""
+    names = arms_by_cell(rows)
+    keys = [(c, opt, a) for c in (base, changed) for a in ("sync", "2bw")]
+    if not all(k in names for k in keys):
+        return None
+    coefs = {names[(changed, opt, "2bw")]: 1.0, names[(changed, opt, "sync")]: -1.0,
+             names[(base, opt, "2bw")]: -1.0, names[(base, opt, "sync")]: 1.0}
+    return stats.contrast(stats.arms_of(rows, value), coefs)
+
+
 def ratio_change(rows, axis) -> tuple[stats.Estimate, str, str] | None:
     """The ratio's change per doubling between the axis's first and last measured cells whose ratio
     is resolved: ``(q_last - q_first) / doublings``, SE from the two delta-method SEs."""
@@ -214,8 +226,10 @@ def axis_table(rows) -> tuple[list[str], list[str]]:
         if a and b and a.get("ratio_se") and b.get("ratio_se"):
             d = stats.Estimate(b["ratio_se"].value - a["ratio_se"].value, math.hypot(a["ratio_se"].se, b["ratio_se"].se),
                                False, min(a["ratio_se"].n, b["ratio_se"].n))
+            moves = "; ".join(f"{OPT_NAMES[o]}'s gap by {_est(g)} ({_direction(g, 'grows', 'shrinks')})"
+                              for o in factors.OPTIMIZERS if (g := gap_change(rows, base, changed, o)) is not None)
             said.append(f"{label}: the ratio changes by {d.value:+.2f} ± {d.se:.2f} "
-                        f"({_direction(d, 'toward the paper', 'away from the paper')}).")
+                        f"({_direction(d, 'toward the paper', 'away from the paper')}); {moves}.")
     return lines, said
 
 

@@ -198,6 +198,10 @@ def test_the_screens_section_gives_gaps_ratio_shares_and_the_width_trend(tmp_pat
     assert e["opts"]["adamw"]["share"].value == pytest.approx(0.8)
     slope = report_factors.gap_slope(rows, report_factors.AXES["width (d_model)"], "adamw")
     assert slope.value == pytest.approx((0.24 - 0.06) / 2)  # per doubling, over two doublings
+    change = report_factors.gap_change(rows, "width=128", "width=512", "adamw")
+    assert change.value == pytest.approx(0.18) and change.n == 3
+    assert report_factors.gap_change(rows, "width=128", "width=512", "muon").value == pytest.approx(0.0, abs=1e-12)
+    assert report_factors.gap_change(rows, "width=128", "seqs=8", "adamw") is None
     change, first, last = report_factors.ratio_change(rows, report_factors.AXES["width (d_model)"])
     assert change.value == pytest.approx((12.0 - 3.0) / 2) and (first, last) == ("width=128", "width=512")
     said = " ".join(report_factors.conclusion(rows))
