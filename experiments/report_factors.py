@@ -81,6 +81,8 @@ def _share(r) -> str:
 def _est(e, digits=3) -> str:
     if e is None:
         return "-"
+    while e.n > 1 and 0 < e.se < 0.5 * 10 ** -digits and digits < 6:  # a standard error never prints as 0
+        digits += 1
     return f"{e.value:+.{digits}f}" + (f" ± {e.se:.{digits}f}" if e.n > 1 else "")
 
 
@@ -150,21 +152,43 @@ def answer_table(rows, cells) -> list[str]:
                      "EF share, AdamW", "EF share, Muon", "seeds"], body) + [""]
 
 
+def _measured(rows, axis, opt: str) -> list[tuple[str, float]]:
+    """The axis's ``(cell, log2 factor)`` whose sync and 2bw arms of ``opt`` are measured."""
+    names = arms_by_cell(rows)
+    return [(cell, math.log2(x)) for cell, x in axis if (cell, opt, "sync") in names and (cell, opt, "2bw") in names]
+
+
+def _gap_contrast(rows, cells, weights, opt: str, value) -> stats.Estimate:
+    """``sum_i w_i G_i`` over ``cells``' gaps of ``opt`` (a contrast of their arms, paired by seed)."""
+    names = arms_by_cell(rows)
+    coefs: dict = collections.defaultdict(float)
+    for cell, w in zip(cells, weights):
+        coefs[names[(cell, opt, "2bw")]] += w
+        coefs[names[(cell, opt, "sync")]] -= w
+    return stats.contrast(stats.arms_of(rows, value), dict(coefs))
+
+
 def gap_slope(rows, axis, opt: str, value=lambda r: r.get("final_val")) -> stats.Estimate | None:
     """Least-squares slope of ``opt``'s gap against log2 of the axis's factor over its measured cells."""
-    names = arms_by_cell(rows)
-    pts = [(cell, x) for cell, x in axis if (cell, opt, "sync") in names and (cell, opt, "2bw") in names]
+    pts = _measured(rows, axis, opt)
     if len(pts) < 2:
         return None
-    xs = [math.log2(x) for _, x in pts]
-    x_bar = sum(xs) / len(xs)
-    sxx = sum((x - x_bar) ** 2 for x in xs)
-    coefs: dict = collections.defaultdict(float)
-    for (cell, _), x in zip(pts, xs):
-        c = (x - x_bar) / sxx
-        coefs[names[(cell, opt, "2bw")]] += c
-        coefs[names[(cell, opt, "sync")]] -= c
-    return stats.contrast(stats.arms_of(rows, value), dict(coefs))
+    return _gap_contrast(rows, [c for c, _ in pts], stats.slope_weights([x for _, x in pts]), opt, value)
+
+
+def gap_intervals(rows, axis, opt: str, value=lambda r: r.get("final_val")) -> list[tuple[str, str, stats.Estimate]]:
+    """``opt``'s gap change per doubling between each pair of neighbouring measured cells of the axis."""
+    pts = _measured(rows, axis, opt)
+    return [(c0, c1, _gap_contrast(rows, [c0, c1], [-1 / (x1 - x0), 1 / (x1 - x0)], opt, value))
+            for (c0, x0), (c1, x1) in zip(pts, pts[1:])]
+
+
+def gap_bend(rows, axis, opt: str, value=lambda r: r.get("final_val")) -> stats.Estimate | None:
+    """The straight line's lack of fit over three or more measured cells (:func:`experiments.stats.bend_weights`:
+    at three equally spaced cells, the second interval's change per doubling minus the first's)."""
+    pts = _measured(rows, axis, opt)
+    w = stats.bend_weights([x for _, x in pts])
+    return None if w is None else _gap_contrast(rows, [c for c, _ in pts], w, opt, value)
 
 
 def gap_change(rows, base: str, changed: str, opt: str, value=lambda r: r.get("final_val")) -> stats.Estimate | None:
@@ -211,6 +235,14 @@ def axis_table(rows) -> tuple[list[str], list[str]]:
         body.append((label, ", ".join(cells), _est(slopes["adamw"]), _est(slopes["muon"]),
                      "-" if rc is None else f"{rc[0].value:+.2f} ± {rc[0].se:.2f} ({rc[1]} -> {rc[2]})",
                      _direction(rc[0] if rc else None, "toward the paper's", "away from the paper's")))
+        for opt in factors.OPTIMIZERS:
+            steps, bend = gap_intervals(rows, axis, opt), gap_bend(rows, axis, opt)
+            if bend is not None:
+                said.append(f"{label}: {OPT_NAMES[opt]}'s gap changes per doubling by "
+                            + ", then ".join(f"{_est(e)} ({c0} -> {c1})" for c0, c1, e in steps)
+                            + f"; lack of fit {_est(bend)} ("
+                            + stats.direction(bend, "the line bends", "the line bends", "a straight line within t SE",
+                                              "one seed") + ").")
         if rc is not None:
             verdict = _direction(rc[0], "moves it toward", "moves it away from")
             said.append(f"{label}: the ratio changes by {rc[0].value:+.2f} ± {rc[0].se:.2f} per doubling "

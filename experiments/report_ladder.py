@@ -20,7 +20,6 @@ import math
 import pathlib
 import re
 
-import numpy as np
 
 from experiments import paper, picks, stats
 from experiments.analysis import diverged
@@ -125,19 +124,10 @@ def gaps(rows, picks: dict) -> dict[tuple[int, str], dict]:
 def slope(rows, found: dict, opt: str, way: str = "best") -> stats.Estimate | None:
     """Least-squares slope of ``opt``'s gap against ``log2(updates)`` over the rungs: a linear
     contrast ``sum_i c_i G_i`` with ``c_i = (x_i - mean x) / sum (x - mean x)^2``."""
-    rungs = sorted(u for (u, o), r in found.items() if o == opt and u in RUNGS and r[f"gap_{way}"] is not None)
+    rungs, terms = _rung_terms(found, opt, way)
     if len(rungs) < 2:
         return None
-    xs = [math.log2(u) for u in rungs]
-    x_bar = sum(xs) / len(xs)
-    sxx = sum((x - x_bar) ** 2 for x in xs)
-    coefs: dict = collections.defaultdict(float)
-    for u, x in zip(rungs, xs):
-        s, d, _ = found[(u, opt)]["terms"][way]
-        c = (x - x_bar) / sxx
-        coefs[d] += c
-        coefs[s] -= c
-    return stats.contrast(stats.arms_of(rows), dict(coefs))
+    return stats.contrast(stats.arms_of(rows), _gap_contrast(stats.slope_weights([math.log2(u) for u in rungs]), terms))
 
 
 def analyse(rows, picks: dict, out: pathlib.Path, claims: dict) -> list[str]:
@@ -249,17 +239,8 @@ def lack_of_fit(rows, found: dict, opt: str, way: str = "best") -> stats.Estimat
     second orthogonal polynomial in ``log2(updates)`` (its residual direction at three rungs), scaled
     so that it is the difference between the two halves' slopes per doubling at equal spacing."""
     rungs, terms = _rung_terms(found, opt, way)
-    if len(rungs) < 3:
-        return None
-    x = np.array([math.log2(u) for u in rungs])
-    basis = np.vander(x - x.mean(), 3, increasing=True)
-    q, _ = np.linalg.qr(basis)
-    w = q[:, 2]
-    # at three equally spaced rungs (spacing h doublings) w ~ (1, -2, 1): (G1 - 2 G2 + G3) / h is the
-    # second interval's change per doubling minus the first's
-    h = (x[-1] - x[0]) / (len(x) - 1)
-    w = w / (w[0] * h) if len(x) == 3 else w
-    return stats.contrast(stats.arms_of(rows), _gap_contrast(list(w), terms))
+    w = stats.bend_weights([math.log2(u) for u in rungs])
+    return None if w is None else stats.contrast(stats.arms_of(rows), _gap_contrast(w, terms))
 
 
 def _trend(rows, found, claims) -> list[str]:

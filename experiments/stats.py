@@ -157,6 +157,26 @@ VERDICTS = (REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE)
 ALPHA = 0.05  # one-sided level of every test
 
 
+def slope_weights(xs) -> list[float]:
+    """Least-squares slope of y on ``xs`` as weights on the y's: ``(x - x_bar) / S_xx``."""
+    x_bar = sum(xs) / len(xs)
+    sxx = sum((x - x_bar) ** 2 for x in xs)
+    return [(x - x_bar) / sxx for x in xs]
+
+
+def bend_weights(xs) -> list[float] | None:
+    """Weights on the y's of a straight line's lack of fit over three or more points ``xs``: the
+    second orthogonal polynomial in x, scaled at three equally spaced points (spacing h) to
+    ``(y1 - 2 y2 + y3) / h``, the second interval's slope minus the first's.  None under three points."""
+    if len(xs) < 3:
+        return None
+    x = np.asarray(xs, dtype=float)
+    q, _ = np.linalg.qr(np.vander(x - x.mean(), 3, increasing=True))
+    w = q[:, 2]
+    h = (x[-1] - x[0]) / (len(x) - 1)
+    return list(w / (w[0] * h)) if len(x) == 3 else list(w)
+
+
 def t_critical(n: int, alpha: float = ALPHA) -> float:
     """The one-sided ``1 - alpha`` point of Student's t at ``n - 1`` degrees of freedom: ``(mean - m0) / SE``
     of ``n`` paired seeds follows it under the null (2.92 at n = 3, 2.13 at n = 5).  For independent

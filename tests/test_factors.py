@@ -396,3 +396,28 @@ def test_pilot_refuses_optimizers_no_named_cell_measures(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             screen.main(["--out", str(tmp_path), "--pilot", "--cells", "width=256", "--pilot_optimizers", bad])
         assert e.value.code == 2 and "--pilot_optimizers" in capsys.readouterr().err
+
+
+def test_an_axis_of_three_cells_gives_each_interval_and_the_lines_lack_of_fit():
+    from experiments import report_factors
+
+    gaps = {"updates=200": 0.5, "updates=800": 0.2, "width=128": 0.1}  # a bent line: -0.15, then -0.05 per doubling
+    rows = []
+    for i, (cell, g) in enumerate(gaps.items()):
+        for seed, noise in enumerate((0.0, 0.0002, -0.0002)):
+            for arm, extra in (("sync", 0.0), ("2bw", g + noise * (i + 1) ** 2)):
+                rows.append(_row("factors", cell, "adamw", arm, 0.001, seed, 1.5 + extra + 0.01 * seed))
+    axis = report_factors.AXES["updates on the same tokens"]
+    steps = report_factors.gap_intervals(rows, axis, "adamw")
+    assert [(a, b) for a, b, _ in steps] == [("updates=200", "updates=800"), ("updates=800", "width=128")]
+    assert [e.value for _, _, e in steps] == pytest.approx([-0.15, -0.05])
+    assert report_factors.gap_bend(rows, axis, "adamw").value == pytest.approx(0.1)  # -0.05 - (-0.15)
+    assert report_factors.gap_slope(rows, axis, "adamw").value == pytest.approx((0.1 - 0.5) / 4)
+    assert report_factors.gap_bend(rows, report_factors.AXES["width (d_model)"], "adamw") is None
+    said = " ".join(report_factors.axis_table(rows)[1])
+    # the first interval's SE (0.00015) gets a fourth decimal: a standard error never prints as 0
+    assert "AdamW's gap changes per doubling by -0.1500 ± 0.0002 (updates=200 -> updates=800)" in said
+    # per seed the bend's noise is 0.5 n - 4 n + 4.5 n = n, so its SE is 0.0002 / sqrt(3)
+    assert "then -0.0500 ± 0.0003 (updates=800 -> width=128); lack of fit +0.1000 ± 0.0001 (the line bends)" in said
+    assert stats.slope_weights([0.0, 1.0, 2.0]) == pytest.approx([-0.5, 0.0, 0.5])
+    assert stats.bend_weights([0.0, 2.0, 4.0]) == pytest.approx([0.5, -1.0, 0.5])
