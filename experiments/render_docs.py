@@ -191,6 +191,26 @@ def cpu_schemes(doc: pathlib.Path) -> str:
     return "\n".join(lines + ["", _cpu_note("schemes", doc)])
 
 
+def cpu_lr_picks(doc: pathlib.Path) -> str:
+    """Each optimizer's synchronous loss at its ``cpu`` pick (``common.TUNED_LR["cpu"]``, which
+    tests/test_tuning.py holds to the ``lr`` study's rows), and how far below the corpus's unigram
+    entropy (from the latest ``main_job`` record: the same offline corpus) it ends."""
+    from experiments.studies import common
+
+    study = _study("lr")
+    entropy = records.load("main_job")[-1]["figures"]["unigram_entropy_train_nats_per_byte"]
+    picks = sorted(((opt, lr, statistics.mean(r["final_val"] for r in study[f"{opt}/lr={lr:g}/sync"].values()))
+                    for opt, lr in common.TUNED_LR["cpu"].items()), key=lambda t: t[2])
+    lines = ["| optimizer | tuned lr | sync val loss | below the unigram entropy |", "|---|---|---|---|"]
+    for opt, lr, loss in picks:
+        tuned = common.TUNED_SETTINGS.get("cpu", {}).get(opt)
+        label = OPT_NAMES[opt] + (" (" + ", ".join(f"{k.rsplit('.', 1)[-1]} {v}" for k, v in tuned.items())
+                                  + "; the `lion` study)" if tuned else "")
+        lines.append(f"| {label} | {lr:g} | {loss:.3f} | {entropy - loss:.2f} |")
+    return "\n".join(lines + ["", _cpu_note("lr", doc, gaps=False)[:-2] + f"; the unigram entropy of the "
+                               f"train split, {entropy:.2f} nats/byte, from the latest `main_job` record._"])
+
+
 def cpu_lion(doc: pathlib.Path) -> str:
     """The ``lion`` study at the cpu preset: Lion's synchronous loss per b1 and schedule, its pick in bold."""
     study = _study("lion")
@@ -1297,7 +1317,7 @@ def accelerator_status(doc: pathlib.Path) -> str:
             f"updates; [docs/accelerators.md](docs/accelerators.md)); everything else on CPU only. " + tail)
 
 
-RENDERERS = {f.__name__: f for f in (factors_pilot, cpu_lion, cpu_lr_gap, cpu_mitigations, cpu_ef_causes, cpu_momentum, cpu_schemes, cpu_sensitivity, regime_run_counts, paper_regime, paper_optimizers, paper_summary, factors_answer, factors_cells, protocol_optimizers, gpu_plan, update_size, bench_small_updates, bench_prepare, notebooks, glance, main_job, main_job_summary, tiny_optimizers, bench_optimizers, optimizers_study,
+RENDERERS = {f.__name__: f for f in (factors_pilot, cpu_lion, cpu_lr_picks, cpu_lr_gap, cpu_mitigations, cpu_ef_causes, cpu_momentum, cpu_schemes, cpu_sensitivity, regime_run_counts, paper_regime, paper_optimizers, paper_summary, factors_answer, factors_cells, protocol_optimizers, gpu_plan, update_size, bench_small_updates, bench_prepare, notebooks, glance, main_job, main_job_summary, tiny_optimizers, bench_optimizers, optimizers_study,
                                       bench_pipeline_work, bench_pipeline_work_against, bench_pipeline_processes, bench_pipeline_compile, bench_pipeline_conditionals, bench_pipeline_schedules,
                                       moe10b_dry_run, llama3_8b_dry_run, mpmd_dry_run, vocab_parallel_table, fit_table,
                                       ci, accelerator_checks, accelerator_status)}
