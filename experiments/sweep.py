@@ -562,7 +562,7 @@ def main(argv=None):
     try:
         results = execute(study, pathlib.Path(a.out), a.jobs, envs=envs, reuse_done=a.reuse)
     except Stopped:
-        print("stopped by SIGTERM: every running run saved a checkpoint; run the same command again to resume",
+        print("stopped by SIGTERM: every running run was stopped where it can resume; run the same command again",
               file=sys.stderr)
         sys.exit(STOPPED_EXIT)
     print(f"done in {(time.time() - t0) / 60:.1f} min; report: python -m experiments.report {results}")
