@@ -215,8 +215,8 @@ def execute(out: pathlib.Path, cells, jobs: int, log=print, runner=None, envs=No
     screen.next_runs()
     screen.write_results()
     if children.stopping:
-        log(f"[screen] stopped by SIGTERM: every running run was stopped where it can resume, and the done ones' rows are "
-            f"in {out / TUNE} and {out / MEASURE}; run the same command again to resume")
+        log(f"[screen] stopped by SIGTERM: every running run was stopped where it can resume, and the done "
+            f"ones' rows are in {out / TUNE} and {out / MEASURE}; run the same command again to resume")
         raise sweep.Stopped()
     log(f"[screen] nothing left to run ({len(failed)} failed); rows in {out / TUNE} and {out / MEASURE}")
 
