@@ -953,7 +953,7 @@ def protocol_optimizers(doc: pathlib.Path) -> str:
     from experiments import paper, report_factors
     from experiments.studies import factors
 
-    cell = report_factors.OPTIMIZERS_CELL
+    cell = factors.OPTIMIZERS_CELL
     measured = [r for r in _regime_rows() if r["study"] == report_factors.MEASURE]
     table = report_factors.optimizers_table(measured)
     if not table:

@@ -33,7 +33,6 @@ PAIRS = {  # one-step comparisons, not doublings: (label, base cell, changed cel
     "warmup: 20 updates against 320 (3,200 updates)": ("width=128", "warmup=20"),
 }
 RATIO_LABEL = "G_AdamW / G_Muon"
-OPTIMIZERS_CELL = "width=128"  # the cell that also holds the rest of the optimizers study (factors.MORE_OPTIMIZERS)
 
 
 def arms_by_cell(rows) -> dict[tuple[str, str, str], str]:
@@ -114,15 +113,15 @@ def cell_table(rows, cells) -> list[str]:
 
 
 def optimizers_table(rows) -> list[str]:
-    """The ``optimizers`` study under the protocol: every optimizer of :data:`OPTIMIZERS_CELL` (the
+    """The ``optimizers`` study under the protocol: every optimizer of :data:`factors.OPTIMIZERS_CELL` (the
     ``cpu_regime`` run), its gap on validation and the test split and EF's share, beside the paper's
     Tables 1 and 2; an optimizer whose arms are not all measured at three seeds shows what it has."""
-    val = cell_estimates(rows, OPTIMIZERS_CELL)
-    test = cell_estimates(rows, OPTIMIZERS_CELL, lambda r: r.get("test_val"))
+    val = cell_estimates(rows, factors.OPTIMIZERS_CELL)
+    test = cell_estimates(rows, factors.OPTIMIZERS_CELL, lambda r: r.get("test_val"))
     if val is None:
         return []
     body = []
-    for opt in factors.optimizers_of(OPTIMIZERS_CELL):
+    for opt in factors.optimizers_of(factors.OPTIMIZERS_CELL):
         e, t = val["opts"].get(opt), (test or {"opts": {}})["opts"].get(opt, {})
         if e is None:
             body.append((OPT_NAMES[opt], "-", "not measured yet", "-", "-", paper.gap(opt), "-", paper.ef_share(opt)))
@@ -292,8 +291,9 @@ def progress(tune_rows, rows) -> str:
     full = len(protocol.MEASURE_SEEDS)
     started = sorted({r["variant"].split("/")[0] for r in rows}, key=order.index)
     done = [c for c in started if all(len(seeds[(c, o, a)]) >= full for o, a in factors.arms(c) if o in factors.OPTIMIZERS)]
-    more = [(o, all(len(seeds[(OPTIMIZERS_CELL, o, a)]) >= full for oo, a in factors.arms(OPTIMIZERS_CELL) if oo == o))
-            for o in factors.optimizers_of(OPTIMIZERS_CELL) if o not in factors.OPTIMIZERS]
+    home = factors.OPTIMIZERS_CELL
+    more = [(o, all(len(seeds[(home, o, a)]) >= full for oo, a in factors.arms(home) if oo == o))
+            for o in factors.optimizers_of(home) if o not in factors.OPTIMIZERS]
     measuring = [c for c in started if c not in done]
     tuned = sorted({r["variant"].split("/")[0] for r in tune_rows} - set(started), key=order.index)
     waiting = [c for c in factors.QUEUE if c not in started and c not in tuned]
@@ -303,7 +303,7 @@ def progress(tune_rows, rows) -> str:
             f"{full} seeds or more): {', '.join(done) or 'none'}; measuring: {', '.join(measuring) or 'none'}; "
             f"tuning: {', '.join(tuned) or 'none'}; not started (the "
             f"queue runs in this order, width first): {', '.join(waiting) or 'none'}; cut to fit the screen's "
-            f"budget of about {factors.SCREEN_HOURS} hours on 2 cores: {', '.join(cut) or 'none'}. {OPTIMIZERS_CELL}'s "
+            f"budget of about {factors.SCREEN_HOURS} hours on 2 cores: {', '.join(cut) or 'none'}. {home}'s "
             f"other optimizers (run after every cell's contrast), measured: "
             f"{', '.join(o for o, ok in more if ok) or 'none'}; not yet: {', '.join(o for o, ok in more if not ok) or 'none'}.")
 
@@ -343,8 +343,8 @@ def analyse(tune_rows, rows, claims) -> list[str]:
               "pick); " + SHARE_NOTE + f" {RATIO_LABEL}: the point and its 90% Fieller interval "
               "(none where Muon's gap is unresolved).", ""]
     lines += cell_table(rows, factors.ORDER)
-    lines += [f"### Every optimizer under the protocol ({OPTIMIZERS_CELL})", "",
-              f"The `{OPTIMIZERS_CELL}` cell is the `cpu_regime` run of the `optimizers` study; it also holds "
+    lines += [f"### Every optimizer under the protocol ({factors.OPTIMIZERS_CELL})", "",
+              f"The `{factors.OPTIMIZERS_CELL}` cell is the `cpu_regime` run of the `optimizers` study; it also holds "
               + ", ".join(OPT_NAMES[o] for o in factors.MORE_OPTIMIZERS) + " (EF only for the optimizers of the "
               "paper's Table 2). Gaps in nats/byte, the paper's in nats/token of its tokenizer: compare signs, "
               "ratios and shares, not sizes.", ""] + optimizers_table(rows)

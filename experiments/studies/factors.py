@@ -130,6 +130,8 @@ CELLS = {
                 {("adamw", "sync"): -1, ("adamw", "2bw"): -3, ("adamw", "ef"): -3,
                  ("muon", "sync"): -2, ("muon", "2bw"): -3, ("muon", "ef"): -3}),
 }
+# The cell that also holds the rest of the optimizers study (MORE_OPTIMIZERS): the cpu_regime run itself.
+OPTIMIZERS_CELL = next(c for c, (_, _, k0) in CELLS.items() if any(o in MORE_OPTIMIZERS for o, _ in k0))
 # The screen's budget: about this many hours of wall time on 2 cores (`--jobs 2`), all cells
 # together.  The pilot (`python -m experiments.screen --pilot`, rendered in docs/studies.md) prices
 # every cell; the cells that do not fit beside the queue are cut and stay defined, so
