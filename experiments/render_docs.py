@@ -1152,24 +1152,28 @@ def factors_pilot(doc: pathlib.Path) -> str:
             f"`--jobs 2`, against a budget of about {factors.SCREEN_HOURS} for the contrast (the cut cells would add "
             f"{cut / 2:.0f}). Cut: {reasons}."
             + (f" Priced from one optimizer's pilot only: {', '.join(partial)}." if partial else "")
-            + _bytes_per_token(latest, factors)
+            + _bytes_per_token(latest)
             + f" Hardware: {_hw(used)}.")
     return "\n".join(lines + ["", f"_{note}_", "", _provenance(used, [path], doc)])
 
 
-def _bytes_per_token(latest: dict, factors) -> str:
-    """A sentence per cell on another tokenizer: how many bytes its tokens hold (its pilots' final
-    validation loss per token over per byte), so how many more bytes its windows and updates hold
-    than the byte cells' at the same shape."""
+def _bytes_per_token(latest: dict) -> str:
+    """A sentence per cell on another tokenizer than the default's bytes: how many bytes its tokens
+    hold (its pilots' final validation loss per token over per byte), so how many more bytes its
+    windows and updates hold than the byte cells' at the same shape."""
+    from asyncpp_jax import configs
+    from experiments.studies import factors
+
+    byte = configs.base_config().data.tokenizer
     out = []
     for cell, (overrides, *_) in factors.CELLS.items():
         recs = [r for (c, _), r in latest.items() if c == cell]
-        if overrides.get("data.tokenizer", "bytes") == "bytes" or not recs:
+        if overrides.get("data.tokenizer", byte) == byte or not recs:
             continue
         per = [r["figures"]["final_val_nats_per_token"] / r["figures"]["final_val_nats_per_byte"] for r in recs]
         b = sum(per) / len(per)
         out.append(f" `{cell}`'s tokens hold {b:.2f} bytes each on the validation split (its pilots' loss per token "
-                   f"over loss per byte), so at the same {overrides.get('data.seq_len', 128)}-token window its contexts "
+                   f"over loss per byte), so at the same {overrides['data.seq_len']}-token window its contexts "
                    f"and its updates hold {b:.1f} times the bytes of the byte cells'.")
     return "".join(out)
 
