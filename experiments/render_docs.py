@@ -977,28 +977,34 @@ def gpu_plan(doc: pathlib.Path) -> str:
     from asyncpp_jax import configs
     from asyncpp_jax.models import dense
     from asyncpp_jax.models.flops import flops_per_token
-    from experiments.studies import common
+    from experiments.studies import common, factors
 
     g = common.GPU
+    widths = [c for c in factors.ORDER if c.startswith("width=")]
+    cut = [c for c in widths if c in factors.CUT]
+    low, high = (f(factors.parameters(c) for c in widths if c not in cut) for f in (min, max))
     tokens = g["train.steps"] * g["train.global_batch_size"] * g["data.seq_len"]
     runs_per_cell = 2 * 3 * (GPU_TUNE_POINTS * GPU_TUNE_SEEDS + GPU_MEASURE_SEEDS)
     lines = ["| body | parameters | model FLOPs per run | H100-hours per run | runs | H100-hours |", "|---|---|---|---|---|---|"]
-    total = 0.0
+    total, largest = 0.0, 0
     for config in ("configs/dense135m.py", "configs/dense360m.py"):
         c = configs.load_file(config)
         c.model.vocab_size = g["model.vocab_size"]
         n = dense.count_params(dense.abstract_params(c.model))
         flops = flops_per_token(c.model, g["data.seq_len"]) * tokens
         hours = flops / (GPU_MFU * g["train.peak_tflops_per_device"] * 1e12) / 3600
-        total += hours * runs_per_cell
+        total, largest = total + hours * runs_per_cell, max(largest, n)
         lines.append(f"| `{config}` (byte vocabulary) | {n / 1e6:.1f}M | {flops:.2e} | {hours:.1f} | {runs_per_cell} | "
                      f"{hours * runs_per_cell:.0f} |")
     note = (f"Each cell: AdamW and Muon x sync, 2bw, 2bw + EF; each arm tuned on {GPU_TUNE_POINTS} learning rates at "
             f"{GPU_TUNE_SEEDS} tuning seed, measured at {GPU_MEASURE_SEEDS} other seeds; the `gpu` preset's "
-            f"{tokens / 1e9:.2f}B byte tokens per run (5,000 updates of 128 x 2,048); FLOPs from "
+            f"{tokens / 1e9:.2f}B byte tokens per run ({g['train.steps']:,} updates of "
+            f"{g['train.global_batch_size']} x {g['data.seq_len']:,}); FLOPs from "
             f"`asyncpp_jax.models.flops` (6N + attention), hours at {GPU_MFU:.0%} MFU of "
             f"{g['train.peak_tflops_per_device']:g} bf16 TFLOP/s. Both bodies: {total:.0f} H100-hours. With the "
-            "CPU screen's cells (0.76M-11.7M parameters) they give the AdamW/Muon ratio from 0.76M to 315M parameters.")
+            f"CPU screen's width cells ({low / 1e6:.2f}M-{high / 1e6:.1f}M parameters"
+            + (f"; cut: {', '.join(f'{c} at {factors.parameters(c) / 1e6:.1f}M' for c in cut)}" if cut else "")
+            + f") they give the AdamW/Muon ratio from {low / 1e6:.2f}M to {largest / 1e6:.0f}M parameters.")
     return "\n".join(lines + ["", f"_{note}_"])
 
 
@@ -1071,11 +1077,15 @@ def factors_pilot(doc: pathlib.Path) -> str:
     for rec in records.load("factors_pilot"):
         if rec.get("cell") in factors.CELLS:
             latest[(rec["cell"], rec["figures"]["optimizer"])] = rec
+    from experiments import report_factors
+
     committed: dict = {}
-    for r in _regime_rows():
-        if r["study"] in ("factors_tune", "factors"):
-            cell = r["variant"].split("/")[0]
-            committed[cell] = committed.get(cell, 0) + 1
+    rows = [r for r in _regime_rows() if r["study"] in (report_factors.TUNE, report_factors.MEASURE)]
+    for r in rows:
+        cell = r["variant"].split("/")[0]
+        committed[cell] = committed.get(cell, 0) + 1
+    states = report_factors.cell_states([r for r in rows if r["study"] == report_factors.TUNE],
+                                        [r for r in rows if r["study"] == report_factors.MEASURE])
     def planned(cell: str, opt: str) -> float:
         arms, seeds = sum(o == opt for o, _ in factors.arms(cell)), len(factors.CELLS[cell][1])
         return arms * ((3 + PLAN_GROWTH) * seeds + len(protocol.MEASURE_SEEDS)
@@ -1104,7 +1114,7 @@ def factors_pilot(doc: pathlib.Path) -> str:
             used.append(rec)
             minutes[opt] = run_minutes(cell, rec)
             shown.append(f"{rec['figures']['s_per_update']:.3f} s, {minutes[opt]:.1f}")
-        status = "**cut**" if cell in factors.CUT else "queued"
+        status = "**cut**" if states[cell] == "cut" else states[cell]
         if not minutes:
             lines.append(f"| `{cell}` | " + " | ".join(shown) + f" | {seeds} | - | - | {committed.get(cell, 0)} | {status} |")
             continue
@@ -1147,10 +1157,11 @@ def factors_pilot(doc: pathlib.Path) -> str:
             + f") tuned on 3 + {PLAN_GROWTH} learning rates at the "
             f"cell's tuning seeds, measured at "
             f"{len(protocol.MEASURE_SEEDS)} seeds, and at {len(protocol.MORE_SEEDS)} more for "
-            f"{PLAN_MORE_SEED_SHARE:.0%} of them; runs committed: the cell's rows in the cpu_regime results. The queued "
-            f"cells and the other optimizers: {queued:.0f} job-hours, {queued / 2:.0f} hours of wall time with "
-            f"`--jobs 2`, against a budget of about {factors.SCREEN_HOURS} for the contrast (the cut cells would add "
-            f"{cut / 2:.0f}). Cut: {reasons}."
+            f"{PLAN_MORE_SEED_SHARE:.0%} of them; runs committed: the cell's rows in the cpu_regime results; screen: the cell's state "
+            f"from those rows (measured: every AdamW and Muon arm at {len(protocol.MEASURE_SEEDS)} seeds or more). "
+            f"The cells the budget keeps and the other optimizers: {queued:.0f} job-hours, {queued / 2:.0f} hours of wall time with "
+            f"`--jobs 2`, against a budget of about {factors.SCREEN_HOURS} hours for the contrast (the cut cells would add "
+            f"{cut / 2:.0f} hours more). Cut: {reasons}."
             + (f" Priced from one optimizer's pilot only: {', '.join(partial)}." if partial else "")
             + _bytes_per_token(latest)
             + f" Hardware: {_hw(used)}.")

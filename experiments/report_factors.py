@@ -282,28 +282,47 @@ def headline(rows) -> str:
     return conclusion(rows)[0]
 
 
-def progress(tune_rows, rows) -> str:
-    """Which cells are measured, being measured, tuning, not started and cut, from the rows (the cut ones from
-    :data:`factors.CUT`, with the pilot's costs in docs/studies.md)."""
-    order, seeds = factors.ORDER, collections.defaultdict(set)
+def cell_states(tune_rows, rows) -> dict[str, str]:
+    """Each cell's state in the screen, from the rows: "measured" (every AdamW and Muon arm at the
+    protocol's measurement seeds), "measuring", "tuning", "queued" (nothing run yet) or "cut"
+    (:data:`factors.CUT`, nothing run)."""
+    seeds = collections.defaultdict(set)
     for r in rows:
         seeds[tuple(r["variant"].split("/")[i] for i in (0, 1, 3))].add(r["seed"])
     full = len(protocol.MEASURE_SEEDS)
-    started = sorted({r["variant"].split("/")[0] for r in rows}, key=order.index)
-    done = [c for c in started if all(len(seeds[(c, o, a)]) >= full for o, a in factors.arms(c) if o in factors.OPTIMIZERS)]
+    started = {r["variant"].split("/")[0] for r in rows}
+    tuned = {r["variant"].split("/")[0] for r in tune_rows}
+
+    def state(c: str) -> str:
+        if c in started:
+            done = all(len(seeds[(c, o, a)]) >= full for o, a in factors.arms(c) if o in factors.OPTIMIZERS)
+            return "measured" if done else "measuring"
+        return "tuning" if c in tuned else "cut" if c in factors.CUT else "queued"
+
+    return {c: state(c) for c in factors.ORDER}
+
+
+def progress(tune_rows, rows) -> str:
+    """Which cells are measured, being measured, tuning, not started and cut (:func:`cell_states`;
+    the cut cells' costs are the pilot's table in docs/studies.md)."""
+    states, full = cell_states(tune_rows, rows), len(protocol.MEASURE_SEEDS)
+    seeds = collections.defaultdict(set)
+    for r in rows:
+        seeds[tuple(r["variant"].split("/")[i] for i in (0, 1, 3))].add(r["seed"])
     home = factors.OPTIMIZERS_CELL
     more = [(o, all(len(seeds[(home, o, a)]) >= full for oo, a in factors.arms(home) if oo == o))
             for o in factors.optimizers_of(home) if o not in factors.OPTIMIZERS]
-    measuring = [c for c in started if c not in done]
-    tuned = sorted({r["variant"].split("/")[0] for r in tune_rows} - set(started), key=order.index)
-    waiting = [c for c in factors.QUEUE if c not in started and c not in tuned]
-    cut = [c for c in factors.CUT if c not in started and c not in tuned]
+
+    def named(state: str) -> str:
+        return ", ".join(c for c, s in states.items() if s == state) or "none"
+
     return (f"{len(tune_rows)} tuning runs (seeds {sorted({r['seed'] for r in tune_rows})}) and {len(rows)} "
             f"measured runs (seeds {sorted({r['seed'] for r in rows})}) committed. Cells measured (every arm at "
-            f"{full} seeds or more): {', '.join(done) or 'none'}; measuring: {', '.join(measuring) or 'none'}; "
-            f"tuning: {', '.join(tuned) or 'none'}; not started (the "
-            f"queue runs in this order, width first): {', '.join(waiting) or 'none'}; cut to fit the screen's "
-            f"budget of about {factors.SCREEN_HOURS} hours on 2 cores: {', '.join(cut) or 'none'}. {home}'s "
+            f"{full} seeds or more): {named('measured')}; measuring: {named('measuring')}; "
+            f"tuning: {named('tuning')}; not started (the "
+            f"queue runs in this order, width first): {', '.join(c for c in factors.QUEUE if states[c] == 'queued') or 'none'}; "
+            f"cut to fit the screen's "
+            f"budget of about {factors.SCREEN_HOURS} hours on 2 cores: {named('cut')}. {home}'s "
             f"other optimizers (run after every cell's contrast), measured: "
             f"{', '.join(o for o, ok in more if ok) or 'none'}; not yet: {', '.join(o for o, ok in more if not ok) or 'none'}.")
 

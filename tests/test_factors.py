@@ -228,6 +228,20 @@ def test_progress_calls_a_cell_measured_only_when_every_arm_has_its_seeds():
     assert "width=256" not in said.split("measuring")[0]
     rows = rows[1:]  # width=128's first arm short of a seed
     assert "more): none; measuring: width=128, width=256;" in report_factors.progress(tune, rows)
+    states = report_factors.cell_states(tune, rows)
+    assert (states["width=128"], states["width=256"], states["updates=800"]) == ("measuring", "measuring", "tuning")
+    assert states["seqs=8"] == "queued" and all(states[c] == "cut" for c in factors.CUT)
+    # a cut cell named with --cells and run is no longer "cut": its rows say what it is
+    assert report_factors.cell_states(tune + [_row("factors_tune", "width=512", "adamw", "sync", 0.001, 100, 1.5)],
+                                      rows)["width=512"] == "tuning"
+
+
+def test_parameters_follow_the_cells_width():
+    """The counts the docs quote (0.76M -> 3.0M -> 11.7M); the BPE cell's larger (tied) table adds
+    (4,096 - 257) x 128 to width 128's."""
+    assert [factors.parameters(c) for c in ("width=128", "width=256", "width=512")] == [759040, 2968064, 11736064]
+    assert factors.parameters("seqs=8") == 759040
+    assert factors.parameters("vocab=bpe4096") - 759040 == (4096 - 257) * 128
 
 
 def test_no_import_circle_in_experiments():

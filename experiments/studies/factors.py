@@ -52,6 +52,18 @@ def width(d: int) -> dict:
     return {"model.d_model": d, "model.n_heads": d // 32, "model.n_kv_heads": d // 64, "model.d_ff": 344 * d // 128}
 
 
+def parameters(cell: str) -> int:
+    """The cell's model parameters: :data:`CONFIG` with the cell's ``model.*`` overrides."""
+    from asyncpp_jax import configs
+    from asyncpp_jax.models import dense
+
+    c = configs.load_file(CONFIG)
+    for key, value in CELLS[cell][0].items():
+        if key.startswith("model."):
+            c.model[key.split(".", 1)[1]] = value
+    return dense.count_params(dense.abstract_params(c.model))
+
+
 def tokenizer_path() -> pathlib.Path:
     cache = os.environ.get("ASYNCPP_JAX_CACHE") or os.path.expanduser("~/.cache/asyncpp_jax")
     return pathlib.Path(cache) / "tokenizers" / f"stdlib-train-bpe{BPE_VOCAB}.json"
