@@ -156,6 +156,8 @@ def main(argv=None):
         raise SystemExit(f"update_size: unknown {', '.join(unknown)}; --cells takes {', '.join(factors.CELLS)} and "
                          f"--optimizers {', '.join(factors.OPTIMIZERS)}")
     tune_rows = [r for r in map(json.loads, RESULTS.read_text().splitlines()) if r["study"] == "factors_tune"]
+    if any(factors.CELLS[c][0].get("data.tokenizer") == "BPE" for c in cells):
+        factors.bpe_tokenizer()  # the vocabulary cell's runs read it from the cache; trained once, as the screen does
     figures = {}
     for opt in opts:
         first = pick_of(cells[0], opt, tune_rows)
