@@ -1067,7 +1067,7 @@ PLAN_GROWTH, PLAN_MORE_SEED_SHARE = 1, 0.5
 def factors_pilot(doc: pathlib.Path) -> str:
     """The factor screen's pilots (each cell's sync run of each optimizer cut to a few hundred
     updates, ``--jobs 2``), the cost per cell they imply, and which cells the budget keeps."""
-    from experiments import protocol
+    from experiments import protocol, report_factors
     from experiments.studies import factors
 
     path = BENCH_LINK / "factors_pilot.jsonl"
@@ -1077,8 +1077,6 @@ def factors_pilot(doc: pathlib.Path) -> str:
     for rec in records.load("factors_pilot"):
         if rec.get("cell") in factors.CELLS:
             latest[(rec["cell"], rec["figures"]["optimizer"])] = rec
-    from experiments import report_factors
-
     committed: dict = {}
     rows = [r for r in _regime_rows() if r["study"] in (report_factors.TUNE, report_factors.MEASURE)]
     for r in rows:

@@ -282,14 +282,19 @@ def headline(rows) -> str:
     return conclusion(rows)[0]
 
 
+def _arm_seeds(rows) -> dict:
+    """``{(cell, optimizer, arm): the seeds measured}``."""
+    seeds = collections.defaultdict(set)
+    for r in rows:
+        seeds[tuple(r["variant"].split("/")[i] for i in (0, 1, 3))].add(r["seed"])
+    return seeds
+
+
 def cell_states(tune_rows, rows) -> dict[str, str]:
     """Each cell's state in the screen, from the rows: "measured" (every AdamW and Muon arm at the
     protocol's measurement seeds), "measuring", "tuning", "queued" (nothing run yet) or "cut"
     (:data:`factors.CUT`, nothing run)."""
-    seeds = collections.defaultdict(set)
-    for r in rows:
-        seeds[tuple(r["variant"].split("/")[i] for i in (0, 1, 3))].add(r["seed"])
-    full = len(protocol.MEASURE_SEEDS)
+    seeds, full = _arm_seeds(rows), len(protocol.MEASURE_SEEDS)
     started = {r["variant"].split("/")[0] for r in rows}
     tuned = {r["variant"].split("/")[0] for r in tune_rows}
 
@@ -305,10 +310,7 @@ def cell_states(tune_rows, rows) -> dict[str, str]:
 def progress(tune_rows, rows) -> str:
     """Which cells are measured, being measured, tuning, not started and cut (:func:`cell_states`;
     the cut cells' costs are the pilot's table in docs/studies.md)."""
-    states, full = cell_states(tune_rows, rows), len(protocol.MEASURE_SEEDS)
-    seeds = collections.defaultdict(set)
-    for r in rows:
-        seeds[tuple(r["variant"].split("/")[i] for i in (0, 1, 3))].add(r["seed"])
+    states, seeds, full = cell_states(tune_rows, rows), _arm_seeds(rows), len(protocol.MEASURE_SEEDS)
     home = factors.OPTIMIZERS_CELL
     more = [(o, all(len(seeds[(home, o, a)]) >= full for oo, a in factors.arms(home) if oo == o))
             for o in factors.optimizers_of(home) if o not in factors.OPTIMIZERS]
