@@ -322,8 +322,7 @@ def progress(tune_rows, rows) -> str:
             f"measured runs (seeds {sorted({r['seed'] for r in rows})}) committed. Cells measured (every arm at "
             f"{full} seeds or more): {named('measured')}; measuring: {named('measuring')}; "
             f"tuning: {named('tuning')}; not started (the "
-            f"queue runs in this order, width first): {', '.join(c for c in factors.QUEUE if states[c] == 'queued') or 'none'}; "
-            f"cut to fit the screen's "
+            f"queue runs in this order, width first): {named('queued')}; cut to fit the screen's "
             f"budget of about {factors.SCREEN_HOURS} hours on 2 cores: {named('cut')}. {home}'s "
             f"other optimizers (run after every cell's contrast), measured: "
             f"{', '.join(o for o, ok in more if ok) or 'none'}; not yet: {', '.join(o for o, ok in more if not ok) or 'none'}.")

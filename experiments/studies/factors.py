@@ -53,7 +53,8 @@ def width(d: int) -> dict:
 
 
 def parameters(cell: str) -> int:
-    """The cell's model parameters: :data:`CONFIG` with the cell's ``model.*`` overrides."""
+    """The cell's model parameters: :data:`CONFIG` with the cell's ``model.*`` overrides (not through
+    ``sweep.run_config``, which would need a whole run and import the sweep that loads this module)."""
     from asyncpp_jax import configs
     from asyncpp_jax.models import dense
 
