@@ -17,7 +17,7 @@ CLI subprocesses that tests start inherit the directory, so each program compile
 On the CPU, XLA is asked for 4 fake devices (unless ``XLA_FLAGS`` already says how many), so the
 data-parallel and pipeline tests have a mesh.  Tests that need more devices than the platform has
 declare it with ``@pytest.mark.needs_devices(n)`` and are skipped, with the reason, where fewer are
-present (e.g. one GPU).  On the CPU, XLA compiles at optimisation level 1 (below).  Multi-process
+present (e.g. one GPU).  On the CPU, XLA compiles at optimisation level 0 (below).  Multi-process
 launches (``asyncpp_jax.launch``) always use fake CPU devices in their child processes, so they run
 on any host.
 """
