@@ -495,9 +495,10 @@ def bench_pipeline_conditionals(doc: pathlib.Path) -> str:
 
 def _glance_delay(adamw: tuple, muon: tuple, doc: pathlib.Path) -> str:
     """The glance row on the delay: the ``optimizers`` study in the paper's regime (``cpu_regime``,
-    best arm against best arm), with the few-update ``cpu`` preset's gaps (``adamw``, ``muon``) beside."""
-    rows = _regime_rows()
-    arms = stats.arms_of([r for r in rows if r["study"] == "optimizers"])
+    best arm against best arm, the protocol's rows where it has measured AdamW and Muon), with the
+    few-update ``cpu`` preset's gaps (``adamw``, ``muon``) beside."""
+    proto, _, early = _headline_arms()
+    arms = proto if "adamw/sync" in proto and "muon/sync" in proto else early
     few = (f"AdamW {adamw[0]:+.3f} ± {adamw[1]:.3f}, Muon {muon[0]:+.3f} ± {muon[1]:.3f} at 200 large updates "
            f"(`cpu`, {adamw[2]} seeds)")
     gaps = {o: stats.gap(arms, f"{o}/2bw", f"{o}/sync") for o in ("adamw", "muon")} if arms else {}
@@ -509,7 +510,8 @@ def _glance_delay(adamw: tuple, muon: tuple, doc: pathlib.Path) -> str:
     answer = stats.direction(diff, "yes", "no", "not resolved (one-sided t test)")
     return (f"| Does the one-step delay hurt AdamW more than Muon? (`optimizers` study, each arm at its tuned "
             f"learning rate) | {answer}: delay gap AdamW {a.value:+.3f} ± {a.se:.3f}, Muon {m.value:+.3f} ± {m.se:.3f} "
-            f"nats/byte at 3,200 small updates (`cpu_regime`, {min(a.n, m.n)} seeds); {few} | "
+            f"nats/byte at 3,200 small updates (`cpu_regime`, {min(a.n, m.n)} seeds"
+            f"{', each arm tuned on other seeds' if arms is proto else ''}); {few} | "
             f"{_link(REPO_ROOT / 'docs' / 'studies.md', doc)} |")
 
 
@@ -800,47 +802,67 @@ def paper_regime(doc: pathlib.Path) -> str:
     return "\n".join(lines + ["", f"_{note} Rows: {_link(REGIME_RESULTS, doc)}._"])
 
 
-def paper_optimizers(doc: pathlib.Path) -> str:
-    """Table 1 and 2 beside the ``optimizers`` study at ``cpu_regime`` (3,200 updates, three seeds):
-    each optimizer's gap both ways and EF's share, with paired standard errors."""
-    from experiments import paper, report_ladder, sweep
-    from experiments.studies import tuned
+def _headline_arms() -> tuple[dict, dict, dict]:
+    """The README's headline rows as ``OPTIMIZER/ARM`` arms: the protocol's (the factor screen's
+    optimizers cell, each arm at its pick from tuning seeds it is never measured on) on the
+    validation windows and on the test split, and the earlier ``optimizers`` study's (each arm tuned
+    on seed 0, one of its measured seeds) for the optimizers the protocol has not measured yet."""
+    from experiments import report_factors
 
     rows = _regime_rows()
-    arms = stats.arms_of([r for r in rows if r["study"] == "optimizers"])
-    if not arms:
+    proto = report_factors.protocol_rows([r for r in rows if r["study"] == report_factors.MEASURE])
+    return (stats.arms_of(proto), stats.arms_of(proto, lambda r: r.get("test_val")),
+            stats.arms_of([r for r in rows if r["study"] == "optimizers"]))
+
+
+EARLIER = "†"  # marks a row or a figure from the earlier protocol's rows
+
+
+def paper_optimizers(doc: pathlib.Path) -> str:
+    """Table 1 and 2 beside the ``optimizers`` study at ``cpu_regime`` (3,200 updates, three seeds):
+    each optimizer's gap on the validation windows and the test split and EF's share, from the
+    protocol's rows where it has measured the optimizer, else from the earlier protocol's (marked)."""
+    from experiments import paper, protocol
+    from experiments.report_format import share_text
+    from experiments.studies import factors
+
+    proto, test, early = _headline_arms()
+    if not proto and not early:
         return "_The `optimizers` study at `cpu_regime` has no committed rows yet._"
 
-    def share(r):
-        return "-" if r is None else report_ladder.share_text(r) + f" ({r.n})"
+    def est(e):
+        return "-" if e is None else f"{e.value:+.3f}" + ("" if e.n < 2 else f" ± {e.se:.3f}")
 
-    def est(e, pct=False):
-        if e is None:
-            return "-"
-        text = f"{e.value:.0%}" if pct else f"{e.value:+.3f}"
-        return text + (("" if e.n < 2 else f" ± {e.se:.0%}" if pct else f" ± {e.se:.3f}") + f" ({e.n})")
-
-    lines = ["| optimizer | sync (nats/byte) | gap, best vs best | gap at sync's lr | the paper's gap | EF share | "
+    lines = ["| optimizer | sync (nats/byte) | gap (val) | gap (test split) | the paper's gap | EF share (val) | "
              "the paper's EF share |", "|---|---|---|---|---|---|---|"]
+    marked = False
     for opt, name in OPT_NAMES.items():
-        if f"{opt}/sync" not in arms:
+        arms = proto if f"{opt}/sync" in proto else early if f"{opt}/sync" in early else None
+        if arms is None:
             continue
+        marked |= arms is early
         sync = [v for _, v in arms[f"{opt}/sync"]]
-        at_sync = f"{opt}/2bw{tuned.AT_SYNC}" if f"{opt}/2bw{tuned.AT_SYNC}" in arms else f"{opt}/2bw"
-        lines.append(f"| {name} | {sum(sync) / len(sync):.3f} | {est(stats.gap(arms, f'{opt}/2bw', f'{opt}/sync'))} | "
-                     f"{est(stats.gap(arms, at_sync, f'{opt}/sync'))} | {paper.gap(opt)} | "
-                     f"{share(stats.share(arms, f'{opt}/ef', f'{opt}/2bw', f'{opt}/sync'))} | "
+        share = stats.share(arms, f"{opt}/ef", f"{opt}/2bw", f"{opt}/sync")
+        lines.append(f"| {name}{' ' + EARLIER if arms is early else ''} | {sum(sync) / len(sync):.3f} | "
+                     f"{est(stats.gap(arms, f'{opt}/2bw', f'{opt}/sync'))} | "
+                     f"{est(stats.gap(test, f'{opt}/2bw', f'{opt}/sync')) if arms is proto else '-'} | "
+                     f"{paper.gap(opt)} | {share_text(share)} | "
                      f"{paper.ef_share(opt)} |")
-    q = stats.fieller(arms, {"adamw/2bw": 1.0, "adamw/sync": -1.0}, {"muon/2bw": 1.0, "muon/sync": -1.0})
-    ratio = "-" if q is None else q.text() + " (90% Fieller interval)"
-    seeds = sorted({s for runs in arms.values() for s, _ in runs})
-    note = (f"3,200 updates of 2 x 128 bytes; each arm at its own learning rate from one grid (`optimizers_tune`), "
-            f"and each delayed arm again at its synchronous arm's (\"at sync's lr\"); mean over seeds {seeds} ± paired "
-            f"standard error (seeds in brackets); EF share: the point and its 90% interval from the linear test of "
-            f"G_EF - (1 - s) G, none where G is unresolved. AdamW's gap over Muon's: {ratio} (the paper: "
-            f"{paper.gap_ratio():.0f}). Gaps in nats/byte (the paper's in nats/token of its tokenizer: compare "
-            f"ratios and shares, not sizes). {sum(len(v) for v in arms.values())} runs committed of "
-            f"`optimizers`' {len(sweep.expand(sweep.load_study('optimizers', 'cpu_regime')))}.")
+    cell = factors.OPTIMIZERS_CELL
+    ratios = [f"{q.text()} ({where})" for arms, where in ((proto, "val"), (test, "test split")) if
+              (q := stats.fieller(arms, {"adamw/2bw": 1.0, "adamw/sync": -1.0}, {"muon/2bw": 1.0, "muon/sync": -1.0}))]
+    seeds = sorted({s for runs in proto.values() for s, _ in runs})
+    expected = len(factors.arms(cell)) * len(protocol.MEASURE_SEEDS)
+    note = (f"3,200 updates of 2 x 128 bytes (the factor screen's `{cell}` cell); each arm at its own pick from a "
+            f"learning-rate grid run on tuning seeds {list(factors.CELLS[cell][1])}, measured on seeds {seeds} ± "
+            f"paired standard error; test split: 512 windows no pick saw. EF share: the point and its 90% interval "
+            f"from the linear test of G_EF - (1 - s) G, none where G is unresolved. AdamW's gap over Muon's: "
+            f"{', '.join(ratios) or '-'} (90% Fieller intervals; the paper: {paper.gap_ratio():.0f}). Gaps in "
+            f"nats/byte (the paper's in nats/token of its tokenizer: compare ratios and shares, not sizes). "
+            f"{sum(len(v) for v in proto.values())} of the cell's {expected} measured runs committed.")
+    if marked:
+        note += (f" {EARLIER} Not yet measured under the protocol: the earlier `optimizers` study's rows, each arm "
+                 "tuned on seed 0, one of its three measured seeds, and no test split.")
     return "\n".join(lines + ["", f"_{note} Rows: {_link(REGIME_RESULTS, doc)}._"])
 
 
@@ -856,31 +878,50 @@ def paper_summary(doc: pathlib.Path) -> str:
     from experiments import paper, report_ladder, tuning
 
     rows = _regime_rows()
-    arms = stats.arms_of([r for r in rows if r["study"] == "optimizers"])
-    if not arms:
+    proto, test, early = _headline_arms()
+    if not proto and not early:
         return "_No `cpu_regime` rows are committed yet._"
     ga, gm = ({"adamw/2bw": 1.0, "adamw/sync": -1.0}, {"muon/2bw": 1.0, "muon/sync": -1.0})
-    q = stats.fieller(arms, ga, gm)
-    ten = stats.contrast(arms, {**ga, "muon/2bw": -10.0, "muon/sync": 10.0})
-    out = [f"AdamW's gap is {q.text()} times Muon's (90% Fieller interval, three seeds), against the paper's "
-           f"~{paper.gap_ratio():.0f}; a ratio of 10 is "
-           + stats.direction(ten, "not rejected (it is exceeded)", "rejected", "not rejected")
-           + f" (G_AdamW - 10 G_Muon = {ten.value:+.3f} ± {ten.se:.3f}, one-sided t test at 2 degrees of freedom). "
-           "Gaps here are in nats/byte and the paper's in nats/token of its tokenizer, so only ratios and shares "
-           "compare across the two, not sizes."]
+
+    def against(arms) -> tuple:
+        q, ten = stats.fieller(arms, ga, gm), stats.contrast(arms, {**ga, "muon/2bw": -10.0, "muon/sync": 10.0})
+        said = stats.direction(ten, "not rejected (it is exceeded)", "rejected", "not rejected")
+        return q, ten, f"a ratio of 10 is {said} (G_AdamW - 10 G_Muon = {ten.value:+.3f} ± {ten.se:.3f}, one-sided t " \
+                       f"test at {ten.n - 1} degrees of freedom)"
+
+    out = []
+    if "adamw/sync" in proto and "muon/sync" in proto:
+        q, ten, said = against(proto)
+        qt = stats.fieller(test, ga, gm)
+        text = (f"Under the protocol, AdamW's gap is {q.text()} times Muon's on the validation windows and "
+                f"{qt.text() if qt else '-'} on the test split (90% Fieller intervals, {ten.n} seeds), against the "
+                f"paper's ~{paper.gap_ratio():.0f}; {said}.")
+        if "adamw/sync" in early and "muon/sync" in early:
+            qe, _, said_e = against(early)
+            text += (f" The earlier protocol's rows, each arm tuned on one of its measured seeds, gave {qe.text()}, "
+                     f"where {said_e}.")
+    else:
+        q, ten, said = against(early)
+        text = (f"AdamW's gap is {q.text()} times Muon's (90% Fieller interval, {ten.n} seeds), against the paper's "
+                f"~{paper.gap_ratio():.0f}; {said}.")
+    out.append(text + " Gaps here are in nats/byte and the paper's in nats/token of its tokenizer, so only ratios "
+               "and shares compare across the two, not sizes.")
     shares = []
     for opt, name in (("adamw", "AdamW"), ("muon", "Muon"), ("soap", "SOAP")):
+        arms = proto if f"{opt}/sync" in proto else early
         f = stats.share(arms, f"{opt}/ef", f"{opt}/2bw", f"{opt}/sync")
         if f is None:
             continue
+        tag = f"; {EARLIER} the earlier protocol's rows" if arms is early else ""
         if not f.resolved:
-            shares.append(f"{name}'s gap is not resolved from 0, so EF's share of it is not given")
+            shares.append(f"{name}'s gap is not resolved from 0, so EF's share of it is not given"
+                          + (f" ({tag[2:]})" if tag else ""))
             continue
         lo, hi = (float(x.strip("%")) / 100 for x in paper.ef_share(opt).split("-")) if "-" in paper.ef_share(opt) \
             else (float(paper.ef_share(opt).strip("%")) / 100,) * 2
         where = "inside" if f.lo <= lo and hi <= f.hi else "outside" if hi < f.lo or lo > f.hi else "partly inside"
         text = (f"EF recovers {f.text(pct=True)} of {name}'s gap (the paper's {paper.ef_share(opt)} is {where} "
-                "that interval)")
+                f"that interval{tag})")
         if f.value > 1:  # a share above 100%: the EF arm ended at or below sync
             g_ef = stats.gap(arms, f"{opt}/ef", f"{opt}/sync")
             level = stats.direction(g_ef, "above it", "below it", "level with it within t standard errors")
@@ -910,11 +951,12 @@ def paper_summary(doc: pathlib.Path) -> str:
             more.append(f"{name}'s by {c.value:+.3f} ± {c.se:.3f} (" + stats.direction(c, "grows", "shrinks", "no change beyond t SE") + ")")
     if more:
         out.append("Doubling the tokens at the same batch (3,200 -> 6,400 updates) changes " + ", ".join(more) + ".")
-    out.append("These rows follow the earlier protocol: each arm was tuned on seed 0, which is also one of the "
-               "three measured seeds, and on the same validation windows it is reported on. The factor screen "
-               "below follows the new one (tuning seeds never measured, a test split) and measures all six "
-               f"optimizers again under it ({_link(REPO_ROOT / 'docs' / 'studies.md', doc)}, \"Every optimizer under the "
-               "protocol\").")
+    marked = {v.split("/")[0] for v in early} - {v.split("/")[0] for v in proto}
+    out.append(f"The ladder's rows{' and the rows marked ' + EARLIER if marked else ''} "
+               "follow the earlier protocol: each arm was tuned on seed 0, which is also one of the three measured "
+               "seeds, and on the same validation windows it is reported on. The factor screen below repeats the "
+               "ladder's rungs under the protocol (tuning seeds never measured, a test split) for AdamW and Muon "
+               f"({_link(REPO_ROOT / 'docs' / 'studies.md', doc)}, \"Every optimizer under the protocol\").")
     return "\n\n".join(out) + f"\n\n_Generated from {_link(REGIME_RESULTS, doc)}._"
 
 

@@ -146,6 +146,8 @@ def analyse(name: str, rows: list[dict], out: pathlib.Path, claims: dict, own=la
 # Studies whose section reads other studies' rows too (a tuning study and its measurement):
 # the module that owns the pair's analysis, by the measured study's name (``X`` and ``X_tune``).
 PAIRED = {"ladder": report_ladder, "factors": report_factors}
+# Studies under the referee protocol (tuning seeds never measured, a test split): their claims win.
+PROTOCOL_STUDIES = ("factors",)
 
 
 def study_section(name: str):
@@ -179,9 +181,13 @@ def report(paths, out: pathlib.Path) -> pathlib.Path:
         row = json.loads(line)
         studies[row["study"]].append(row)
     claims: dict[str, tuple[str, str, str]] = {}
-    body = []
-    for name in sorted(studies):
-        body += study_section(name)(name, studies, out, claims)
+    # The protocol's studies run last, so that where they test a claim their verdict replaces the
+    # earlier studies' (whose arms were tuned on a seed they were then measured on); the body keeps
+    # the studies' alphabetical order.
+    sections = {}
+    for name in sorted(studies, key=lambda n: (n.removesuffix("_tune") in PROTOCOL_STUDIES, n)):
+        sections[name] = study_section(name)(name, studies, out, claims)
+    body = [line for name in sorted(studies) for line in sections[name]]
     digest = hashlib.sha256(data.encode()).hexdigest()[:16]
     lines = ["# Async PP study report", "", f"Made from `{RESULTS}` beside this file ({len(rows)} runs, sha256 "
              f"`{digest}`); regenerate with `python -m experiments.report --check <this directory>`.", "",
@@ -197,7 +203,11 @@ def report(paths, out: pathlib.Path) -> pathlib.Path:
              "(n seeds; t = 2.92 at n = 3, 2.13 at n = 5): reproduced (the test's estimate is more than t SE on the "
              "claim's side of its threshold), not reproduced (more than t SE on the other side), or "
              "inconclusive at this scale (within t SE, or fewer than two seeds). In the tests below, t stands "
-             "for that point.", ""]
+             "for that point." + (" The measured column names the rows each verdict rests on: where the factor "
+                                  "screen (`factors`, each arm tuned on seeds it is never measured on) tests a "
+                                  "claim, its rows decide it; the other claims rest on the earlier studies, whose "
+                                  "arms were tuned on one of their measured seeds."
+                                  if any(n in studies for n in PROTOCOL_STUDIES) else ""), ""]
     if claims:
         lines += md_table(["claim", "verdict", "test", "measured", "the paper"],
                        [(c, v, test, why, theirs) for c, (v, test, why, theirs) in claims.items()])

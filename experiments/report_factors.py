@@ -17,8 +17,8 @@ from __future__ import annotations
 import collections
 import math
 
-from experiments import paper, protocol, stats
-from experiments.report_format import OPT_NAMES, SHARE_NOTE, md_table, se_kind
+from experiments import analysis, paper, protocol, stats
+from experiments.report_format import OPT_NAMES, SHARE_NOTE, claim, md_table, se_kind
 from experiments.studies import factors
 
 TUNE, MEASURE = "factors_tune", "factors"
@@ -328,6 +328,61 @@ def progress(tune_rows, rows) -> str:
             f"{', '.join(o for o, ok in more if ok) or 'none'}; not yet: {', '.join(o for o, ok in more if not ok) or 'none'}.")
 
 
+def protocol_rows(rows, cell: str = factors.OPTIMIZERS_CELL) -> list[dict]:
+    """``cell``'s measured rows of every optimizer whose arms all have the protocol's measurement
+    seeds, each renamed ``OPTIMIZER/ARM`` (the ``optimizers`` study's variants; the screen measures
+    one pick per arm), so that analyses written for that study read the protocol's rows unchanged."""
+    seeds, full = _arm_seeds(rows), len(protocol.MEASURE_SEEDS)
+    done = {o for o in factors.optimizers_of(cell)
+            if all(len(seeds.get((cell, o, a), ())) >= full for oo, a in factors.arms(cell) if oo == o)}
+    out = []
+    for r in rows:
+        c, opt, _, arm = r["variant"].split("/")
+        if c == cell and opt in done:
+            out.append({**r, "variant": f"{opt}/{arm}"})
+    return out
+
+
+UPDATES_AXIS = "updates on the same tokens"
+
+
+def protocol_claims(rows, out, claims: dict) -> list[str]:
+    """The paper's claims that the protocol's rows test, recorded under the same names as the earlier
+    studies' (each arm tuned on a seed it was then measured on), so that these rows decide them: EF's
+    share, AdamW's gap against Muon's and the gap over training from :data:`factors.OPTIMIZERS_CELL`,
+    and "more, smaller updates shrink the gap" from the updates axis once all its cells are measured.
+    Returns the gap-over-training section of those rows."""
+    cell = factors.OPTIMIZERS_CELL
+    where = f"`{MEASURE}` {cell} (protocol)"
+    renamed = protocol_rows(rows, cell)
+    arms = stats.arms_of(renamed)
+    opts = [o for o in factors.optimizers_of(cell) if f"{o}/sync" in arms]
+    for opt in opts:
+        if f"{opt}/ef" in arms:
+            analysis.ef_claim(claims, arms, opt, f"{opt}/ef", f"{opt}/2bw", f"{opt}/sync", where)
+    analysis.far_larger_claim(claims, arms, where)
+    labels = {o: f"{cell} {o} 2bw" for o in opts}
+    lines = analysis.analyse_gap_over_time(MEASURE, renamed, [(labels[o], f"{o}/2bw", f"{o}/sync") for o in opts],
+                                           out, claims, {o: labels[o] for o in factors.OPTIMIZERS if o in labels},
+                                           prefer=True)
+    axis = AXES[UPDATES_AXIS]
+    for opt in factors.OPTIMIZERS:
+        pts = _measured(rows, axis, opt)
+        s = gap_slope(rows, axis, opt)
+        if len(pts) < len(axis) or s is None or s.n < 2:
+            continue
+        steps, x = gap_intervals(rows, axis, opt), dict(axis)
+        claim(claims, f"More, smaller updates on the same tokens shrink the delay gap ({opt})",
+              stats.verdict(stats.Estimate(-s.value, s.se, s.paired, s.n)),
+              "least-squares slope b of the gap against log2(updates) over the rungs, each arm at its own pick: "
+              "reproduced if b + t SE < 0, not reproduced if b - t SE > 0",
+              f"`{MEASURE}` (protocol), rungs {', '.join(f'{x:,}' for _, x in axis)} updates: b = {_est(s, 4)} per "
+              f"doubling ({se_kind(s)}); per interval "
+              + ", ".join(f"{x[c0]:,}->{x[c1]:,}: {_est(e, 4)}" for c0, c1, e in steps),
+              "a smaller batch shrinks the gap (reported, no figure)")
+    return lines
+
+
 def grid_table(tune_rows) -> list[str]:
     """Each arm's grid so far: mean final val over the cell's tuning seeds per learning rate (done
     points only), the pick in bold once the grid has bracketed it (:func:`experiments.protocol.tune_state`)."""
@@ -352,7 +407,7 @@ def grid_table(tune_rows) -> list[str]:
             "holds the best point).", ""] + md_table(["cell", "optimizer", "arm", "lr: final val", "pick"], body) + [""]
 
 
-def analyse(tune_rows, rows, claims) -> list[str]:
+def analyse(tune_rows, rows, out, claims) -> list[str]:
 
     lines = ["## The factor screen: what makes the gap large?", "", progress(tune_rows, rows), ""]
     if tune_rows:
@@ -370,7 +425,7 @@ def analyse(tune_rows, rows, claims) -> list[str]:
               "ratios and shares, not sizes.", ""] + optimizers_table(rows)
     table, _ = axis_table(rows)
     lines += ["### Along each axis", ""] + table + conclusion(rows) + [""]
-    return lines
+    return lines + protocol_claims(rows, out, claims)
 
 
 def section(name: str, studies: dict[str, list[dict]], out, claims: dict) -> list[str]:
@@ -378,4 +433,4 @@ def section(name: str, studies: dict[str, list[dict]], out, claims: dict) -> lis
     tuning rows beside them), else under ``factors_tune`` alone."""
     if name == TUNE and MEASURE in studies:
         return []
-    return analyse(studies.get(TUNE, []), studies.get(MEASURE, []), claims)
+    return analyse(studies.get(TUNE, []), studies.get(MEASURE, []), out, claims)

@@ -435,3 +435,49 @@ def test_an_axis_of_three_cells_gives_each_interval_and_the_lines_lack_of_fit():
     assert "then -0.0500 ± 0.0003 (updates=800 -> width=128); lack of fit +0.1000 ± 0.0001 (the line bends)" in said
     assert stats.slope_weights([0.0, 1.0, 2.0]) == pytest.approx([-0.5, 0.0, 0.5])
     assert stats.bend_weights([0.0, 2.0, 4.0]) == pytest.approx([0.5, -1.0, 0.5])
+
+
+def test_the_protocols_rows_decide_the_claims_they_test_and_head_the_readmes_table(tmp_path, monkeypatch):
+    """AdamW and Muon measured under the protocol, SOAP one seed short: the claims on AdamW and Muon
+    and the README's rows for them come from the protocol's rows; SOAP's stay the earlier study's, marked."""
+    import json
+    from experiments import render_docs, report as report_lib, report_factors
+
+    def row(study, variant, seed, val, test=None):
+        return {"study": study, "variant": variant, "seed": seed, "run_id": f"{study}-{variant}-{seed}", "point": {},
+                "overrides": {}, "final_val": val, "test_val": test, "val_curve": [[1600, val], [3200, val]],
+                "train_curve": [], "config": {}, "status": "finished"}
+
+    early = {"adamw": 0.09, "muon": 0.01, "soap": 0.02}  # the earlier study: a ratio of 9
+    proto = {"adamw": 0.06, "muon": 0.02, "soap": 0.03}  # the protocol: a ratio of 3
+    rows = []
+    for seed in protocol.MEASURE_SEEDS:
+        for opt in early:
+            for arm, share in (("sync", None), ("2bw", 0.0), ("ef", 0.5)):
+                g = lambda gap: 0.0 if share is None else gap * (1 - share) + 0.001 * seed  # noqa: E731
+                rows.append(row("optimizers", f"{opt}/{arm}", seed, 1.5 + g(early[opt]) + 0.01 * seed))
+                if opt != "soap" or seed != protocol.MEASURE_SEEDS[-1]:
+                    rows.append(row("factors", factors.variant("width=128", opt, arm, 0.001), seed,
+                                    1.4 + g(proto[opt]) + 0.01 * seed, 1.45 + g(proto[opt]) + 0.01 * seed))
+    measured = [r for r in rows if r["study"] == "factors"]
+    assert {r["variant"] for r in report_factors.protocol_rows(measured)} == \
+        {f"{o}/{a}" for o in ("adamw", "muon") for a in factors.ARMS}
+
+    path = tmp_path / "results.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = report_lib.report([path], tmp_path / "rep").read_text()
+    claims = {line.split(" | ")[0][2:]: line for line in text.splitlines() if line.startswith("| ") and " | " in line}
+    assert "`factors` width=128 (protocol): G_AdamW +0.0610 ± 0.0006" in claims["AdamW's delay gap is far larger than Muon's"]
+    assert "`factors` width=128 (protocol): c =" in claims["Error feedback recovers a large part of the gap (muon)"]
+    assert "`optimizers`: c =" in claims["Error feedback recovers a large part of the gap (soap)"]
+    assert "its rows decide it" in text
+    # the body keeps the studies' alphabetical order whatever order the claims were decided in
+    assert text.index("## The factor screen") < text.index("## Study `optimizers`")
+
+    monkeypatch.setattr(render_docs, "_regime_rows", lambda: rows)
+    table = render_docs.paper_optimizers(render_docs.REPO_ROOT / "README.md")
+    assert "| AdamW | 1.410 | +0.061 ± 0.001 | +0.061 ± 0.001 | +0.278 | 49% [" in table
+    assert f"| SOAP {render_docs.EARLIER} | 1.510 | +0.021 ± 0.001 | - | +0.027 |" in table
+    assert "2.90 [" in table and "(test split)" in table and "Not yet measured under the protocol" in table
+    summary = render_docs.paper_summary(render_docs.REPO_ROOT / "README.md")
+    assert summary.startswith("Under the protocol, AdamW's gap is 2.90 [") and "The earlier protocol's rows" in summary
