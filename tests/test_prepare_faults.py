@@ -123,8 +123,16 @@ def test_a_prepare_waiting_on_another_says_so_naming_it(tmp_path):
     assert not os.path.exists(os.path.join(out["path"], "holder.json"))
 
 
-def _limited(resource_id: int, value: int):
-    return lambda: resource.setrlimit(resource_id, (value, resource.getrlimit(resource_id)[1]))
+# Sets one soft limit, then execs the command.  A wrapper process rather than subprocess's
+# preexec_fn: the test process runs JAX's threads, and code between fork and exec in a threaded
+# process can deadlock (Python warns of exactly that).
+_SET_LIMIT_THEN_EXEC = ("import os, resource, sys; r, v = int(sys.argv[1]), int(sys.argv[2]); "
+                        "resource.setrlimit(r, (v, resource.getrlimit(r)[1])); os.execv(sys.argv[3], sys.argv[3:])")
+
+
+def _limited(cmd: list[str], resource_id: int, value: int) -> list[str]:
+    """``cmd`` run under the soft limit ``value`` on ``resource_id`` (as ``ulimit`` would set it)."""
+    return [sys.executable, "-c", _SET_LIMIT_THEN_EXEC, str(resource_id), str(value), *cmd]
 
 
 def test_file_size_and_address_space_limits_are_one_line(tmp_path):
@@ -132,15 +140,15 @@ def test_file_size_and_address_space_limits_are_one_line(tmp_path):
     run under a small ``ulimit -v`` died in JAX's start ("Fatal Python error: Aborted") or with an
     allocation's traceback.  Now one line naming the limit, exit 1."""
     prepare = [*PREPARE, "--source=stdlib", f"--cache_dir={tmp_path}"]
-    for limit, needle in ((_limited(resource.RLIMIT_FSIZE, 100_000), "at most 100,000 bytes in this shell (ulimit -f)"),
-                          (_limited(resource.RLIMIT_AS, 300 << 20), "out of memory (the address-space limit, ulimit -v")):
-        out = subprocess.run(prepare, capture_output=True, text=True, timeout=300, preexec_fn=limit)
+    for limit, needle in (((resource.RLIMIT_FSIZE, 100_000), "at most 100,000 bytes in this shell (ulimit -f)"),
+                          ((resource.RLIMIT_AS, 300 << 20), "out of memory (the address-space limit, ulimit -v")):
+        out = subprocess.run(_limited(prepare, *limit), capture_output=True, text=True, timeout=300)
         assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
         assert out.stderr.strip().splitlines()[-1].startswith("error: ") and needle in out.stderr, out.stderr[-3000:]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    out = subprocess.run([sys.executable, "-m", "asyncpp_jax.main", f"--workdir={tmp_path / 'run'}"], cwd=configs.REPO_ROOT,
-                         capture_output=True, text=True, timeout=120, env=env,
-                         preexec_fn=_limited(resource.RLIMIT_AS, 2 << 30))
+    out = subprocess.run(_limited([sys.executable, "-m", "asyncpp_jax.main", f"--workdir={tmp_path / 'run'}"],
+                                  resource.RLIMIT_AS, 2 << 30),
+                         cwd=configs.REPO_ROOT, capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr[-3000:]
     assert "the address-space limit of this shell (ulimit -v) is 2.00 GiB" in out.stderr
 
@@ -150,9 +158,9 @@ def test_a_file_size_limit_at_a_runs_start_is_one_line(tmp_path):
     """The run prepares its corpus under ``ulimit -f``: one line, exit 1 (the environment's doing)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
-    out = subprocess.run([sys.executable, "-m", "asyncpp_jax.main", f"--workdir={tmp_path / 'run'}",
-                          f"--config.data.cache_dir={tmp_path / 'cache'}"], cwd=configs.REPO_ROOT, capture_output=True,
-                         text=True, timeout=300, env=env, preexec_fn=_limited(resource.RLIMIT_FSIZE, 100_000))
+    out = subprocess.run(_limited([sys.executable, "-m", "asyncpp_jax.main", f"--workdir={tmp_path / 'run'}",
+                                   f"--config.data.cache_dir={tmp_path / 'cache'}"], resource.RLIMIT_FSIZE, 100_000),
+                         cwd=configs.REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
     assert out.stderr.strip().splitlines()[-1].startswith("error: preparing the corpus in ")
     assert "at most 100,000 bytes in this shell (ulimit -f)" in out.stderr
