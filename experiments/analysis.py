@@ -214,9 +214,7 @@ def delay_gaps(name: str, rows: list[dict], arms, out: pathlib.Path, claims: dic
                     [(p, est(g), se_kind(g)) for p, g in gaps.items()]) + [""]
     if name == "optimizers":
         lines += ef_shares(arms, prefixes, claims)
-    if name == "optimizers":
         far_larger_claim(claims, arms, "`optimizers`")
-    if name == "optimizers":
         pairs = [(f"{opt} 2bw", f"{opt}/2bw", f"{opt}/sync") for opt in ("adamw", "muon")]
         lines += analyse_gap_over_time(name, rows, pairs, out, claims,
                                        {"adamw": "adamw 2bw", "muon": "muon 2bw"}, prefer=True)
