@@ -291,18 +291,24 @@ def _arm_seeds(rows) -> dict:
     return seeds
 
 
+def _measured_fully(seeds: dict, cell: str, opts) -> bool:
+    """Whether every arm of ``opts`` in ``cell`` has the protocol's measurement seeds (``seeds`` from
+    :func:`_arm_seeds`)."""
+    full = len(protocol.MEASURE_SEEDS)
+    return all(len(seeds.get((cell, o, a), ())) >= full for o, a in factors.arms(cell) if o in opts)
+
+
 def cell_states(tune_rows, rows) -> dict[str, str]:
     """Each cell's state in the screen, from the rows: "measured" (every AdamW and Muon arm at the
     protocol's measurement seeds), "measuring", "tuning", "queued" (nothing run yet) or "cut"
     (:data:`factors.CUT`, nothing run)."""
-    seeds, full = _arm_seeds(rows), len(protocol.MEASURE_SEEDS)
+    seeds = _arm_seeds(rows)
     started = {r["variant"].split("/")[0] for r in rows}
     tuned = {r["variant"].split("/")[0] for r in tune_rows}
 
     def state(c: str) -> str:
         if c in started:
-            done = all(len(seeds[(c, o, a)]) >= full for o, a in factors.arms(c) if o in factors.OPTIMIZERS)
-            return "measured" if done else "measuring"
+            return "measured" if _measured_fully(seeds, c, factors.OPTIMIZERS) else "measuring"
         return "tuning" if c in tuned else "cut" if c in factors.CUT else "queued"
 
     return {c: state(c) for c in factors.ORDER}
@@ -313,7 +319,7 @@ def progress(tune_rows, rows) -> str:
     the cut cells' costs are the pilot's table in docs/studies.md)."""
     states, seeds, full = cell_states(tune_rows, rows), _arm_seeds(rows), len(protocol.MEASURE_SEEDS)
     home = factors.OPTIMIZERS_CELL
-    more = [(o, all(len(seeds[(home, o, a)]) >= full for oo, a in factors.arms(home) if oo == o))
+    more = [(o, _measured_fully(seeds, home, (o,)))
             for o in factors.optimizers_of(home) if o not in factors.OPTIMIZERS]
 
     def named(state: str) -> str:
@@ -333,9 +339,8 @@ def protocol_rows(rows, cell: str = factors.OPTIMIZERS_CELL) -> list[dict]:
     """``cell``'s measured rows of every optimizer whose arms all have the protocol's measurement
     seeds, each renamed ``OPTIMIZER/ARM`` (the ``optimizers`` study's variants; the screen measures
     one pick per arm), so that analyses written for that study read the protocol's rows unchanged."""
-    seeds, full = _arm_seeds(rows), len(protocol.MEASURE_SEEDS)
-    done = {o for o in factors.optimizers_of(cell)
-            if all(len(seeds.get((cell, o, a), ())) >= full for oo, a in factors.arms(cell) if oo == o)}
+    seeds = _arm_seeds(rows)
+    done = {o for o in factors.optimizers_of(cell) if _measured_fully(seeds, cell, (o,))}
     out = []
     for r in rows:
         c, opt, _, arm = r["variant"].split("/")
