@@ -494,9 +494,9 @@ def bench_pipeline_conditionals(doc: pathlib.Path) -> str:
 
 
 def _glance_delay(adamw: tuple, muon: tuple, doc: pathlib.Path) -> str:
-    """The glance row on the delay: the ``optimizers`` study in the paper's regime (``cpu_regime``,
-    best arm against best arm, the protocol's rows where it has measured AdamW and Muon), with the
-    few-update ``cpu`` preset's gaps (``adamw``, ``muon``) beside."""
+    """The glance row on the delay: the paper's regime (``cpu_regime``, best arm against best arm;
+    the factor screen's width=128 cell where the protocol has measured AdamW and Muon, else the
+    ``optimizers`` study), with the few-update ``cpu`` preset's gaps (``adamw``, ``muon``) beside."""
     proto, _, early = _headline_arms()
     arms = proto if "adamw/sync" in proto and "muon/sync" in proto else early
     few = (f"AdamW {adamw[0]:+.3f} ± {adamw[1]:.3f}, Muon {muon[0]:+.3f} ± {muon[1]:.3f} at 200 large updates "
@@ -508,7 +508,8 @@ def _glance_delay(adamw: tuple, muon: tuple, doc: pathlib.Path) -> str:
     a, m = gaps["adamw"], gaps["muon"]
     diff = stats.contrast(arms, {"adamw/2bw": 1.0, "adamw/sync": -1.0, "muon/2bw": -1.0, "muon/sync": 1.0})
     answer = stats.direction(diff, "yes", "no", "not resolved (one-sided t test)")
-    return (f"| Does the one-step delay hurt AdamW more than Muon? (`optimizers` study, each arm at its tuned "
+    source = "the factor screen's `width=128` cell" if arms is proto else "`optimizers` study"
+    return (f"| Does the one-step delay hurt AdamW more than Muon? ({source}, each arm at its tuned "
             f"learning rate) | {answer}: delay gap AdamW {a.value:+.3f} ± {a.se:.3f}, Muon {m.value:+.3f} ± {m.se:.3f} "
             f"nats/byte at 3,200 small updates (`cpu_regime`, {min(a.n, m.n)} seeds"
             f"{', each arm tuned on other seeds' if arms is proto else ''}); {few} | "
