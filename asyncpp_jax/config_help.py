@@ -109,7 +109,8 @@ MEANINGS = {
     "staleness.nesterov_b1": "the look-ahead's momentum (NAdamW's b1, or Muon's mu)",
     "staleness.nesterov_momentum_decay": "NAdamW's momentum decay",
     "staleness.weight_prediction": "True: take the gradient at w_t + d * delta_t (SpecTrain / PipeMare prediction)",
-    "pipeline.schedule": "sync | 1f1b | interleaved | zb-h1 (flushed) | 2bw (no flush, one-step delay); "
+    "pipeline.schedule": "sync | 1f1b | interleaved | zb-h1 (flushed) | 2bw (no flush, one-step delay) | "
+                         "pipedream (no flush, stage s delayed P - 1 - s steps); "
                          "docs/pipeline.md",
     "pipeline.virtual_stages": "interleaved: chunks of layers per device",
     "pipeline.recompute": "True: a stage's backward recomputes its forward from the stashed input",

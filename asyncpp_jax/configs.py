@@ -101,13 +101,22 @@ def resolve(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """A copy with the automatic fields filled in (``train.microbatches = -1``); validate after."""
     c = ml_collections.ConfigDict(c.to_dict())
     if c.train.microbatches == -1:
-        want, step = microbatch_rule(c)
-        if want == 1 and uses_pipeline(c) and isinstance(c.pipeline.stages, int) and c.pipeline.stages > 1:
-            want = 2 * (c.pipeline.stages - 1)  # a flushed schedule: enough to keep its bubble modest
-        per_replica = c.train.global_batch_size // max(c.mesh.data, 1) if isinstance(c.mesh.data, int) else 1
-        divisors = [m for m in range(want, max(per_replica, 0) + 1, step) if per_replica % m == 0]
-        c.train.microbatches = divisors[0] if divisors else want
+        counts = auto_microbatches(c)
+        c.train.microbatches = counts[0] if counts else microbatch_rule(c)[0]  # validate names the fix
     return c
+
+
+def auto_microbatches(c) -> list[int]:
+    """The counts ``train.microbatches=-1`` picks from, smallest first (without a memory budget the
+    first; with one, the first whose compiled step fits): the divisors of the per-replica batch that
+    the schedule runs (:func:`microbatch_rule`), from ``2(P - 1)`` where that rule starts at 1 on a
+    pipeline, so that a flushed schedule's bubble ``(P - 1) / (M + P - 1)`` is at most a third; where
+    no divisor reaches that, the largest one the schedule runs.  Empty when none divides the batch."""
+    low, step = microbatch_rule(c)
+    per_replica = c.train.global_batch_size // max(c.mesh.data, 1) if _is_int(c.mesh.data) else 1
+    runs = [m for m in range(low, max(per_replica, 0) + 1, step) if per_replica % m == 0]
+    floor = 2 * (c.pipeline.stages - 1) if low == 1 and uses_pipeline(c) and _is_int(c.pipeline.stages) else low
+    return [m for m in runs if m >= floor] or runs[-1:]
 
 
 def pipeline_schedules() -> tuple:
@@ -829,7 +838,7 @@ def _pipeline_defaults() -> ml_collections.ConfigDict:
             # embedding and head replicated, or split with vocab_parallel) | mpmd: one program per
             # stage, each stage holding only what it uses: the embedding (its versions, optimizer
             # state, accumulators) on the first stage, the final norm and head on the last, a
-            # tied table on those two only.  mpmd runs schedule sync, 1f1b or 2bw (2bw from
+            # tied table on those two only.  mpmd runs schedule sync, 1f1b, 2bw or pipedream (2bw from
             # microbatches >= stages - 1), with recompute=True, an even split, no vocab_parallel
             # and no weight prediction, in a job of one process
             placement="spmd",

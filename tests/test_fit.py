@@ -73,6 +73,19 @@ def test_pipeline_2bw_respects_its_minimum_microbatches():
     assert fit.microbatch_candidates(c) == [8, 16, 32]
 
 
+def test_auto_microbatches_on_a_flushed_pipeline_starts_at_the_same_floor_with_or_without_a_budget():
+    c = _cfg()
+    c.pipeline.update(stages=4, schedule="1f1b")
+    assert configs.auto_microbatches(c) == [8, 16, 32, 64]  # bubble (P-1)/(M+P-1) <= 1/3: M >= 6
+    assert configs.resolve(c).train.microbatches == 8
+    measure = FakeMeasure(act_gb=0.1)  # every count fits: the budget search still starts at the floor
+    assert fit.decide(c, measure, int(10 * GB)).config.train.microbatches == 8 and measure.calls[0][0] == 8
+    assert fit.microbatch_candidates(c)[0] == 1  # an explicit count below the floor still runs
+    c.train.global_batch_size = 4  # no divisor reaches 6: the largest the schedule runs
+    assert configs.auto_microbatches(c) == [4] and configs.resolve(c).train.microbatches == 4
+    configs.validate(configs.resolve(c))
+
+
 def test_an_explicit_setting_that_does_not_fit_suggests_the_smallest_change():
     measure = FakeMeasure()
     d = fit.decide(_cfg(microbatches=2), measure, int(10 * GB))

@@ -166,7 +166,7 @@ def decide(raw, measure: Callable, budget: int | None, search: Search | None = N
     auto_m = raw.train.microbatches == -1
     auto_r = bool(raw.train.auto_remat) and not raw.model.remat
     remats = [False, True] if auto_r else [bool(resolved.model.remat)]
-    counts = microbatch_candidates(resolved) if auto_m else [resolved.train.microbatches]
+    counts = configs.auto_microbatches(resolved) if auto_m else [resolved.train.microbatches]
     for remat in remats:
         c = with_fields(resolved, model__remat=remat)
         m = search.smallest_microbatches(c, counts)

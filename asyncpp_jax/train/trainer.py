@@ -130,6 +130,7 @@ class Trainer:
         check_available(configs.loggers(config))  # before any data is prepared or anything compiled
         configs.check_workdir(workdir)
         self.workdir = pathlib.Path(workdir)
+        created = not self.workdir.exists()
         try:
             self.workdir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -144,6 +145,9 @@ class Trainer:
             self._setup(config, devices)
         except BaseException:
             self._lock.release()
+            if created:  # a run refused before it wrote anything leaves no empty workdir behind
+                with contextlib.suppress(OSError):
+                    self.workdir.rmdir()
             raise
 
     def _setup(self, config, devices):
