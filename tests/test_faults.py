@@ -167,7 +167,11 @@ def test_resume_with_changed_layout_is_refused_before_anything_changes(damaged_c
     # a compatible change (more steps) resumes; config.json holds the settings of this latest start,
     # and each checkpoint keeps those it was trained under
     c = fault_config(cache_dir, steps=6)
-    Trainer(c, damaged_copy).close()
+    t = Trainer(c, damaged_copy)
+    held = {k: v for k, v in snapshot(damaged_copy).items() if k != "run.lock"}  # the open trainer's lock
+    assert held == before  # config.json is written when the run starts, not when it is set up
+    t.run(until_step=4)
+    t.close()
     assert json.loads((damaged_copy / "config.json").read_text())["train"]["steps"] == 6
     assert ckpt_lib.read_manifest(damaged_copy / "checkpoints" / "4")["run"]["config"]["train"]["steps"] == 4
 

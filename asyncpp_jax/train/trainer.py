@@ -199,18 +199,21 @@ class Trainer:
         self.health: health_lib.Health | None = None  # set when a run starts
         self._retired: tuple[int | None, str] | None = None  # (newest good step, what was set aside) on a divergence
         self.compile_abandoned = False  # a stop signal came while the first step compiled
-        self._write_config(self.resume_plan.changed)
 
     # ------------------------------------------------------------------------------------------
     def _write_config(self, changed: list[str]) -> None:
         """config.json holds the settings of the run's latest start (each checkpoint's manifest holds
-        those its state was trained under, which the export reads); replaced atomically."""
+        those its state was trained under, which the export reads); replaced atomically, and left
+        untouched when it already says the same."""
         path = self.workdir / "config.json"
         if changed:
             log.warning("resuming with settings that differ from those the checkpoint was trained under (%s now "
                         "records these; each checkpoint keeps its own):\n  %s", path, "\n  ".join(changed))
         if jax.process_index() == 0:
             for name, text in (("config.json", configs.to_json(self.config)), ("routing.txt", self.routing + "\n")):
+                with contextlib.suppress(OSError):
+                    if (self.workdir / name).read_text() == text:
+                        continue
                 tmp = self.workdir / (name + ".tmp")
                 tmp.write_text(text)
                 os.replace(tmp, self.workdir / name)
@@ -313,6 +316,7 @@ class Trainer:
         c = self.config
         stop_at = c.train.steps if until_step is None else min(until_step, c.train.steps)
         state, iterator = self.restore_or_init()
+        self._write_config(self.resume_plan.changed)  # only now: a refused restore changes nothing
         p = _Progress(start=int(state.step), step=int(state.step))
         self.health = health_lib.Health(c, p.start, self.runner.options)
         writer = MetricWriter(self.workdir, configs.loggers(c), resume_step=p.start, config=c)
