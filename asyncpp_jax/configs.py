@@ -420,25 +420,27 @@ def _check_moe(c) -> list[str]:
         errs.append(f"config.model.moe.capacity_factor={moe.capacity_factor} gives each expert more slots than there "
                     f"are token assignments (capacity_factor > num_experts={moe.num_experts}); use at most "
                     f"{moe.num_experts} (1.0-1.25 is usual), or <= 0 for dropless.")
-    elif _number(errs, "model.moe.capacity_factor", moe.capacity_factor, allow=()) and moe.capacity_factor > 0:
-        tokens = _tokens_per_replica_microbatch(c)
-        if tokens and _is_int(moe.top_k) and moe.top_k >= 1 and moe.capacity_factor * moe.top_k * tokens < moe.num_experts:
-            errs.append(
-                f"config.model.moe.capacity_factor={moe.capacity_factor} leaves each expert less than one slot: "
-                f"capacity_factor * top_k * tokens / num_experts = {moe.capacity_factor} * {moe.top_k} * {tokens} / "
-                f"{moe.num_experts} < 1 (almost every assignment would be dropped); use >= "
-                f"{moe.num_experts / (moe.top_k * tokens):.3g} (1.0-1.25 is usual), or <= 0 for dropless.")
+    else:
+        _number(errs, "model.moe.capacity_factor", moe.capacity_factor, allow=())
     return errs
 
 
-def _tokens_per_replica_microbatch(c) -> int | None:
-    """Tokens one data replica routes per microbatch (the ``N`` of the MoE capacity), if well defined."""
-    t, data = c.train, c.mesh.data
-    if not (_is_int(t.global_batch_size) and _is_int(t.microbatches) and _is_int(data) and _is_int(c.data.seq_len)):
-        return None
-    if t.microbatches < 1 or t.global_batch_size < 1 or c.data.seq_len < 1:
-        return None
-    return max(t.global_batch_size // (t.microbatches * max(data, 1)), 1) * c.data.seq_len
+def _capacity_errors(c, data: int) -> list[str]:
+    """A positive ``moe.capacity_factor`` leaves each expert at least one slot of the tokens one of
+    the ``data`` replicas routes per microbatch (the ``N`` of the capacity)."""
+    moe, t = c.model.moe, c.train
+    numbers = (moe.num_experts, moe.top_k, t.global_batch_size, t.microbatches, c.data.seq_len)
+    if not (all(_is_int(v) and v >= 1 for v in numbers) and _is_real(moe.capacity_factor)):
+        return []
+    if not 0 < moe.capacity_factor <= moe.num_experts:
+        return []
+    tokens = max(t.global_batch_size // (t.microbatches * data), 1) * c.data.seq_len
+    if moe.capacity_factor * moe.top_k * tokens >= moe.num_experts:
+        return []
+    return [f"config.model.moe.capacity_factor={moe.capacity_factor} leaves each expert less than one slot: "
+            f"capacity_factor * top_k * tokens / num_experts = {moe.capacity_factor} * {moe.top_k} * {tokens} / "
+            f"{moe.num_experts} < 1 (almost every assignment would be dropped); use >= "
+            f"{moe.num_experts / (moe.top_k * tokens):.3g} (1.0-1.25 is usual), or <= 0 for dropless."]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -469,8 +471,16 @@ def _check_data(c) -> list[str]:
     d, errs = c.data, []
     if not (isinstance(d.source, str) and d.source):
         errs.append("config.data.source is empty; use 'stdlib', a glob of text files, or 'hf:<dataset>'.")
+    elif d.source.startswith("hf:"):
+        errs += _hf_source_errors(f"config.data.source={d.source!r}", d.source)
     if not (isinstance(d.tokenizer, str) and d.tokenizer):
         errs.append("config.data.tokenizer is empty; use 'byte' or the path to a tokenizer.json.")
+    elif d.tokenizer == "byte" and d.eos_token:
+        errs.append(f"config.data.eos_token={d.eos_token!r} only applies to a Hugging Face tokenizer; the byte "
+                    "tokenizer's end-of-document id is always 256: unset it (--config.data.eos_token='').")
+    for field, what in (("hf_split", "split, e.g. 'train'"), ("hf_text_field", "text column, e.g. 'text'")):
+        if not (isinstance(d[field], str) and d[field]):
+            errs.append(f"config.data.{field}={d[field]!r} must name the Hugging Face dataset's {what}.")
     _number(errs, "data.seq_len", d.seq_len, ge=2, integer=True)
     _number(errs, "data.val_fraction", d.val_fraction, gt=0, lt=1)
     _number(errs, "data.split_seed", d.split_seed, ge=0, integer=True)
@@ -505,7 +515,17 @@ def mixture_errors(spec: str) -> list[str]:
         if not (ok and sep and source.strip()):
             errs.append(f"config.data.mixture entry {entry!r} must be WEIGHT:SOURCE with a positive WEIGHT, e.g. "
                         "'0.7:stdlib;0.3:/data/*.txt'.")
+        elif source.strip().startswith("hf:"):
+            errs += _hf_source_errors(f"config.data.mixture entry {entry!r}", source.strip())
     return errs
+
+
+def _hf_source_errors(what: str, source: str) -> list[str]:
+    """``hf:<dataset>[:<config_name>]`` names a dataset (``what``: the setting, as the message names it)."""
+    if source[len("hf:"):].partition(":")[0]:
+        return []
+    return [f"{what} names no dataset: expected 'hf:<dataset>[:<config_name>]', e.g. "
+            "'hf:HuggingFaceFW/fineweb-edu:sample-10BT'."]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -518,8 +538,9 @@ def _train_defaults() -> ml_collections.ConfigDict:
             steps=1000,
             global_batch_size=32,  # sequences per optimizer update, over all devices and microbatches
             # gradient accumulation steps per update; -1 = auto: the smallest divisor of the
-            # per-replica batch (>= 2*(stages-1) under the engine's 2bw) whose compiled step fits
-            # the memory budget below (train/fit.py); with no budget, the smallest divisor
+            # per-replica batch that the schedule runs (on the engine from 2*(stages-1); multiples of
+            # stages for interleaved) whose compiled step fits the memory budget below
+            # (train/fit.py); with no budget, the smallest (configs.auto_microbatches)
             microbatches=-1,
             # memory budget per device in GB (1e9 bytes); 0 = the accelerator's own limit in a run
             # (none on CPU), config.hardware's memory in a dry run
@@ -735,12 +756,15 @@ def _check_staleness(c) -> list[str]:
     if st.mode == "sync" and not engine_delay(c) and st.mitigation != "none":
         errs.append(f"config.staleness.mitigation={st.mitigation!r} needs a delay; set config.staleness.mode=2bw "
                     "or pipedream, or config.pipeline.schedule=2bw or pipedream.")
-    if st.mode == "pipedream":
+    if st.mode == "pipedream" and not engine_delay(c):  # the engine's stages replace pipedream_stages
+        units = scanned_units(c.model)
         if not (_is_int(st.pipedream_stages) and st.pipedream_stages >= 2):
             errs.append(f"config.staleness.pipedream_stages={st.pipedream_stages!r} must be an integer >= 2 for pipedream.")
-        elif _is_int(c.model.n_layers) and c.model.n_layers % st.pipedream_stages:
-            errs.append(f"config.model.n_layers={c.model.n_layers} is not divisible by config.staleness.pipedream_stages="
-                        f"{st.pipedream_stages}; each stage holds an equal, contiguous slice of layers.")
+        elif _is_int(units) and units % st.pipedream_stages:
+            errs.append(f"config.model.n_layers={c.model.n_layers}"
+                        + (f" / config.model.moe.every={c.model.moe.every}" if units != c.model.n_layers else "")
+                        + f" is not divisible by config.staleness.pipedream_stages={st.pipedream_stages}; each stage "
+                        "holds an equal, contiguous slice of layers.")
     errs += staleness_correction_errors(c, engine_delay(c))
     counts_ok = True
     for f in ("sync_start_steps", "sync_cooldown_steps"):
@@ -921,6 +945,13 @@ def _placement_errors(c) -> list[str]:
     return errs
 
 
+def scanned_units(m):
+    """The layer stack's length: ``n_layers``, or ``n_layers / moe.every`` for an MoE model whose
+    scanned unit groups ``every`` layers (the last one MoE); stages split this stack."""
+    grouped = m.moe.num_experts and _is_int(m.moe.every) and m.moe.every > 1 and _is_int(m.n_layers)
+    return m.n_layers // m.moe.every if grouped else m.n_layers
+
+
 def _interleaved_errors(c, units) -> list[str]:
     pipe, t, errs = c.pipeline, c.train, []
     v = pipe.virtual_stages
@@ -1004,8 +1035,7 @@ def _check_pipeline(c) -> list[str]:
     errs += stage_layers_errors(c)
     if not (uses_pipeline(c) and pipe.stages > 1):
         return errs
-    grouped = m.moe.num_experts and _is_int(m.moe.every) and m.moe.every > 1 and _is_int(m.n_layers)
-    units = m.n_layers // m.moe.every if grouped else m.n_layers
+    units = scanned_units(m)
     if _is_int(units) and units % pipe.stages and not pipe.stage_layers:
         errs.append(f"config.model.n_layers={m.n_layers} is not divisible by config.pipeline.stages={pipe.stages}"
                     + (f" x config.model.moe.every={m.moe.every}" if units != m.n_layers else "")
@@ -1058,25 +1088,30 @@ def _check_mesh(c) -> list[str]:
                         "config.pipeline.stages > 1.")
         if _is_real(m.moe.capacity_factor) and m.moe.capacity_factor <= 0:
             errs.append("config.mesh.expert_parallel=True needs config.model.moe.capacity_factor > 0.")
-        if data_ok and mesh.data > 0 and _is_int(m.moe.num_experts) and m.moe.num_experts % mesh.data:
-            errs.append(f"config.model.moe.num_experts={m.moe.num_experts} is not divisible by config.mesh.data="
-                        f"{mesh.data} (expert parallelism gives each data shard num_experts / data experts).")
-    if data_ok and mesh.data > 0 and all(_is_int(t[f]) and t[f] > 0 for f in ("global_batch_size", "microbatches")):
-        errs += _batch_split_errors(c, mesh.data)
+    if data_ok and mesh.data > 0:
+        errs += _replica_errors(c, mesh.data)
+    elif data_ok:  # -1: check_against_devices applies them once the devices give the count; one replica
+        errs += _capacity_errors(c, 1)  # routes the most tokens, so a capacity short even there fails now
     return errs
 
 
-def _batch_split_errors(c, data: int) -> list[str]:
-    """The batch splits into ``train.microbatches`` microbatches, each split over ``data`` replicas
-    (``config.mesh.data``, or under ``-1`` the count the devices give)."""
-    t = c.train
-    div = t.microbatches * data
-    if t.global_batch_size % div == 0:
-        return []
+def _replica_errors(c, data: int) -> list[str]:
+    """The rules that depend on the number of data replicas: ``config.mesh.data``, or under ``-1``
+    the count the devices give (:func:`check_against_devices`).  The batch splits into
+    ``train.microbatches`` microbatches, each split over the replicas; expert parallelism gives each
+    replica ``num_experts / data`` experts; a capacity leaves each expert a slot."""
+    t, moe, errs = c.train, c.model.moe, []
     auto = f" (config.mesh.data=-1: {data} replicas on these devices)" if c.mesh.data == -1 else ""
-    return [f"config.train.global_batch_size={t.global_batch_size} is not divisible by "
-            f"config.train.microbatches × config.mesh.data = {t.microbatches} × {data} = {div}{auto}; "
-            "change the batch size or the split."]
+    if all(_is_int(t[f]) and t[f] > 0 for f in ("global_batch_size", "microbatches")):
+        div = t.microbatches * data
+        if t.global_batch_size % div:
+            errs.append(f"config.train.global_batch_size={t.global_batch_size} is not divisible by "
+                        f"config.train.microbatches × config.mesh.data = {t.microbatches} × {data} = {div}{auto}; "
+                        "change the batch size or the split.")
+    if c.mesh.expert_parallel is True and _is_int(moe.num_experts) and moe.num_experts % data:
+        errs.append(f"config.model.moe.num_experts={moe.num_experts} is not divisible by config.mesh.data={data}"
+                    f"{auto} (expert parallelism gives each data shard num_experts / data experts).")
+    return errs + _capacity_errors(c, data)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1124,9 +1159,9 @@ def check_against_devices(c: ml_collections.ConfigDict, num_devices: int) -> int
             f"devices but {num_devices} are present; lower them, or on CPU set "
             f"JAX_NUM_CPU_DEVICES={max(data, 1) * stages} before JAX starts (python -m asyncpp_jax.main does)."
         )
-    errs = _batch_split_errors(c, data)
+    errs = _replica_errors(c, data)
     if errs:
-        raise ConfigError(errs[0])
+        raise ConfigError("\n".join(errs))
     return data
 
 

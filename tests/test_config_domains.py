@@ -68,6 +68,11 @@ BAD = [
     ("data.hf_max_docs", -5, {}, ">= 0"),
     ("data.source", "", {}, "is empty"),
     ("data.tokenizer", "", {}, "is empty"),
+    ("data.source", "hf:", {}, "names no dataset"),
+    ("data.mixture", "1:hf::x;1:stdlib", {}, "names no dataset"),
+    ("data.eos_token", "</s>", {}, "the byte tokenizer's end-of-document id is always 256"),
+    ("data.hf_split", "", {}, "split"),
+    ("data.hf_text_field", "", {}, "text column"),
     # training loop
     ("train.accept_changed", "corpus,optimizer", {}, "tokenizer, corpus, seq_len, model"),
     ("train.steps", 0, {}, "positive integer"),
@@ -135,6 +140,9 @@ BAD = [
     ("staleness.pipedream_gradient", "exact", {}, "is unknown"),
     ("staleness.pipedream_stages", 1, {"staleness.mode": "pipedream"}, ">= 2"),
     ("staleness.pipedream_stages", 3, {"staleness.mode": "pipedream"}, "not divisible"),
+    # the layer stack of an MoE model with moe.every=2 is n_layers / 2 = 2 groups: 4 stages cannot split it
+    ("staleness.pipedream_stages", 4, {"staleness.mode": "pipedream", "model.moe.num_experts": 4,
+                                       "model.moe.expert_d_ff": 64, "model.moe.every": 2}, "moe.every=2"),
     ("staleness.taylor_lam", -5.0, {"staleness.mode": "2bw", "staleness.mitigation": "taylor"}, ">= 0"),
     ("staleness.taylor_lam0", -1.0, {}, ">= 0"),
     ("staleness.taylor_ema_decay", 1.0, {}, "[0, 1)"),
@@ -216,6 +224,35 @@ def _numeric_fields(d, prefix=""):
             yield from _numeric_fields(v, f"{prefix}{k}.")
         elif isinstance(v, (int, float)) and not isinstance(v, bool):
             yield prefix + k
+
+
+def test_rules_on_the_replica_count_apply_once_the_devices_resolve_mesh_data():
+    """Under mesh.data=-1 the replica count is known only on the devices: check_against_devices
+    applies the same rules the validator applies to a set count, before anything is built."""
+    c = configs.load_file("configs/moe_tiny.py")
+    c.model.moe.num_experts = 3
+    c.pipeline.update(stages=2, schedule="1f1b")
+    c.mesh.update(data=-1, expert_parallel=True)
+    c.train.microbatches = 2
+    configs.validate(c)
+    assert configs.check_against_devices(c, 2) == 1  # one replica holds all 3 experts
+    with pytest.raises(configs.ConfigError, match=r"num_experts=3 is not divisible by config.mesh.data=2 "
+                                                  r"\(config.mesh.data=-1: 2 replicas on these devices\)"):
+        configs.check_against_devices(c, 4)
+    c.mesh.data = 2
+    with pytest.raises(configs.ConfigError, match="num_experts=3 is not divisible by config.mesh.data=2"):
+        configs.validate(c)
+
+
+def test_the_engines_pipedream_splits_by_its_own_stages():
+    """On the engine the schedule's stages replace staleness.pipedream_stages (configs.effective_staleness),
+    so a pipedream_stages that would not split the layers is not held against the run."""
+    c = configs.load_file("configs/tiny.py")
+    c.pipeline.update(stages=2, schedule="pipedream")
+    c.staleness.update(mode="pipedream", pipedream_stages=3)
+    c.train.microbatches = 2
+    configs.validate(c)
+    assert configs.effective_staleness(c).pipedream_stages == 2
 
 
 def test_the_table_covers_every_numeric_field():

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from asyncpp_jax import configs
 from asyncpp_jax.models.layers import MLP, Attention, RMSNorm, dtype_of
 from asyncpp_jax.models.moe import MoE
 
@@ -83,7 +84,7 @@ def uses_moe(cfg) -> bool:
 
 def scan_length(cfg) -> int:
     """Length of the stacked layer axis: ``n_layers``, or ``n_layers / moe.every`` groups."""
-    return cfg.n_layers // cfg.moe.every if uses_moe(cfg) and cfg.moe.every > 1 else cfg.n_layers
+    return configs.scanned_units(cfg) if uses_moe(cfg) else cfg.n_layers
 
 
 def _block_cls(cfg):
