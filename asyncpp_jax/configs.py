@@ -974,6 +974,26 @@ def _interleaved_errors(c, units) -> list[str]:
     return errs
 
 
+def _engine_only_errors(c) -> list[str]:
+    """Settings only the pipeline engine reads, on a config that runs the simulate runner: refused
+    (as ``stage_layers`` is), since the run would ignore them; ``schedule='2bw'`` would train
+    without its delay."""
+    pipe, errs = c.pipeline, []
+    where = (f"this config runs the simulate runner (config.runner={c.runner!r}, config.pipeline.stages="
+             f"{pipe.stages}): set config.pipeline.stages > 1")
+    if pipe.schedule != "sync":
+        errs.append(f"config.pipeline.schedule={pipe.schedule!r} is the pipeline engine's, but {where}, or leave the "
+                    "schedule at 'sync'" + ("; the simulated one-step delay is config.staleness.mode=2bw."
+                                            if pipe.schedule in ("2bw", "pipedream") else "."))
+    if pipe.get("vocab_parallel", False) is not False:
+        errs.append(f"config.pipeline.vocab_parallel={pipe.vocab_parallel!r} splits the tables over the pipeline "
+                    f"engine's stages, but {where}, or leave it False.")
+    if pipe.get("placement", "spmd") != "spmd":
+        errs.append(f"config.pipeline.placement={pipe.placement!r} places the pipeline engine's stages, but {where}, "
+                    "or leave it 'spmd'.")
+    return errs
+
+
 def stage_layers_errors(c) -> list[str]:
     """What is wrong with ``config.pipeline.stage_layers`` (empty: nothing)."""
     pipe, m = c.pipeline, c.model
@@ -1034,7 +1054,7 @@ def _check_pipeline(c) -> list[str]:
         errs.append("config.runner='pipeline' needs config.pipeline.stages > 1.")
     errs += stage_layers_errors(c)
     if not (uses_pipeline(c) and pipe.stages > 1):
-        return errs
+        return errs + _engine_only_errors(c)
     units = scanned_units(m)
     if _is_int(units) and units % pipe.stages and not pipe.stage_layers:
         errs.append(f"config.model.n_layers={m.n_layers} is not divisible by config.pipeline.stages={pipe.stages}"

@@ -168,6 +168,11 @@ BAD = [
      "use config.pipeline.schedule=1f1b"),
     ("pipeline.stage_layers", (3, 1), {}, "runs the simulate runner"),
     ("pipeline.stage_layers", (3, 1), {"pipeline.stages": 2, "runner": "simulate"}, "runs the simulate runner"),
+    # the engine's settings on a config without the engine would be ignored (2bw: trained with no delay)
+    ("pipeline.schedule", "2bw", {}, "the simulated one-step delay is config.staleness.mode=2bw"),
+    ("pipeline.schedule", "1f1b", {"pipeline.stages": 2, "runner": "simulate"}, "runs the simulate runner"),
+    ("pipeline.vocab_parallel", True, {}, "leave it False"),
+    ("pipeline.placement", "mdmp", {}, "leave it 'spmd'"),
     ("pipeline.stage_layers", (4,), {"pipeline.stages": 2}, "one per stage"),
     ("pipeline.stage_layers", (5, -1), {"pipeline.stages": 2}, "negative"),
     ("pipeline.stage_layers", (3, 2), {"pipeline.stages": 2}, "must sum to config.model.n_layers=4"),

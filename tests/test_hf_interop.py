@@ -496,7 +496,7 @@ def test_a_pipeline_export_starts_a_simulate_run(run_of, tmp_path):
     t = run_of("pipeline")
     export.export(t.workdir, tmp_path / "hf", log=lambda _: None)
     c = configs.resolve(t.config)
-    c.pipeline.update(stages=1, stage_layers=())
+    c.pipeline.update(stages=1, stage_layers=(), schedule="sync", vocab_parallel=False, placement="spmd")
     c.model.init_from = f"hf:{tmp_path / 'hf'}"
     fresh = Trainer(c, tmp_path / "run")
     try:
