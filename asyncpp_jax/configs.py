@@ -980,7 +980,7 @@ def _engine_only_errors(c) -> list[str]:
     without its delay."""
     pipe, errs = c.pipeline, []
     where = (f"this config runs the simulate runner (config.runner={c.runner!r}, config.pipeline.stages="
-             f"{pipe.stages}): set config.pipeline.stages > 1")
+             f"{pipe.stages}): set config.pipeline.stages > 1 (config.runner auto or pipeline)")
     if pipe.schedule != "sync":
         errs.append(f"config.pipeline.schedule={pipe.schedule!r} is the pipeline engine's, but {where}, or leave the "
                     "schedule at 'sync'" + ("; the simulated one-step delay is config.staleness.mode=2bw."
