@@ -761,10 +761,8 @@ def _check_staleness(c) -> list[str]:
         if not (_is_int(st.pipedream_stages) and st.pipedream_stages >= 2):
             errs.append(f"config.staleness.pipedream_stages={st.pipedream_stages!r} must be an integer >= 2 for pipedream.")
         elif _is_int(units) and units % st.pipedream_stages:
-            errs.append(f"config.model.n_layers={c.model.n_layers}"
-                        + (f" / config.model.moe.every={c.model.moe.every}" if units != c.model.n_layers else "")
-                        + f" is not divisible by config.staleness.pipedream_stages={st.pipedream_stages}; each stage "
-                        "holds an equal, contiguous slice of layers.")
+            errs.append(_uneven_layers(c.model, units, "staleness.pipedream_stages", st.pipedream_stages)
+                        + "; each stage holds an equal, contiguous slice of layers.")
     errs += staleness_correction_errors(c, engine_delay(c))
     counts_ok = True
     for f in ("sync_start_steps", "sync_cooldown_steps"):
@@ -952,6 +950,12 @@ def scanned_units(m):
     return m.n_layers // m.moe.every if grouped else m.n_layers
 
 
+def _uneven_layers(m, units, field: str, stages) -> str:
+    """``units`` scanned layers (:func:`scanned_units`) do not split over ``config.FIELD = stages``."""
+    return (f"config.model.n_layers={m.n_layers} is not divisible by config.{field}={stages}"
+            + (f" x config.model.moe.every={m.moe.every}" if units != m.n_layers else ""))
+
+
 def _interleaved_errors(c, units) -> list[str]:
     pipe, t, errs = c.pipeline, c.train, []
     v = pipe.virtual_stages
@@ -975,12 +979,15 @@ def _interleaved_errors(c, units) -> list[str]:
 
 
 def _engine_only_errors(c) -> list[str]:
-    """Settings only the pipeline engine reads, on a config that runs the simulate runner: refused
-    (as ``stage_layers`` is), since the run would ignore them; ``schedule='2bw'`` would train
-    without its delay."""
+    """Settings only the pipeline engine reads, on a config that runs the simulate runner: refused,
+    since the run would ignore them (``schedule='2bw'`` would train without its delay)."""
     pipe, errs = c.pipeline, []
     where = (f"this config runs the simulate runner (config.runner={c.runner!r}, config.pipeline.stages="
              f"{pipe.stages}): set config.pipeline.stages > 1 (config.runner auto or pipeline)")
+    split = pipe.stage_layers
+    if isinstance(split, (tuple, list)) and split and all(_is_int(n) for n in split):  # else stage_layers_errors
+        errs.append(f"config.pipeline.stage_layers={tuple(split)} splits the layers over the pipeline engine's "
+                    f"stages, but {where}, or leave stage_layers=().")
     if pipe.schedule != "sync":
         errs.append(f"config.pipeline.schedule={pipe.schedule!r} is the pipeline engine's, but {where}, or leave the "
                     "schedule at 'sync'" + ("; the simulated one-step delay is config.staleness.mode=2bw."
@@ -1005,9 +1012,7 @@ def stage_layers_errors(c) -> list[str]:
         return [f"{name} must be a tuple of integers, one per stage (--config.pipeline.stage_layers=26,6), "
                 "or () for an even split."]
     if not (uses_pipeline(c) and _is_int(pipe.stages) and pipe.stages > 1):
-        return [f"{name} splits the layers over the pipeline engine's stages, but this config runs the simulate "
-                f"runner, which has none (config.runner={c.runner!r}, config.pipeline.stages={pipe.stages}): set "
-                "config.pipeline.stages > 1 (config.runner auto or pipeline), or leave stage_layers=()."]
+        return []  # on the simulate runner any split is refused, with the engine's other settings
     errs = []
     if len(split) != pipe.stages:
         errs.append(f"{name} has {len(split)} entries; it needs one per stage (config.pipeline.stages="
@@ -1057,8 +1062,7 @@ def _check_pipeline(c) -> list[str]:
         return errs + _engine_only_errors(c)
     units = scanned_units(m)
     if _is_int(units) and units % pipe.stages and not pipe.stage_layers:
-        errs.append(f"config.model.n_layers={m.n_layers} is not divisible by config.pipeline.stages={pipe.stages}"
-                    + (f" x config.model.moe.every={m.moe.every}" if units != m.n_layers else "")
+        errs.append(_uneven_layers(m, units, "pipeline.stages", pipe.stages)
                     + "; each stage holds an equal, contiguous block of layers unless config.pipeline.stage_layers "
                     "gives each stage's count (e.g. --config.pipeline.stage_layers=3,2).")
     if pipe.schedule == "interleaved":
