@@ -47,7 +47,7 @@ PAGES = sorted((ROOT / "docs").glob("*.md"))
 DOCS = [README, *PAGES]
 SOURCE_DIRS = ("asyncpp_jax", "experiments", "tests", "configs", "notebooks")
 TOP = ("asyncpp_jax", "experiments", "tests", "configs", "docs", "notebooks")
-STUDY_DOCS = [README, ROOT / "docs" / "studies.md", ROOT / "experiments" / "README.md"]
+STUDY_DOCS = [README, ROOT / "docs" / "studies.md", ROOT / "docs" / "delay.md", ROOT / "experiments" / "README.md"]
 DIARY = re.compile(r"this (shared )?machine|that day|was slower|20[0-9][0-9]-[01][0-9]-[0-3][0-9]")
 
 
