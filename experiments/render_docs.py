@@ -819,6 +819,29 @@ def _headline_arms() -> tuple[dict, dict, dict]:
 EARLIER = "†"  # marks a row or a figure from the earlier protocol's rows
 
 
+def _measured_seeds(seeds_by_opt: dict) -> str:
+    """"seeds [0, 1, 2]", naming each optimizer measured at other seeds: more where its gap was under 3
+    standard errors (the protocol's rule), fewer while it is being measured."""
+    from experiments import protocol
+
+    base = sorted(protocol.MEASURE_SEEDS)
+    other: dict[tuple, list[str]] = {}
+    for opt in (o for o in OPT_NAMES if o in seeds_by_opt):
+        seeds = seeds_by_opt[opt]
+        if sorted(seeds) != base:
+            other.setdefault(tuple(sorted(seeds)), []).append(OPT_NAMES[opt])
+    said = [f"{', '.join(names)} at {list(seeds)}" + (", where a gap was under 3 standard errors"
+                                                      if set(seeds) > set(base) else ", so far")
+            for seeds, names in other.items()]
+    return f"seeds {base}" + (f" ({'; '.join(said)})" if said else "")
+
+
+def _runs_committed(n: int, expected: int) -> str:
+    if n > expected:
+        return f"{n} of the cell's measured runs committed ({expected} at three seeds, the rest at the extra seeds)."
+    return f"{n} of the cell's {expected} measured runs committed."
+
+
 def paper_optimizers(doc: pathlib.Path) -> str:
     """Table 1 and 2 beside the ``optimizers`` study at ``cpu_regime`` (3,200 updates, three seeds):
     each optimizer's gap on the validation windows and the test split and EF's share, from the
@@ -852,15 +875,16 @@ def paper_optimizers(doc: pathlib.Path) -> str:
     cell = factors.OPTIMIZERS_CELL
     ratios = [f"{q.text()} ({where})" for arms, where in ((proto, "val"), (test, "test split")) if
               (q := stats.fieller(arms, {"adamw/2bw": 1.0, "adamw/sync": -1.0}, {"muon/2bw": 1.0, "muon/sync": -1.0}))]
-    seeds = sorted({s for runs in proto.values() for s, _ in runs})
+    seeds = _measured_seeds({opt: {s for key, runs in proto.items() if key.split("/")[0] == opt for s, _ in runs}
+                             for opt in OPT_NAMES if f"{opt}/sync" in proto})
     expected = len(factors.arms(cell)) * len(protocol.MEASURE_SEEDS)
     note = (f"3,200 updates of 2 x 128 bytes (the factor screen's `{cell}` cell); each arm at its own pick from a "
-            f"learning-rate grid run on tuning seeds {list(factors.CELLS[cell][1])}, measured on seeds {seeds} ± "
+            f"learning-rate grid run on tuning seeds {list(factors.CELLS[cell][1])}, measured on {seeds} ± "
             f"paired standard error; test split: 512 windows no pick saw. EF share: the point and its 90% interval "
             f"from the linear test of G_EF - (1 - s) G, none where G is unresolved. AdamW's gap over Muon's: "
             f"{', '.join(ratios) or '-'} (90% Fieller intervals; the paper: {paper.gap_ratio():.0f}). Gaps in "
             f"nats/byte (the paper's in nats/token of its tokenizer: compare ratios and shares, not sizes). "
-            f"{sum(len(v) for v in proto.values())} of the cell's {expected} measured runs committed.")
+            f"{_runs_committed(sum(len(v) for v in proto.values()), expected)}")
     if marked:
         note += (f" {EARLIER} Not yet measured under the protocol: the earlier `optimizers` study's rows, each arm "
                  "tuned on seed 0, one of its three measured seeds, and no test split.")
@@ -1002,9 +1026,14 @@ def protocol_optimizers(doc: pathlib.Path) -> str:
     if not table:
         return "_The factor screen has no measured rows yet._"
     val = report_factors.cell_estimates(measured, cell)
+    by_opt: dict[str, set] = {}
+    for r in measured:
+        if r["variant"].split("/")[0] == cell:
+            by_opt.setdefault(r["variant"].split("/")[1], set()).add(r["seed"])
+    seeds = _measured_seeds(by_opt)
     return "\n".join(table) + (
         f"\n_3,200 updates of 2 x 128 bytes (the `{cell}` cell of the factor screen); every arm at its own pick "
-        f"from tuning seeds {list(factors.CELLS[cell][1])}, measured on seeds {val['seeds']} ± paired standard "
+        f"from tuning seeds {list(factors.CELLS[cell][1])}, measured on {seeds} ± paired standard "
         f"error; test split: 512 windows no pick saw. AdamW's gap over Muon's: {report_factors.ratio_text(val)} "
         f"(90% Fieller interval; the paper: {paper.gap_ratio():.0f}). Gaps in nats/byte, the paper's in nats/token "
         f"of its tokenizer: compare signs, ratios and shares, not sizes. Generated from {_link(REGIME_RESULTS, doc)}._")

@@ -595,3 +595,13 @@ def test_a_signed_figure_is_checked_against_the_reports_rounded_once():
     assert _signed_printed("+0.71", printed) and _signed_printed("-0.031", printed)
     assert not _signed_printed("+0.713", printed) and not _signed_printed("-0.71", printed)
     assert _signed_printed("+0.15", printed) and not _signed_printed("+0.154", {"+0.1535"})
+
+
+def test_the_seeds_note_names_each_optimizer_measured_at_other_seeds():
+    assert render_docs._measured_seeds({"adamw": {0, 1, 2}, "muon": {0, 1, 2}}) == "seeds [0, 1, 2]"
+    said = render_docs._measured_seeds({"lion": {0, 1, 2, 3, 4}, "adamw": {0, 1, 2}, "soap": {0, 1, 2, 3, 4},
+                                        "mars": {0, 1}})
+    assert said == ("seeds [0, 1, 2] (SOAP, Lion at [0, 1, 2, 3, 4], where a gap was under 3 standard errors; "
+                    "MARS-AdamW at [0, 1], so far)")
+    assert render_docs._runs_committed(59, 45).startswith("59 of the cell's measured runs committed (45 at three")
+    assert render_docs._runs_committed(36, 45) == "36 of the cell's 45 measured runs committed."
