@@ -128,13 +128,13 @@ def optimizers_table(rows) -> list[str]:
             body.append((OPT_NAMES[opt], "-", "not measured yet", "-", "-", paper.gap(opt), "-", paper.ef_share(opt)))
             continue
         body.append((OPT_NAMES[opt], f"{e['sync'].value:.3f}", _est(e["gap"]), _est(t.get("gap")), _est(e["ef_gap"]),
-                     paper.gap(opt), _share(e["share"]) if e["names"]["ef"] else ef_missing(opt),
+                     paper.gap(opt), _share(e["share"]) if e["names"]["ef"] else _ef_missing(opt),
                      paper.ef_share(opt)))
     return md_table(["optimizer", "sync val", "gap (val)", "gap (test split)", "EF gap (val)", "the paper's gap",
                      "EF share (val)", "the paper's EF share"], body) + [""]
 
 
-def ef_missing(opt: str) -> str:
+def _ef_missing(opt: str) -> str:
     """What stands in the EF share's place of an optimizer with no measured EF arm: the screen either
     has not measured it yet, or gives this optimizer none (EF only for the paper's Table 2 optimizers)."""
     return "not measured yet" if (opt, "ef") in factors.arms(factors.OPTIMIZERS_CELL) else "- (no EF arm)"
